@@ -1,0 +1,217 @@
+"""`jitckpt-entrypoint [OPTIONS] -- COMMAND [ARG...]`: the trainer container's PID 1."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import errno
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import NoReturn, Optional
+
+from jitckpt_entrypoint import __version__, log, status, supervisor
+from jitckpt_entrypoint.config import OPTIONS, Config
+from jitckpt_entrypoint.errors import JitckptError
+from jitckpt_entrypoint.manifest import Layout
+
+PROG = "jitckpt-entrypoint"
+USAGE = f"{PROG} [OPTIONS] -- COMMAND [ARG...]"
+HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+_BOOL_FIELDS = ("jit", "resume")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise JitckptError(f"{message}; usage: {USAGE}")
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
+        prog=PROG,
+        usage=USAGE,
+        description=(
+            "Run COMMAND (usually torchrun) as PID 1: forward signals, reap zombies, and let the "
+            "injected hook save a just-in-time checkpoint on SIGTERM. Every option also reads "
+            "its JITCKPT_* environment variable; a flag wins over the variable."
+        ),
+        allow_abbrev=False,
+    )
+    for option in OPTIONS:
+        if option.field in _BOOL_FIELDS:
+            parser.add_argument(
+                option.flag,
+                dest=option.field,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{option.help} [{option.env}]",
+            )
+        else:
+            parser.add_argument(
+                option.flag,
+                dest=option.field,
+                metavar="VALUE",
+                help=f"{option.help} [{option.env}]",
+            )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], bool, list[str]]:
+    """Split `argv` into (flag values by field, verbose, command)."""
+    if "--" not in argv:
+        if any(a in ("-h", "--help", "--version") for a in argv):
+            _parser().parse_args(argv)  # prints and exits 0
+        raise JitckptError(f"missing '--' before the training command; usage: {USAGE}")
+    split = list(argv).index("--")
+    options, command = list(argv[:split]), list(argv[split + 1 :])
+    if not command:
+        raise JitckptError(f"missing the training command after '--'; usage: {USAGE}")
+    parsed = vars(_parser().parse_args(options))
+    verbose = bool(parsed.pop("verbose"))
+    flags = {}
+    for name, value in parsed.items():
+        if value is not None:
+            flags[name] = ("1" if value else "0") if name in _BOOL_FIELDS else str(value)
+    return flags, verbose, command
+
+
+def resolve_command(name: str, env: Mapping[str, str]) -> str:
+    """The executable for `name`, searched on the child's PATH, or a one-line error."""
+    if "/" in name:
+        if os.path.isfile(name) and os.access(name, os.X_OK):
+            return name
+        raise JitckptError(f"command not found or not executable: {name!r}; fix the path")
+    found = shutil.which(name, path=env.get("PATH", os.defpath))
+    if found is None:
+        raise JitckptError(f"command not found on PATH: {name!r}; install it or give its full path")
+    return found
+
+
+def prepare_dir(cfg: Config) -> Layout:
+    """Create checkpoints/, staging/ and status/ and prove we can write there."""
+    layout = Layout(cfg.dir)
+    try:
+        layout.ensure()
+        probe = os.path.join(layout.status, f".write-probe.{os.getpid()}.tmp")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or errno.errorcode.get(exc.errno or 0, str(exc))
+        raise JitckptError(
+            f"JITCKPT_DIR={cfg.dir!r} is not writable by uid {os.getuid()} ({reason}); "
+            "mount a writable volume (the shared emptyDir) there or set JITCKPT_DIR"
+        ) from None
+    return layout
+
+
+def child_env(env: Mapping[str, str], cfg: Config, run_id: str) -> dict[str, str]:
+    """The child's environment: hook first on PYTHONPATH, resolved settings, torchrun timeout."""
+    out = dict(env)
+    user_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != HOOK_DIR]
+    out["PYTHONPATH"] = os.pathsep.join([HOOK_DIR, *user_path])
+    out.update(cfg.to_env())
+    out[status.RUN_ID_ENV] = run_id
+    # torchrun SIGKILLs its workers this long after forwarding SIGTERM (30 s by default).
+    out.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(cfg.shutdown_timeout))
+    return out
+
+
+def outcome(
+    cfg: Config,
+    layout: Layout,
+    run_id: str,
+    child: supervisor.ChildExit,
+    sigterm_at: Optional[float],
+) -> tuple[int, str]:
+    """Our exit code and the one-line summary for the termination log."""
+    jit = status.read_jit(layout.status, run_id)
+    if jit is not None:
+        started = sigterm_at if sigterm_at is not None else jit.sigterm_at
+        when = "" if started is None else f" {jit.committed_at - started:.1f} s after SIGTERM"
+        return cfg.exit_code, f"JIT checkpoint {jit.checkpoint} committed{when}"
+    summary = f"training command {child.describe()}"
+    if child.signal is not None:
+        summary += f" (exit {child.status})"
+    if sigterm_at is not None:
+        summary = f"SIGTERM received, no JIT checkpoint committed; {summary}"
+    return child.status, summary
+
+
+def write_termination_log(path: str, line: str) -> None:
+    """Write the summary where Kubernetes looks; the default path only when it already exists."""
+    if not path:
+        return
+    flags = os.O_WRONLY | os.O_TRUNC | (0 if path == DEFAULT_TERMINATION_LOG else os.O_CREAT)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError:
+        return
+    try:
+        os.write(fd, (line + "\n").encode())
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    verbose = False
+    try:
+        flags, verbose, command = parse_args(args)
+        cfg = Config.from_env(os.environ, flags)
+        executable = resolve_command(command[0], os.environ)
+        layout = prepare_dir(cfg)
+    except JitckptError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    logger = log.setup(PROG, cfg.log_format, verbose=verbose)
+    return run(cfg, layout, executable, command, logger)
+
+
+def run(
+    cfg: Config, layout: Layout, executable: str, command: list[str], logger: logging.Logger
+) -> int:
+    pid = os.getpid()
+    if pid != 1:
+        if supervisor.become_subreaper():
+            logger.info("not PID 1 (pid %d): registered as child subreaper to reap orphans", pid)
+        else:
+            logger.warning("not PID 1 (pid %d) and could not become a child subreaper", pid)
+    run_id = status.new_run_id()
+    record = status.TrainerStatus(run_id, pid, tuple(command), started_at=time.time())
+    status.write_trainer(layout.status, record)
+    sigterm_at: Optional[float] = None
+    env = child_env(os.environ, cfg, run_id)
+
+    def on_signal(signo: int) -> None:
+        nonlocal sigterm_at, record
+        if signo != signal.SIGTERM or sigterm_at is not None:
+            logger.info("forwarding %s to the training command", supervisor.signal_name(signo))
+            return
+        sigterm_at = time.time()
+        logger.info(
+            "SIGTERM: forwarding to the training command; it saves at the next step boundary "
+            "(grace %d s, torchrun kills workers after %s s)",
+            cfg.grace_seconds,
+            env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"],
+        )
+        record = dataclasses.replace(record, sigterm_at=sigterm_at)
+        status.write_trainer(layout.status, record)
+
+    logger.debug("running %s (run %s)", command, run_id)
+    child = supervisor.supervise(executable, command, env, on_signal=on_signal)
+    code, summary = outcome(cfg, layout, run_id, child, sigterm_at)
+    record = dataclasses.replace(record, exited_at=time.time(), exit_code=code, summary=summary)
+    status.write_trainer(layout.status, record)
+    write_termination_log(cfg.termination_log, summary)
+    logger.info("%s; exiting %d", summary, code)
+    return code

@@ -1,0 +1,42 @@
+"""Logging set-up shared by both components: a component prefix, text or JSON lines."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+FORMATS = ("text", "json")
+
+
+class _JsonFormatter(logging.Formatter):
+    def __init__(self, component: str) -> None:
+        super().__init__()
+        self._component = component
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "component": self._component,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup(component: str, fmt: str = "text", *, verbose: bool = False) -> logging.Logger:
+    """Configure the `jitckpt` logger tree to write to stderr and return the component logger."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter(component))
+    else:
+        handler.setFormatter(logging.Formatter(f"{component}: %(levelname)s %(message)s"))
+    root = logging.getLogger("jitckpt")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    root.propagate = False
+    return logging.getLogger(f"jitckpt.{component}")

@@ -1,0 +1,164 @@
+"""Status files under JITCKPT_DIR/status/: how the trainer side tells the sidecar what happened.
+
+- `trainer.json` (entrypoint): started_at, sigterm_at, exited_at, exit_code. The sidecar drains
+  until `exited_at` is set.
+- `jit.json` (hook, one per node): the JIT checkpoint committed after SIGTERM in run `run_id`.
+  The entrypoint exits with JITCKPT_EXIT_CODE only when its own run id is in it.
+- `save-<step>.json` (hook): one per committed save (kind, step, start/end, bytes), for metrics.
+
+Every file is written atomically (temp file, rename); times are Unix epoch seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import secrets
+import time
+from typing import Any, Optional
+
+from jitckpt_entrypoint import atomic
+
+TRAINER = "trainer.json"
+JIT = "jit.json"
+SAVE_PREFIX = "save-"
+KEEP_SAVE_EVENTS = 100
+RUN_ID_ENV = "JITCKPT_RUN_ID"
+
+
+def new_run_id() -> str:
+    return f"{int(time.time())}-{secrets.token_hex(4)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerStatus:
+    run_id: str
+    pid: int
+    command: tuple[str, ...]
+    started_at: float
+    sigterm_at: Optional[float] = None
+    exited_at: Optional[float] = None
+    exit_code: Optional[int] = None
+    summary: Optional[str] = None
+
+    def to_json(self) -> dict[str, Any]:
+        obj = dataclasses.asdict(self)
+        obj["command"] = list(self.command)
+        obj["version"] = 1
+        return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class JitRecord:
+    run_id: str
+    step: int
+    checkpoint: str
+    committed_at: float
+    sigterm_at: Optional[float]
+    """When this process saw SIGTERM; None when another rank's signal stopped it."""
+    save_seconds: float
+    """0 when the step was already committed (a periodic save at the same step)."""
+
+    @property
+    def trigger_to_commit(self) -> Optional[float]:
+        return None if self.sigterm_at is None else self.committed_at - self.sigterm_at
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveEvent:
+    kind: str
+    step: int
+    started_at: float
+    committed_at: float
+    bytes: int
+    run_id: str = ""
+    node: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return self.committed_at - self.started_at
+
+
+def write_trainer(status_dir: str, status: TrainerStatus) -> None:
+    atomic.write_json(os.path.join(status_dir, TRAINER), status.to_json(), durable=False)
+
+
+def read_trainer(status_dir: str) -> Optional[TrainerStatus]:
+    obj = atomic.read_json(os.path.join(status_dir, TRAINER))
+    try:
+        return TrainerStatus(
+            run_id=str(obj["run_id"]),
+            pid=int(obj["pid"]),
+            command=tuple(obj["command"]),
+            started_at=float(obj["started_at"]),
+            sigterm_at=_opt_float(obj.get("sigterm_at")),
+            exited_at=_opt_float(obj.get("exited_at")),
+            exit_code=None if obj.get("exit_code") is None else int(obj["exit_code"]),
+            summary=obj.get("summary"),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def write_jit(status_dir: str, record: JitRecord) -> None:
+    atomic.write_json(os.path.join(status_dir, JIT), dataclasses.asdict(record), durable=True)
+
+
+def read_jit(status_dir: str, run_id: Optional[str] = None) -> Optional[JitRecord]:
+    """The JIT record, only if it belongs to `run_id` (when given)."""
+    obj = atomic.read_json(os.path.join(status_dir, JIT))
+    try:
+        record = JitRecord(
+            run_id=str(obj["run_id"]),
+            step=int(obj["step"]),
+            checkpoint=str(obj["checkpoint"]),
+            committed_at=float(obj["committed_at"]),
+            sigterm_at=_opt_float(obj.get("sigterm_at")),
+            save_seconds=float(obj["save_seconds"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+    if run_id is not None and record.run_id != run_id:
+        return None
+    return record
+
+
+def write_save_event(status_dir: str, event: SaveEvent) -> None:
+    name = f"{SAVE_PREFIX}{event.step:012d}.json"
+    atomic.write_json(os.path.join(status_dir, name), dataclasses.asdict(event), durable=False)
+    old = sorted(n for n in os.listdir(status_dir) if _is_save_event(n))[:-KEEP_SAVE_EVENTS]
+    for stale in old:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(status_dir, stale))
+
+
+def read_save_event(path: str) -> Optional[SaveEvent]:
+    obj = atomic.read_json(path)
+    try:
+        return SaveEvent(
+            kind=str(obj["kind"]),
+            step=int(obj["step"]),
+            started_at=float(obj["started_at"]),
+            committed_at=float(obj["committed_at"]),
+            bytes=int(obj["bytes"]),
+            run_id=str(obj.get("run_id", "")),
+            node=int(obj.get("node", 0)),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def save_event_names(status_dir: str) -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(status_dir) if _is_save_event(n))
+    except FileNotFoundError:
+        return []
+
+
+def _is_save_event(name: str) -> bool:
+    return name.startswith(SAVE_PREFIX) and name.endswith(".json")
+
+
+def _opt_float(value: Any) -> Optional[float]:
+    return None if value is None else float(value)

@@ -1,0 +1,8 @@
+"""`jitckpt-sidecar`: placeholder until the sidecar lands."""
+
+import sys
+
+
+def main() -> int:
+    print("jitckpt-sidecar: error: not implemented yet", file=sys.stderr)  # noqa: T201
+    return 2

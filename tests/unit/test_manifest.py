@@ -1,0 +1,122 @@
+"""The commit protocol: manifests, ownership and what counts as committed."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from jitckpt_entrypoint import manifest as m
+
+
+def make_ckpt(root: Path, step: int, files: dict[str, bytes]) -> Path:
+    d = root / f"checkpoint-{step}"
+    for rel, data in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(data)
+    return d
+
+
+def commit(d: Path, step: int, node: int = 0, nodes: int = 1, kind: str = "periodic") -> m.Manifest:
+    holdings = {node: m.list_files(str(d))}
+    files = m.assign_owners(holdings)[node]
+    man = m.new_manifest(step, kind, node=node, nodes=nodes, world_size=2, files=files)
+    m.write_manifest(str(d), man)
+    return man
+
+
+def test_a_directory_without_manifest_is_not_committed(tmp_path):
+    """Files alone do not make a checkpoint committed."""
+    d = make_ckpt(tmp_path, 5, {"model.safetensors": b"x" * 10})
+    assert m.committed(str(d)) is None
+    assert m.newest_committed(str(tmp_path)) is None
+
+
+def test_manifest_written_last_commits_and_lists_every_file(tmp_path):
+    """Once the manifest is written the directory is committed; it lists nested files, sizes."""
+    d = make_ckpt(tmp_path, 7, {"a.bin": b"1234", "sub/b.bin": b"12", ".x.123.tmp": b"junk"})
+    man = commit(d, 7)
+    assert [(f.path, f.size, f.owner) for f in man.files] == [("a.bin", 4, 0), ("sub/b.bin", 2, 0)]
+    assert m.committed(str(d)) is not None
+    assert m.committed_steps(str(tmp_path)) == [7]
+
+
+def test_short_or_missing_file_uncommits(tmp_path):
+    """A listed file that is missing or has the wrong size makes the checkpoint invalid."""
+    d = make_ckpt(tmp_path, 3, {"a.bin": b"1234", "b.bin": b"5678"})
+    commit(d, 3)
+    (d / "a.bin").write_bytes(b"12")
+    assert m.committed(str(d)) is None
+    (d / "a.bin").write_bytes(b"1234")
+    os.unlink(d / "b.bin")
+    assert m.committed(str(d)) is None
+
+
+def test_newest_committed_skips_newer_partial_directories(tmp_path):
+    """Resume picks the highest committed step, never a newer partial one."""
+    for step in (10, 20):
+        commit(make_ckpt(tmp_path, step, {"w": b"w"}), step)
+    make_ckpt(tmp_path, 30, {"w": b"partial"})
+    assert m.newest_committed(str(tmp_path)) == 20
+
+
+def test_every_node_manifest_is_required(tmp_path):
+    """With two nodes, one node's manifest alone does not commit the checkpoint."""
+    d = make_ckpt(tmp_path, 4, {"model": b"m", "rng_state_0.pth": b"r0"})
+    owned = m.assign_owners({0: m.list_files(str(d)), 1: {"model": 1, "rng_state_1.pth": 2}})
+    m.write_manifest(
+        str(d), m.new_manifest(4, "jit", node=0, nodes=2, world_size=4, files=owned[0])
+    )
+    assert m.committed(str(d), node=0) is None
+    m.write_manifest(
+        str(d), m.new_manifest(4, "jit", node=1, nodes=2, world_size=4, files=owned[1])
+    )
+    assert m.committed(str(d), node=0) is not None
+    # node 1's files are not here: committed from node 0's view only
+    assert m.committed(str(d)) is None
+
+
+def test_owner_is_the_lowest_node_holding_a_path():
+    """Files held by several nodes are uploaded once, by the lowest node."""
+    owned = m.assign_owners({1: {"model": 5, "rng_1": 1}, 0: {"model": 5, "rng_0": 1}})
+    assert {f.path: f.owner for f in owned[1]} == {"model": 0, "rng_1": 1}
+    assert [f.path for f in m.Manifest(1, "jit", 1, 2, 2, owned[1]).owned] == ["rng_1"]
+
+
+def test_manifest_json_round_trip_and_checksums(tmp_path):
+    """A manifest with uploader checksums parses back equal."""
+    man = m.new_manifest(
+        9, "final", node=0, nodes=1, world_size=1, files=(m.FileEntry("a", 1, 0, "sha256:ab"),)
+    )
+    assert m.Manifest.from_json(json.loads(man.to_bytes())) == man
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda o: o.update(version=99),
+        lambda o: o.update(kind="weird"),
+        lambda o: o["files"][0].update(path="../../etc/passwd"),
+        lambda o: o["files"][0].update(path="/abs"),
+        lambda o: o.update(node=3),
+        lambda o: o.pop("step"),
+    ],
+)
+def test_untrustworthy_manifests_are_rejected(mutate):
+    """Wrong version, kind, escaping paths or inconsistent nodes make a manifest unparsable."""
+    obj = m.new_manifest(
+        1, "jit", node=0, nodes=1, world_size=1, files=(m.FileEntry("a", 1, 0),)
+    ).to_json()
+    mutate(obj)
+    assert m.Manifest.from_json(obj) is None
+
+
+def test_remove_checkpoint_uncommits_before_deleting_files(tmp_path):
+    """Removal deletes the manifests first and then the whole directory."""
+    d = make_ckpt(tmp_path, 2, {"a": b"a"})
+    commit(d, 2)
+    m.remove_checkpoint(str(d))
+    assert not d.exists()
+    assert m.committed_steps(str(tmp_path)) == []
