@@ -3,7 +3,7 @@
 It runs in every Python process of the training container, so it must stay cheap and must
 never break an interpreter: it chain-loads the sitecustomize this one shadows (Debian and conda
 ship one), then, only in processes started under jitckpt-entrypoint, installs the hook
-(jitckpt_entrypoint.hook.bootstrap). Any error disables the hook for this process with one line
+(jitckpt_entrypoint.bootstrap). Any error disables the hook for this process with one line
 on stderr; the process itself carries on.
 """
 
@@ -24,7 +24,7 @@ def _jitckpt_start() -> None:
         root = os.path.dirname(os.path.dirname(here))
         if root not in sys.path:
             sys.path.append(root)
-        from jitckpt_entrypoint.hook import bootstrap
+        from jitckpt_entrypoint import bootstrap
 
         bootstrap.install()
     except Exception as exc:
@@ -39,9 +39,9 @@ def _chain_load(here: str) -> None:
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
     if spec is None or spec.loader is None:
         return
-    import importlib.util
+    from importlib._bootstrap import module_from_spec  # importlib.util would cost ~2 ms
 
-    module = importlib.util.module_from_spec(spec)
+    module = module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except Exception as exc:

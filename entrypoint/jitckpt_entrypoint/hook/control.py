@@ -1,0 +1,98 @@
+"""jitckpt's own collectives on a dedicated CPU (gloo) group: stop agreement, commit barriers.
+
+A separate group keeps our tiny messages off the training communicator (NCCL or gloo), so they
+never reorder or block gradient all-reduces. Every method is collective: all ranks must call
+the same methods in the same order. With one process (no torch.distributed) they are local.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+log = logging.getLogger("jitckpt.hook")
+
+
+class ControlGroup:
+    def __init__(self) -> None:
+        self._dist: Any = None
+        self._group: Any = None
+        self._buffer: Any = None
+        self._pending: Any = None
+        self.world_size = 1
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            return
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._dist = dist
+            self._group = dist.new_group(backend="gloo")  # collective: every rank creates it
+            self.world_size = dist.get_world_size()
+
+    @property
+    def distributed(self) -> bool:
+        return self._group is not None
+
+    def stop_requested(self, local: bool) -> bool:
+        """The async agreement, called once per optimizer step on every rank.
+
+        Returns whether any rank had its flag set one call ago (so every rank gets the same
+        answer at the same step), then starts the next round without waiting for it. The
+        round started at step N has finished long before step N+1 ends, so `wait()` is free.
+        """
+        if not self.distributed:
+            return local
+        agreed = False
+        if self._pending is not None:
+            self._pending.wait()
+            agreed = bool(self._buffer.item())
+            self._pending = None
+        if not agreed:
+            import torch
+
+            self._buffer = torch.tensor([1 if local else 0], dtype=torch.int32)
+            self._pending = self._dist.all_reduce(
+                self._buffer, op=self._dist.ReduceOp.MAX, group=self._group, async_op=True
+            )
+        return agreed
+
+    def any_now(self, local: bool) -> bool:
+        """Blocking agreement at a point where all ranks are in step anyway (after a save)."""
+        if not self.distributed:
+            return local
+        agreed = False
+        if self._pending is not None:
+            self._pending.wait()
+            agreed = bool(self._buffer.item())
+            self._pending = None
+        import torch
+
+        flag = torch.tensor([1 if local or agreed else 0], dtype=torch.int32)
+        self._dist.all_reduce(flag, op=self._dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+    def barrier(self) -> None:
+        if self.distributed:
+            self._drain()
+            self._dist.barrier(group=self._group)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        self._drain()
+        out: list[Optional[Any]] = [None] * self.world_size
+        self._dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def _drain(self) -> None:
+        """Finish the in-flight async round so collectives stay matched across ranks."""
+        # Every rank has the same round in flight, so waiting here is symmetric; its result
+        # is kept and returned by the next stop_requested() call.
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = _Done()
+
+
+class _Done:
+    def wait(self) -> None:
+        return None

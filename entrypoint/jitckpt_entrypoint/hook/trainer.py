@@ -1,0 +1,254 @@
+"""Hugging Face Trainer integration, applied the moment `transformers.trainer` is imported.
+
+Every Trainer (TRL's trainers subclass it) gets, with no change to the training script:
+
+- output_dir = JITCKPT_DIR/checkpoints, and the JITCKPT_SAVE_* overrides (logged once);
+- resume from the newest checkpoint committed on every node, unless the script passed
+  resume_from_checkpoint itself (HF's get_last_checkpoint ignores commit markers);
+- a callback that commits every save, agrees across ranks after each optimizer step whether any
+  rank got SIGTERM (async, read one step later), and on agreement saves that step, commits it
+  and exits with JITCKPT_EXIT_CODE.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import weakref
+from types import ModuleType
+from typing import Any, NoReturn, Optional
+
+from transformers.trainer_callback import TrainerCallback
+
+from jitckpt_entrypoint.hook import resume
+from jitckpt_entrypoint.hook.commit import commit, finish_jit
+from jitckpt_entrypoint.hook.session import Session, current
+
+_logged_overrides = False
+
+
+def patch(module: ModuleType) -> None:
+    """Wrap Trainer.__init__, train and _save_checkpoint in `transformers.trainer`."""
+    trainer_cls = module.Trainer
+    if getattr(trainer_cls, "_jitckpt_patched", False):
+        return
+    session = current()
+    original_init = trainer_cls.__init__
+    original_train = trainer_cls.train
+    original_save = trainer_cls._save_checkpoint
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - it is __init__
+        args, kwargs = _with_training_args(session, module, args, kwargs)
+        original_init(self, *args, **kwargs)
+        self.add_callback(JitckptCallback(session, self))
+
+    @functools.wraps(original_train)
+    def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _with_resume(session, args, kwargs)
+        return original_train(self, *args, **kwargs)
+
+    @functools.wraps(original_save)
+    def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        step = self.state.global_step
+        if step in session.committed_steps:
+            # Never write into a committed directory: a crash mid-overwrite would leave a
+            # manifest in front of torn files. (Epoch-end saves repeat the final step.)
+            return None
+        callback = _callback_of(self)
+        if callback is not None:
+            callback.save_started = time.time()
+        return original_save(self, *args, **kwargs)
+
+    trainer_cls.__init__ = __init__
+    trainer_cls.train = train
+    trainer_cls._save_checkpoint = _save_checkpoint
+    trainer_cls._jitckpt_patched = True
+
+
+def _callback_of(trainer: Any) -> Optional[JitckptCallback]:
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, JitckptCallback):
+            return callback
+    return None
+
+
+def _with_training_args(
+    session: Session, module: ModuleType, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Point the TrainingArguments at our directory and apply the JITCKPT_SAVE_* overrides."""
+    # Trainer(model=None, args=None, ...): args is the second positional or a keyword.
+    if "args" in kwargs:
+        training_args = kwargs["args"]
+    elif len(args) >= 2:
+        training_args = args[1]
+    else:
+        training_args = None
+    if training_args is None:
+        training_args = module.TrainingArguments(output_dir=session.layout.checkpoints)
+        if len(args) >= 2:
+            args = (args[0], training_args, *args[2:])
+        else:
+            kwargs["args"] = training_args
+    apply_overrides(session, training_args)
+    return args, kwargs
+
+
+def apply_overrides(session: Session, training_args: Any) -> list[str]:
+    """Set output_dir and the env's save settings on `training_args`; log the changes once."""
+    global _logged_overrides  # noqa: PLW0603 - "logged once" per process, however many Trainers
+    from transformers.trainer_utils import SaveStrategy
+
+    cfg, changes = session.cfg, []
+
+    def override(name: str, value: Any) -> None:
+        old = getattr(training_args, name)
+        if old != value:
+            setattr(training_args, name, value)
+            changes.append(f"{name}={_plain(value)} (script: {_plain(old)})")
+
+    override("output_dir", session.layout.checkpoints)
+    if cfg.effective_save_strategy is not None:
+        override("save_strategy", SaveStrategy(cfg.effective_save_strategy))
+    if cfg.save_steps is not None:
+        override("save_steps", cfg.save_steps)
+    if cfg.save_total_limit is not None:
+        override("save_total_limit", cfg.save_total_limit)
+    if session.topo.nodes > 1:
+        # Each pod has its own emptyDir: every node needs a full local copy to resume.
+        override("save_on_each_node", True)
+    if changes and not _logged_overrides and session.topo.rank == 0:
+        _logged_overrides = True
+        session.log.info("overriding TrainingArguments from JITCKPT_*: %s", "; ".join(changes))
+    return changes
+
+
+def _plain(value: Any) -> Any:
+    return getattr(value, "value", value)
+
+
+def _with_resume(
+    session: Session, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Resolve resume_from_checkpoint=None/True to the newest committed checkpoint."""
+    given = (
+        kwargs["resume_from_checkpoint"]
+        if "resume_from_checkpoint" in kwargs
+        else (args[0] if args else None)
+    )
+    if isinstance(given, str) or given is False:
+        if session.topo.rank == 0:
+            session.log.info(
+                "resume_from_checkpoint=%r set by the script: not overriding it", given
+            )
+        return args, kwargs
+    if not session.cfg.resume:
+        return args, kwargs
+    step = resume.agreed_step(session)
+    resume.remove_newer(session, step)
+    if step is None:
+        chosen = None
+        if session.topo.rank == 0:
+            session.log.info(
+                "no committed checkpoint in %s: training from the start", session.layout.checkpoints
+            )
+    else:
+        session.committed_steps.add(step)
+        chosen = session.layout.checkpoint_dir(step)
+        if session.topo.rank == 0:
+            session.log.info("resuming from %s", chosen)
+    if args:
+        return (chosen, *args[1:]), kwargs
+    kwargs["resume_from_checkpoint"] = chosen
+    return args, kwargs
+
+
+class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is untyped here
+    """Commits every save; stops all ranks at the same step after SIGTERM and JIT-saves it."""
+
+    def __init__(self, session: Session, trainer: Any) -> None:
+        self.session = session
+        self._trainer = weakref.ref(trainer)
+        self.save_started: Optional[float] = None
+        self.pending_kind: Optional[str] = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.session.control  # noqa: B018 - collective: create the group while every rank is here
+        self.session.training_started()
+        if os.path.abspath(args.output_dir) != os.path.abspath(self.session.layout.checkpoints):
+            self.session.log.warning(
+                "output_dir %s is outside JITCKPT_DIR: its checkpoints are not resumed from",
+                args.output_dir,
+            )
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        session = self.session
+        if session.cfg.jit and session.control.stop_requested(session.flag.is_set):
+            self._stop(state, control)
+        elif (
+            0 < state.max_steps <= state.global_step
+            and state.global_step not in session.committed_steps
+        ):
+            control.should_save = True
+            self.pending_kind = "final"
+        return control
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        # Evaluation can take minutes; all ranks are in step here, so ask now.
+        session = self.session
+        if session.cfg.jit and session.control.any_now(session.flag.is_set):
+            self._stop(state, control)
+        return control
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        session, step = self.session, state.global_step
+        save_seconds = 0.0
+        if step not in session.committed_steps:
+            started = self.save_started or time.time()
+            kind = self.pending_kind or "periodic"
+            commit(
+                session, os.path.join(args.output_dir, f"checkpoint-{step}"), step, kind, started
+            )
+            save_seconds = time.time() - started
+        if self.pending_kind == "jit":
+            self._finish_jit(step, save_seconds)
+        self.pending_kind = None
+        # A SIGTERM that arrived during the save: this step is committed, stop right here.
+        if session.cfg.jit and session.control.any_now(session.flag.is_set):
+            self._finish_jit(step, 0.0)
+        return control
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        session, step = self.session, state.global_step
+        trainer = self._trainer()
+        stopping = self.pending_kind == "jit"
+        if step not in session.committed_steps and trainer is not None:
+            # Training ended without saving its last step (an early stop, a save_strategy that
+            # overrode ours): save it now, as JIT if that is why we stopped, else as final.
+            self.pending_kind = "jit" if stopping else "final"
+            trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+            self.on_save(args, state, control)
+        elif stopping:
+            self._finish_jit(step, 0.0)
+        # SIGTERM during the end of training (best-model loading, a last evaluation): the
+        # final step is committed, so leave now rather than wait for the pod's SIGKILL.
+        if session.cfg.jit and session.control.any_now(session.flag.is_set):
+            self._finish_jit(step, 0.0)
+        session.training_ended()
+        return control
+
+    def _stop(self, state: Any, control: Any) -> None:
+        """Every rank agreed to stop at this step: save it (unless committed) and leave."""
+        session = self.session
+        control.should_training_stop = True
+        control.should_evaluate = False
+        self.pending_kind = "jit"
+        if session.topo.rank == 0:
+            session.log.info("all ranks stop at step %d for a JIT checkpoint", state.global_step)
+        if state.global_step in session.committed_steps:
+            self._finish_jit(state.global_step, 0.0)  # does not return
+        control.should_save = True
+
+    def _finish_jit(self, step: int, save_seconds: float) -> NoReturn:
+        finish_jit(self.session, step, save_seconds)

@@ -1,0 +1,67 @@
+"""Commands and checks for real training runs under jitckpt-entrypoint (tests and the demo)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from harness.procs import ENTRYPOINT, Proc, wait_for
+
+CHILDREN = Path(__file__).resolve().parents[1] / "integration" / "children"
+TRAIN_HF = CHILDREN / "train_hf.py"
+TRAIN_LOOP = CHILDREN / "train_loop.py"
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2) -> list[str]:
+    return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
+
+
+def entrypoint(command: list[str], *options: str) -> list[str]:
+    return [*ENTRYPOINT, *options, "--", *command]
+
+
+def steps_seen(proc: Proc, rank: int = 0) -> list[int]:
+    """Optimizer steps a rank reported as finished ('step N rank=R' lines)."""
+    return [
+        int(line.split()[1])
+        for line in proc.stdout
+        if line.startswith("step ") and line.endswith(f"rank={rank}")
+    ]
+
+
+def wait_for_step(proc: Proc, step: int, timeout: float = 120) -> None:
+    proc.expect(rf"^step {step} rank=0$", timeout=timeout)
+
+
+def jit_record(jdir: Path) -> Optional[dict[str, Any]]:
+    path = jdir / "status" / "jit.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def manifest(jdir: Path, step: int, node: int = 0) -> dict[str, Any]:
+    path = jdir / "checkpoints" / f"checkpoint-{step}" / f"jitckpt-manifest.node-{node}.json"
+    return json.loads(path.read_text())
+
+
+def checkpoint_steps(jdir: Path) -> list[int]:
+    root = jdir / "checkpoints"
+    return (
+        sorted(int(p.name.split("-")[1]) for p in root.glob("checkpoint-*"))
+        if root.exists()
+        else []
+    )
+
+
+def hook_lines(proc: Proc, text: str) -> list[str]:
+    return [line for line in proc.stderr if "jitckpt-hook" in line and text in line]
+
+
+def wait_for_sigterm_seen(proc: Proc, ranks: int = 2, timeout: float = 30) -> None:
+    wait_for(
+        lambda: len(hook_lines(proc, "SIGTERM received")) >= ranks,
+        timeout,
+        "workers to see SIGTERM",
+    )

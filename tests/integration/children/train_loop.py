@@ -1,0 +1,79 @@
+"""A plain PyTorch DDP loop (gloo) that uses jitckpt's public API: the README example, runnable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.nn.parallel import DistributedDataParallel
+
+from jitckpt_entrypoint import hook as jitckpt
+
+
+class AppState(Stateful):
+    """Model, optimizer and step in one object torch.distributed.checkpoint can save and load."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer, self.step = model, optimizer, 0
+
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd, "step": self.step}
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
+        self.step = sd["step"]
+
+
+def say(line: str) -> None:
+    os.write(1, (line + "\n").encode())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--save-every", type=int, default=50)
+    opts = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    app = AppState(model, optimizer)
+    state = {"app": app}
+
+    path = jitckpt.latest_checkpoint()
+    if path is not None:
+        jitckpt.load(state, path)
+    say(f"begin rank={rank} pid={os.getpid()} step={app.step}")
+
+    for step in range(app.step + 1, opts.steps + 1):
+        g = torch.Generator().manual_seed(step * 100 + rank)  # data depends only on (step, rank)
+        x = torch.randn(8, 16, generator=g)
+        loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        app.step = step
+        say(f"step {step} rank={rank}")
+        if jitckpt.should_stop():
+            jitckpt.save(state, step, kind="jit")  # commits, then exits with JITCKPT_EXIT_CODE
+        if step % opts.save_every == 0 and step < opts.steps:
+            jitckpt.save(state, step)
+    jitckpt.save(state, opts.steps, kind="final")
+    jitckpt.done()
+    say(f"done step={app.step} rank={rank}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""The hook inside real torchrun workers (2 CPU ranks, gloo): JIT on SIGTERM, commits, resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness.procs import descendants, wait_for
+from harness.training import (
+    TRAIN_HF,
+    TRAIN_LOOP,
+    checkpoint_steps,
+    entrypoint,
+    hook_lines,
+    jit_record,
+    manifest,
+    steps_seen,
+    torchrun,
+    wait_for_sigterm_seen,
+    wait_for_step,
+)
+
+pytestmark = pytest.mark.integration
+JIT_EXIT = 143
+
+
+def hf(*args: str) -> list[str]:
+    return entrypoint(torchrun(TRAIN_HF, *args))
+
+
+def sigterm_at(spawn, env, command, step: int):
+    """Run `command`, SIGTERM the entrypoint once rank 0 finished `step`, wait for the exit."""
+    proc = spawn(command, env=env)
+    wait_for_step(proc, step)
+    proc.send(signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    return proc, code
+
+
+def finish(spawn, env, command):
+    proc = spawn(command, env=env)
+    assert proc.wait(timeout=300) == 0, proc.output()
+    return proc
+
+
+def resumed_from(proc) -> int:
+    return int(proc.expect(r"^begin rank=0 pid=\d+ step=(\d+)$").group(1))
+
+
+def test_sigterm_commits_the_last_completed_step_and_a_rerun_resumes(spawn, base_env, jdir):
+    """SIGTERM mid-training: the last completed step is committed, exit 143; a rerun resumes."""
+    proc, code = sigterm_at(spawn, base_env, hf("--max-steps", "2000", "--save-steps", "1000"), 10)
+    assert code == JIT_EXIT, proc.output()
+    record = jit_record(jdir)
+    assert record is not None
+    step = record["step"]
+    assert step == max(steps_seen(proc, 0)) == max(steps_seen(proc, 1)) >= 10
+    assert checkpoint_steps(jdir) == [step]
+    man = manifest(jdir, step)
+    assert (man["kind"], man["world_size"], man["nodes"]) == ("jit", 2, 1)
+    names = {f["path"] for f in man["files"]}
+    assert {"model.safetensors", "optimizer.pt", "rng_state_0.pth", "rng_state_1.pth"} <= names
+    assert (
+        (jdir / "termination-log")
+        .read_text()
+        .startswith(f"JIT checkpoint checkpoint-{step} committed ")
+    )
+    assert "s after SIGTERM" in (jdir / "termination-log").read_text()
+
+    rerun = finish(spawn, base_env, hf("--max-steps", str(step + 5), "--save-steps", "1000"))
+    assert resumed_from(rerun) == step
+    assert min(steps_seen(rerun, 0)) == step + 1
+    assert manifest(jdir, step + 5)["kind"] == "final"
+
+
+def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(spawn, base_env, jdir):
+    """Only rank 1 gets SIGTERM (a drained node): both ranks save one step and exit, no hang."""
+    proc = spawn(hf("--max-steps", "2000", "--save-steps", "1000"), env=base_env)
+    rank1 = int(proc.expect(r"^begin rank=1 pid=(\d+)").group(1))
+    wait_for_step(proc, 10)
+    os.kill(rank1, signal.SIGTERM)
+    assert proc.wait(timeout=120) == JIT_EXIT, proc.output()
+    step = jit_record(jdir)["step"]  # type: ignore[index]
+    assert max(steps_seen(proc, 0)) == max(steps_seen(proc, 1)) == step
+    assert len(hook_lines(proc, "SIGTERM received")) == 1
+    assert manifest(jdir, step)["kind"] == "jit"
+
+
+def test_sigterm_during_a_periodic_save_commits_it_once_and_stops_there(
+    spawn, base_env, jdir, tmp_path
+):
+    """SIGTERM while step 10 is saved: that save commits once, no second save, exit 143."""
+    release = tmp_path / "release"
+    command = hf(
+        "--max-steps",
+        "2000",
+        "--save-steps",
+        "10",
+        "--hold-save-at",
+        "10",
+        "--release-file",
+        str(release),
+    )
+    proc = spawn(command, env=base_env)
+    proc.expect(r"^holding save 10 rank=0$", timeout=120)
+    proc.send(signal.SIGTERM)
+    wait_for_sigterm_seen(proc)
+    release.touch()
+    assert proc.wait(timeout=120) == JIT_EXIT, proc.output()
+    assert checkpoint_steps(jdir) == [10]
+    assert manifest(jdir, 10)["kind"] == "periodic"
+    record = jit_record(jdir)
+    assert (record["step"], record["save_seconds"]) == (10, 0.0)  # type: ignore[index]
+    assert len(hook_lines(proc, "committed checkpoint-10")) == 1
+    assert max(steps_seen(proc, 0)) == 10
+
+
+def test_sigkill_mid_save_leaves_it_uncommitted_and_the_rerun_resumes_from_the_previous(
+    spawn, base_env, jdir, tmp_path
+):
+    """SIGKILL while step 10 is saved: checkpoint-10 never commits; the rerun resumes from 5."""
+    release = tmp_path / "release"
+    command = hf(
+        "--max-steps",
+        "2000",
+        "--save-steps",
+        "5",
+        "--hold-save-at",
+        "10",
+        "--release-file",
+        str(release),
+    )
+    proc = spawn(command, env=base_env)
+    proc.expect(r"^holding save 10 rank=0$", timeout=120)
+    proc.kill_tree()
+    assert (jdir / "checkpoints" / "checkpoint-10" / "model.safetensors").exists()
+    assert not (jdir / "checkpoints" / "checkpoint-10" / "jitckpt-manifest.node-0.json").exists()
+
+    rerun = finish(spawn, base_env, hf("--max-steps", "12", "--save-steps", "5"))
+    assert resumed_from(rerun) == 5
+    assert hook_lines(rerun, "removed checkpoint directories past the resume point: checkpoint-10")
+    assert manifest(jdir, 10)["kind"] == "periodic"  # saved afresh by the rerun
+
+
+def final_weights(jdir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(jdir / "checkpoints" / f"checkpoint-{step}" / "model.safetensors"))
+
+
+def test_two_sigterms_and_resumes_end_with_the_weights_of_an_uninterrupted_run(
+    spawn, base_env, tmp_path
+):
+    """Interrupted twice by SIGTERM and resumed: final weights equal the uninterrupted run's."""
+    total = 40
+    args = ("--max-steps", str(total), "--save-steps", "1000")
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    finish(spawn, {**base_env, "JITCKPT_DIR": str(straight)}, hf(*args))
+
+    interrupted = tmp_path / "interrupted"
+    interrupted.mkdir()
+    env = {**base_env, "JITCKPT_DIR": str(interrupted)}
+    first, code = sigterm_at(spawn, env, hf(*args), 8)
+    assert code == JIT_EXIT, first.output()
+    second, code = sigterm_at(spawn, env, hf(*args), 21)
+    assert code == JIT_EXIT, second.output()
+    finish(spawn, env, hf(*args))
+
+    expected, got = final_weights(straight, total), final_weights(interrupted, total)
+    assert expected.keys() == got.keys()
+    worst = max((expected[k] - got[k]).abs().max().item() for k in expected)
+    assert worst <= 1e-7, f"max abs diff {worst}"
+
+
+@pytest.mark.parametrize(
+    ("label", "args", "stop_after", "total"),
+    [
+        ("gradient accumulation", ("--grad-accum", "4", "--max-steps", "300"), 6, 300),
+        (
+            "epoch strategy",
+            ("--epochs", "3", "--samples", "64", "--save-strategy", "epoch"),
+            11,
+            24,
+        ),
+        ("TRL SFTTrainer", ("--trainer", "sft", "--max-steps", "300"), 6, 300),
+        ("DataLoader workers", ("--num-workers", "2", "--max-steps", "300"), 6, 300),
+    ],
+)
+def test_variant_jit_saves_and_resumes(spawn, base_env, jdir, label, args, stop_after, total):
+    """Each Trainer variant JIT-saves on SIGTERM and a rerun resumes from that step to the end."""
+    proc, code = sigterm_at(spawn, base_env, hf(*args), stop_after)
+    assert code == JIT_EXIT, proc.output()
+    step = jit_record(jdir)["step"]  # type: ignore[index]
+    assert step >= stop_after
+    assert manifest(jdir, step)["kind"] in ("jit", "periodic")
+
+    rerun = finish(spawn, base_env, hf(*args))
+    assert resumed_from(rerun) == step
+    assert max(steps_seen(rerun, 0)) == total
+    assert manifest(jdir, total)["kind"] in ("final", "periodic")
+
+
+def test_plain_pytorch_loop_with_the_public_api_jit_saves_and_resumes(spawn, base_env, jdir):
+    """The README's plain loop: should_stop() + save(kind='jit') commit and exit; a rerun resumes."""
+    command = entrypoint(torchrun(TRAIN_LOOP, "--steps", "5000", "--save-every", "1000"))
+    proc, code = sigterm_at(spawn, base_env, command, 20)
+    assert code == JIT_EXIT, proc.output()
+    step = jit_record(jdir)["step"]  # type: ignore[index]
+    assert step == max(steps_seen(proc, 0)) == max(steps_seen(proc, 1))
+    man = manifest(jdir, step)
+    assert man["kind"] == "jit"
+    assert ".metadata" in {f["path"] for f in man["files"]}
+
+    rerun = finish(spawn, base_env, entrypoint(torchrun(TRAIN_LOOP, "--steps", str(step + 10))))
+    assert resumed_from(rerun) == step
+    assert manifest(jdir, step + 10)["kind"] == "final"
+
+
+def test_sigterm_before_training_starts_exits_promptly(spawn, base_env, jdir):
+    """SIGTERM while the workers are still importing: everything exits promptly, no JIT record."""
+    env = {**base_env, "JITCKPT_EXIT_CODE": "99"}
+    proc = spawn(hf("--max-steps", "50"), env=env)
+    wait_for(lambda: len(descendants(proc.pid)) >= 3, 30, "torchrun and its two workers")
+    proc.send(signal.SIGTERM)
+    started = time.monotonic()
+    code = proc.wait(timeout=60)
+    assert time.monotonic() - started < 20
+    assert code != 99
+    assert jit_record(jdir) is None
+    assert not [line for line in proc.stdout if line.startswith("step ")]
+
+
+def test_sigterm_after_training_ends_exits_promptly(spawn, base_env, jdir, tmp_path):
+    """SIGTERM during work after train() returned: the default handler is back, the process ends."""
+    release = tmp_path / "never"
+    env = {**base_env, "JITCKPT_EXIT_CODE": "99"}
+    proc = spawn(
+        hf("--max-steps", "5", "--wait-after-train", "--release-file", str(release)), env=env
+    )
+    both = {"done step=5 rank=0", "done step=5 rank=1"}
+    wait_for(lambda: both <= set(proc.stdout), 120, "both ranks to finish training")
+    proc.send(signal.SIGTERM)
+    started = time.monotonic()
+    code = proc.wait(timeout=60)
+    assert time.monotonic() - started < 20
+    assert code != 99
+    assert jit_record(jdir) is None
+    assert manifest(jdir, 5)["kind"] == "final"
