@@ -206,7 +206,7 @@ def test_variant_jit_saves_and_resumes(spawn, base_env, jdir, label, args, stop_
 
 
 def test_plain_pytorch_loop_with_the_public_api_jit_saves_and_resumes(spawn, base_env, jdir):
-    """The README's plain loop: should_stop() + save(kind='jit') commit and exit; a rerun resumes."""
+    """README's plain loop: should_stop() + save(kind='jit') commit and exit; a rerun resumes."""
     command = entrypoint(torchrun(TRAIN_LOOP, "--steps", "5000", "--save-every", "1000"))
     proc, code = sigterm_at(spawn, base_env, command, 20)
     assert code == JIT_EXIT, proc.output()
