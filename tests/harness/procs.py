@@ -113,6 +113,8 @@ class Proc:
         self.lines: queue.Queue[str] = queue.Queue()
         self.stdout: list[str] = []
         self.stderr: list[str] = []
+        self.stamped: list[tuple[float, str]] = []
+        """(time.monotonic() when read, line) for every stdout line."""
         self._readers = [
             threading.Thread(
                 target=self._pump, args=(self.popen.stdout, self.stdout, True), daemon=True
@@ -125,10 +127,12 @@ class Proc:
             reader.start()
 
     def _pump(self, stream: object, sink: list[str], to_queue: bool) -> None:
-        for line in stream:  # type: ignore[attr-defined]
-            sink.append(line.rstrip("\n"))
+        for raw in stream:  # type: ignore[attr-defined]
+            line = raw.rstrip("\n")
+            sink.append(line)
             if to_queue:
-                self.lines.put(line.rstrip("\n"))
+                self.stamped.append((time.monotonic(), line))
+                self.lines.put(line)
 
     def expect(self, pattern: str, timeout: float = 20.0) -> re.Match[str]:
         """Read stdout lines until one matches `pattern`."""

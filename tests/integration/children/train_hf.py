@@ -66,6 +66,7 @@ def build_args(opts: argparse.Namespace, cls: type = TrainingArguments) -> Train
         seed=42,
         dataloader_num_workers=opts.num_workers,
         disable_tqdm=True,
+        enable_jit_checkpoint=opts.hf_jit,
     )
 
 
@@ -80,6 +81,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--trainer", choices=["hf", "sft"], default="hf")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=128)
+    parser.add_argument("--hf-jit", action="store_true", help="HF's own enable_jit_checkpoint")
     parser.add_argument("--output-dir", default="/nonexistent/user-output-dir")
     parser.add_argument("--hold-save-at", type=int, default=-1)
     parser.add_argument("--release-file", default="")
@@ -90,10 +94,10 @@ def main() -> None:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128,
+        vocab_size=opts.vocab,
         hidden_size=opts.hidden,
         intermediate_size=opts.hidden * 2,
-        num_hidden_layers=2,
+        num_hidden_layers=opts.layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,

@@ -1,0 +1,228 @@
+"""SIGTERM -> committed JIT checkpoint and SIGTERM -> exit: jitckpt vs HF's enable_jit_checkpoint.
+
+Same script (tests/integration/children/train_hf.py), same model, same machine, alternating runs
+under `torchrun --standalone --nproc-per-node 2` on CPU. jitckpt runs under jitckpt-entrypoint
+(the hook), HF runs under plain torchrun with enable_jit_checkpoint=True. For each model size it
+also measures the floor: checkpoint bytes / disk write bandwidth (buffered writes into the same
+directory, as torch.save and safetensors write) plus one optimizer step.
+
+    .venv/bin/python bench/bench_jit.py [TRIALS]        # default 5; medians are reported
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from harness.procs import Proc
+from harness.training import TRAIN_HF, entrypoint, torchrun
+
+MODELS = {
+    "tiny (test model)": ["--hidden", "32", "--layers", "2", "--vocab", "128"],
+    "18M params": ["--hidden", "512", "--layers", "4", "--vocab", "8192"],
+}
+WARM_STEP = 15
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JITCKPT_", "PYTHONPATH"))}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def step_seconds(proc: Proc, until: float) -> float:
+    times = [
+        t
+        for t, line in proc.stamped
+        if line.startswith("step ") and line.endswith("rank=0") and t < until
+    ]
+    gaps = [b - a for a, b in zip(times[3:], times[4:])]
+    return statistics.median(gaps)
+
+
+def wait_step(proc: Proc, step: int) -> None:
+    proc.expect(rf"^step {step} rank=0$", timeout=300)
+
+
+def run_ours(model: list[str], root: Path) -> dict[str, float]:
+    jdir = root / "jitckpt"
+    jdir.mkdir()
+    env = {**base_env(), "JITCKPT_DIR": str(jdir), "JITCKPT_TERMINATION_LOG": ""}
+    proc = Proc(
+        entrypoint(torchrun(TRAIN_HF, "--max-steps", "100000", "--save-steps", "100000", *model)),
+        env=env,
+    )
+    try:
+        wait_step(proc, WARM_STEP)
+        t0_wall, t0 = time.time(), time.monotonic()
+        proc.send(signal.SIGTERM)
+        code = proc.wait(timeout=300)
+        exited = time.monotonic() - t0
+    finally:
+        proc.kill_tree()
+    record = json.loads((jdir / "status" / "jit.json").read_text())
+    man = json.loads(
+        (jdir / "checkpoints" / record["checkpoint"] / "jitckpt-manifest.node-0.json").read_text()
+    )
+    return {
+        "commit": record["committed_at"] - t0_wall,
+        "exit": exited,
+        "rc": code,
+        "bytes": sum(f["size"] for f in man["files"]),
+        "step": step_seconds(proc, t0),
+        "save": record["save_seconds"],
+    }
+
+
+def run_hf(model: list[str], root: Path) -> dict[str, float]:
+    out = root / "hf-out"
+    command = torchrun(
+        TRAIN_HF,
+        "--max-steps",
+        "100000",
+        "--save-steps",
+        "100000",
+        "--hf-jit",
+        "--output-dir",
+        str(out),
+        *model,
+    )
+    proc = Proc(command, env=base_env())
+    committed: list[float] = []
+    stop = threading.Event()
+
+    def watch() -> None:  # HF marks a JIT checkpoint complete by deleting its sentinel file
+        while not stop.is_set():
+            for ckpt in out.glob("checkpoint-*"):
+                if (ckpt / "trainer_state.json").exists() and not (
+                    ckpt / "checkpoint-is-incomplete.txt"
+                ).exists():
+                    committed.append(time.monotonic())
+                    return
+            time.sleep(0.002)
+
+    try:
+        wait_step(proc, WARM_STEP)
+        t0 = time.monotonic()
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        proc.send(signal.SIGTERM)
+        code = proc.wait(timeout=300)
+        exited = time.monotonic() - t0
+        watcher.join(timeout=2)
+    finally:
+        stop.set()
+        proc.kill_tree()
+    return {"commit": committed[0] - t0 if committed else float("nan"), "exit": exited, "rc": code}
+
+
+def write_bandwidth(nbytes: int, directory: Path, durable: bool) -> float:
+    """Bytes/s writing `nbytes` into `directory`: to the disk (fsync) or to the page cache."""
+    block = os.urandom(1 << 20)
+    rates = []
+    for i in range(5):
+        path = directory / f"bw-{i}.bin"
+        start = time.perf_counter()
+        with open(path, "wb") as f:
+            left = nbytes
+            while left > 0:
+                f.write(block[: min(left, len(block))])
+                left -= len(block)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        rates.append(nbytes / (time.perf_counter() - start))
+        path.unlink()
+    return statistics.median(rates)
+
+
+def summarize(label: str, ours: list[dict[str, float]], hf: list[dict[str, float]]) -> dict:
+    med = {
+        k: statistics.median(r[k] for r in ours)
+        for k in ("commit", "exit", "bytes", "step", "save")
+    }
+    size = max(int(med["bytes"]), 64 << 20)
+    with tempfile.TemporaryDirectory(prefix="bench-bw-") as tmp:
+        disk = write_bandwidth(size, Path(tmp), durable=True)
+        cache = write_bandwidth(size, Path(tmp), durable=False)
+    return {
+        "label": label,
+        **med,
+        "hf_commit": statistics.median(r["commit"] for r in hf),
+        "hf_exit": statistics.median(r["exit"] for r in hf),
+        "disk": disk,
+        "cache": cache,
+        "floor": med["bytes"] / disk + med["step"],
+        "rc": (ours[0]["rc"], hf[0]["rc"]),
+    }
+
+
+COLUMNS = [
+    ("model", "{label:18}", 18),
+    ("ckpt MB", "{mb:9.1f}", 9),
+    ("step ms", "{step_ms:9.1f}", 9),
+    ("floor s", "{floor:9.3f}", 9),
+    ("commit s", "{commit:10.3f}", 10),
+    ("HF", "{hf_commit:8.3f}", 8),
+    ("HF/ours", "{commit_x:9.1f}", 9),
+    ("exit s", "{exit:8.3f}", 8),
+    ("HF", "{hf_exit:8.3f}", 8),
+    ("HF/ours", "{exit_x:9.1f}", 9),
+    ("ours/floor", "{vs_floor:12.2f}", 12),
+]
+
+
+def main() -> None:
+    trials = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    rows = []
+    for label, model in MODELS.items():
+        ours, hf = [], []
+        for i in range(trials):
+            with tempfile.TemporaryDirectory(prefix="bench-jit-") as tmp:
+                ours.append(run_ours(model, Path(tmp)))
+            with tempfile.TemporaryDirectory(prefix="bench-jit-") as tmp:
+                hf.append(run_hf(model, Path(tmp)))
+            print(
+                f"  {label} #{i + 1}: ours commit {ours[-1]['commit']:.3f} s, exit {ours[-1]['exit']:.3f} s"
+                f" | HF commit {hf[-1]['commit']:.3f} s, exit {hf[-1]['exit']:.3f} s",
+                flush=True,
+            )
+        rows.append(summarize(label, ours, hf))
+
+    print(f"\nSIGTERM -> JIT checkpoint, 2 CPU ranks (gloo), median of {trials} alternating trials")
+    print(
+        "".join(
+            f"{name:>{width}}" if i else f"{name:{width}}"
+            for i, (name, _, width) in enumerate(COLUMNS)
+        )
+    )
+    for row in rows:
+        values = {
+            **row,
+            "mb": row["bytes"] / 1e6,
+            "step_ms": row["step"] * 1e3,
+            "commit_x": row["hf_commit"] / row["commit"],
+            "exit_x": row["hf_exit"] / row["exit"],
+            "vs_floor": row["commit"] / row["floor"],
+        }
+        print("".join(fmt.format(**values) for _, fmt, _ in COLUMNS))
+    print("\nfloor = checkpoint bytes / disk write bandwidth (fsync) + one median optimizer step")
+    for row in rows:
+        print(
+            f"  {row['label']}: disk {row['disk'] / 1e9:.2f} GB/s (page cache {row['cache'] / 1e9:.2f}),"
+            f" the Trainer's own save {row['save']:.3f} s ({row['bytes'] / row['save'] / 1e9:.2f} GB/s),"
+            f" exit codes ours/HF {row['rc']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
