@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import NoReturn, Optional
 
-from jitckpt_entrypoint import __version__, log, status, supervisor
+from jitckpt_entrypoint import __version__, grace, log, status, supervisor
 from jitckpt_entrypoint.config import OPTIONS, Config
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.manifest import Layout
@@ -124,6 +124,14 @@ def child_env(env: Mapping[str, str], cfg: Config, run_id: str) -> dict[str, str
     return out
 
 
+def torchrun_timeout(env: Mapping[str, str], cfg: Config) -> int:
+    """The worker shutdown timeout torchrun will use: the user's, else the one we derive."""
+    try:
+        return int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    except (KeyError, ValueError):
+        return cfg.shutdown_timeout
+
+
 def outcome(
     cfg: Config,
     layout: Layout,
@@ -186,6 +194,12 @@ def run(
             logger.info("not PID 1 (pid %d): registered as child subreaper to reap orphans", pid)
         else:
             logger.warning("not PID 1 (pid %d) and could not become a child subreaper", pid)
+    est = grace.estimate(layout)
+    if est is not None:
+        timeout = torchrun_timeout(os.environ, cfg)
+        too_short = grace.warning(est, cfg.grace_seconds, timeout)
+        if too_short:
+            logger.warning("%s", too_short)
     run_id = status.new_run_id()
     record = status.TrainerStatus(run_id, pid, tuple(command), started_at=time.time())
     status.write_trainer(layout.status, record)

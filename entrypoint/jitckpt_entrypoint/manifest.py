@@ -106,6 +106,8 @@ class Manifest:
     world_size: int
     files: tuple[FileEntry, ...]
     created_at: float = 0.0
+    save_seconds: float = 0.0
+    """How long the save took on this node (for the entrypoint's grace-period estimate)."""
     version: int = FORMAT_VERSION
 
     @property
@@ -129,6 +131,7 @@ class Manifest:
             "nodes": self.nodes,
             "world_size": self.world_size,
             "created_at": self.created_at,
+            "save_seconds": self.save_seconds,
             "files": [f.to_json() for f in self.files],
         }
 
@@ -160,6 +163,7 @@ class Manifest:
                 world_size=int(obj["world_size"]),
                 files=files,
                 created_at=float(obj.get("created_at", 0.0)),
+                save_seconds=float(obj.get("save_seconds", 0.0)),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -328,8 +332,24 @@ def _listdir(path: str) -> list[str]:
 
 
 def new_manifest(
-    step: int, kind: str, *, node: int, nodes: int, world_size: int, files: tuple[FileEntry, ...]
+    step: int,
+    kind: str,
+    *,
+    node: int,
+    nodes: int,
+    world_size: int,
+    files: tuple[FileEntry, ...],
+    save_seconds: float = 0.0,
 ) -> Manifest:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
-    return Manifest(step, kind, node, nodes, world_size, files, created_at=time.time())
+    return Manifest(
+        step,
+        kind,
+        node,
+        nodes,
+        world_size,
+        files,
+        created_at=time.time(),
+        save_seconds=save_seconds,
+    )

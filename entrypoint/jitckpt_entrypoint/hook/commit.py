@@ -27,9 +27,16 @@ def commit(session: Session, ckpt_dir: str, step: int, kind: str, started_at: fl
     holdings = dict(filter(None, control.all_gather(holding)))
     if topo.is_leader:
         entries = m.assign_owners(holdings)
+        save_seconds = time.time() - started_at
         manifests = {
             node: m.new_manifest(
-                step, kind, node=node, nodes=topo.nodes, world_size=topo.world_size, files=files
+                step,
+                kind,
+                node=node,
+                nodes=topo.nodes,
+                world_size=topo.world_size,
+                files=files,
+                save_seconds=save_seconds,
             )
             for node, files in entries.items()
         }
