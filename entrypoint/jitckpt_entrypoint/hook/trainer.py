@@ -211,9 +211,10 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         return control
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        # Evaluation can take minutes; all ranks are in step here, so ask now.
+        # Evaluation can take minutes; all ranks are in step here, so ask now. Only inside
+        # train(): a script may call trainer.evaluate() afterwards, even on one rank.
         session = self.session
-        if session.cfg.jit and session.control.any_now(session.flag.is_set):
+        if session.training and session.cfg.jit and session.control.any_now(session.flag.is_set):
             self._stop(state, control)
         return control
 
