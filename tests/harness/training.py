@@ -19,6 +19,20 @@ def torchrun(script: Path, *args: str, nproc: int = 2) -> list[str]:
     return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
 
 
+def torchrun_node(script: Path, *args: str, node: int, nodes: int, port: int) -> list[str]:
+    """One node of a multi-node job: static rendezvous on 127.0.0.1:`port`."""
+    return [
+        TORCHRUN,
+        f"--nnodes={nodes}",
+        f"--node-rank={node}",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        str(script),
+        *args,
+    ]
+
+
 def entrypoint(command: list[str], *options: str) -> list[str]:
     return [*ENTRYPOINT, *options, "--", *command]
 

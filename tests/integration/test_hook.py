@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.procs import descendants, wait_for
+from harness.procs import descendants, free_port, wait_for
 from harness.training import (
     TRAIN_HF,
     TRAIN_LOOP,
@@ -22,6 +22,7 @@ from harness.training import (
     manifest,
     steps_seen,
     torchrun,
+    torchrun_node,
     wait_for_sigterm_seen,
     wait_for_step,
 )
@@ -251,3 +252,57 @@ def test_sigterm_after_training_ends_exits_promptly(spawn, base_env, jdir, tmp_p
     assert code != 99
     assert jit_record(jdir) is None
     assert manifest(jdir, 5)["kind"] == "final"
+
+
+def two_nodes(spawn, base_env, dirs, *args: str):
+    port = free_port()
+    return [
+        spawn(
+            entrypoint(torchrun_node(TRAIN_HF, *args, node=n, nodes=2, port=port)),
+            env={**base_env, "JITCKPT_DIR": str(d), "JITCKPT_TERMINATION_LOG": str(d / "tlog")},
+        )
+        for n, d in enumerate(dirs)
+    ]
+
+
+def test_draining_one_of_two_nodes_stops_both_and_each_commits_its_own_part(
+    spawn, base_env, tmp_path
+):
+    """SIGTERM to node 1 only: all four ranks stop at one step; each node owns what it uploads."""
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for d in dirs:
+        d.mkdir()
+    args = ("--max-steps", "3000", "--save-steps", "1000")
+    node0, node1 = two_nodes(spawn, base_env, dirs, *args)
+    wait_for_step(node0, 10)
+    node1.send(signal.SIGTERM)
+    assert node1.wait(timeout=120) == JIT_EXIT, node1.output()
+    assert node0.wait(timeout=120) == JIT_EXIT, node0.output()
+    steps = {jit_record(d)["step"] for d in dirs}  # type: ignore[index]
+    assert len(steps) == 1
+    step = steps.pop()
+    owned = {}
+    for d in dirs:
+        for node in (0, 1):
+            man = manifest(d, step, node)
+            assert (man["nodes"], man["world_size"], man["kind"]) == (2, 4, "jit")
+            owned[node] = {f["path"] for f in man["files"] if f["owner"] == node}
+    assert {"model.safetensors", "optimizer.pt", "rng_state_0.pth"} <= owned[0]
+    assert owned[1] == {"rng_state_2.pth", "rng_state_3.pth"}
+
+    # Restarted in place, node 1 holds only its own part: training must not silently start over.
+    again = two_nodes(spawn, base_env, dirs, *args)
+    for proc in again:
+        assert proc.wait(timeout=120) != 0
+    assert any("no node holds all of its files" in line for p in again for line in p.stderr)
+
+    # What the sidecar's restore gives each new pod: every file of every manifest.
+    for src, dst in ((dirs[0], dirs[1]), (dirs[1], dirs[0])):
+        for path in (src / "checkpoints" / f"checkpoint-{step}").iterdir():
+            target = dst / "checkpoints" / f"checkpoint-{step}" / path.name
+            if not target.exists():
+                target.write_bytes(path.read_bytes())
+    resumed = two_nodes(spawn, base_env, dirs, "--max-steps", str(step + 4), "--save-steps", "1000")
+    for proc in resumed:
+        assert proc.wait(timeout=180) == 0, proc.output()
+    assert resumed_from(resumed[0]) == step

@@ -5,27 +5,41 @@ from __future__ import annotations
 from typing import Optional
 
 from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.hook.session import Session
 
 
 def agreed_step(session: Session) -> Optional[int]:
-    """The highest step committed on every node (collective), or None.
+    """The highest step complete on every node (collective), or None.
 
-    Ranks never disagree on where to resume: each reports what its node holds and all pick the
-    newest step common to every report.
+    Ranks never disagree on where to resume: each node reports the checkpoints it holds in full
+    and all pick the newest step common to every report. With several nodes a node holds only
+    its own part of what it saved (each pod has its own emptyDir); the sidecar's restore brings
+    the rest when a pod starts. A newer checkpoint committed but not complete everywhere is
+    skipped with a warning; when it is the only one, training stops with an error rather than
+    silently starting over.
     """
-    topo = session.topo
-    local = set(m.committed_steps(session.layout.checkpoints, topo.node))
-    reports = session.control.all_gather(sorted(local))
-    common = set.intersection(*(set(r) for r in reports)) if reports else set()
+    topo, checkpoints = session.topo, session.layout.checkpoints
+    complete = m.committed_steps(checkpoints)
+    own = m.committed_steps(checkpoints, topo.node)
+    reports = session.control.all_gather((complete, own[-1] if own else None))
+    common = set.intersection(*(set(c) for c, _ in reports)) if reports else set()
     step = max(common) if common else None
-    newest_anywhere = max((max(r) for r in reports if r), default=None)
-    if step is None and newest_anywhere is not None and topo.rank == 0:
-        session.log.warning(
-            "checkpoint-%d is committed on some nodes but not on all; starting from scratch "
-            "(a new pod restores it from S3 on every node)",
-            newest_anywhere,
-        )
+    newest = max((n for _, n in reports if n is not None), default=None)
+    if newest is not None and (step is None or newest > step):
+        name = m.checkpoint_name(newest)
+        if step is None:
+            raise JitckptError(
+                f"{name} is committed but no node holds all of its files; restart the pods so "
+                "the sidecar restores it from S3 (or set JITCKPT_RESUME=0 to start over)"
+            )
+        if topo.rank == 0:
+            session.log.warning(
+                "%s is committed but not held in full by every node; resuming from %s "
+                "(a new pod restores the newest one from S3 on every node)",
+                name,
+                m.checkpoint_name(step),
+            )
     return step
 
 

@@ -130,9 +130,6 @@ def apply_overrides(session: Session, training_args: Any) -> list[str]:
         override("save_steps", cfg.save_steps)
     if cfg.save_total_limit is not None:
         override("save_total_limit", cfg.save_total_limit)
-    if session.topo.nodes > 1:
-        # Each pod has its own emptyDir: every node needs a full local copy to resume.
-        override("save_on_each_node", True)
     if changes and not _logged_overrides and session.topo.rank == 0:
         _logged_overrides = True
         session.log.info("overriding TrainingArguments from JITCKPT_*: %s", "; ".join(changes))
