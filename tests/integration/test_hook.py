@@ -93,23 +93,20 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(spawn, base_env
     assert manifest(jdir, step)["kind"] == "jit"
 
 
+def start_holding_save(spawn, env, release: Path, save_steps: int, hold_at: int):
+    """Train until the save at `hold_at` is written but not yet committed, and hold it there."""
+    args = ("--max-steps", "2000", "--save-steps", str(save_steps), "--hold-save-at", str(hold_at))
+    proc = spawn(hf(*args, "--release-file", str(release)), env=env)
+    proc.expect(rf"^holding save {hold_at} rank=0$", timeout=120)
+    return proc
+
+
 def test_sigterm_during_a_periodic_save_commits_it_once_and_stops_there(
     spawn, base_env, jdir, tmp_path
 ):
     """SIGTERM while step 10 is saved: that save commits once, no second save, exit 143."""
     release = tmp_path / "release"
-    command = hf(
-        "--max-steps",
-        "2000",
-        "--save-steps",
-        "10",
-        "--hold-save-at",
-        "10",
-        "--release-file",
-        str(release),
-    )
-    proc = spawn(command, env=base_env)
-    proc.expect(r"^holding save 10 rank=0$", timeout=120)
+    proc = start_holding_save(spawn, base_env, release, save_steps=10, hold_at=10)
     proc.send(signal.SIGTERM)
     wait_for_sigterm_seen(proc)
     release.touch()
@@ -126,19 +123,7 @@ def test_sigkill_mid_save_leaves_it_uncommitted_and_the_rerun_resumes_from_the_p
     spawn, base_env, jdir, tmp_path
 ):
     """SIGKILL while step 10 is saved: checkpoint-10 never commits; the rerun resumes from 5."""
-    release = tmp_path / "release"
-    command = hf(
-        "--max-steps",
-        "2000",
-        "--save-steps",
-        "5",
-        "--hold-save-at",
-        "10",
-        "--release-file",
-        str(release),
-    )
-    proc = spawn(command, env=base_env)
-    proc.expect(r"^holding save 10 rank=0$", timeout=120)
+    proc = start_holding_save(spawn, base_env, tmp_path / "release", save_steps=5, hold_at=10)
     proc.kill_tree()
     assert (jdir / "checkpoints" / "checkpoint-10" / "model.safetensors").exists()
     assert not (jdir / "checkpoints" / "checkpoint-10" / "jitckpt-manifest.node-0.json").exists()
@@ -222,17 +207,22 @@ def test_plain_pytorch_loop_with_the_public_api_jit_saves_and_resumes(spawn, bas
     assert manifest(jdir, step + 10)["kind"] == "final"
 
 
-def test_sigterm_before_training_starts_exits_promptly(spawn, base_env, jdir):
-    """SIGTERM while the workers are still importing: everything exits promptly, no JIT record."""
-    env = {**base_env, "JITCKPT_EXIT_CODE": "99"}
-    proc = spawn(hf("--max-steps", "50"), env=env)
-    wait_for(lambda: len(descendants(proc.pid)) >= 3, 30, "torchrun and its two workers")
+def assert_prompt_plain_exit(proc, jdir: Path) -> None:
+    """SIGTERM ends the run within seconds, without the JIT exit code (99 here) or a JIT record."""
     proc.send(signal.SIGTERM)
     started = time.monotonic()
     code = proc.wait(timeout=60)
     assert time.monotonic() - started < 20
     assert code != 99
     assert jit_record(jdir) is None
+
+
+def test_sigterm_before_training_starts_exits_promptly(spawn, base_env, jdir):
+    """SIGTERM while the workers are still importing: everything exits promptly, no JIT record."""
+    env = {**base_env, "JITCKPT_EXIT_CODE": "99"}
+    proc = spawn(hf("--max-steps", "50"), env=env)
+    wait_for(lambda: len(descendants(proc.pid)) >= 3, 30, "torchrun and its two workers")
+    assert_prompt_plain_exit(proc, jdir)
     assert not [line for line in proc.stdout if line.startswith("step ")]
 
 
@@ -245,12 +235,7 @@ def test_sigterm_after_training_ends_exits_promptly(spawn, base_env, jdir, tmp_p
     )
     both = {"done step=5 rank=0", "done step=5 rank=1"}
     wait_for(lambda: both <= set(proc.stdout), 120, "both ranks to finish training")
-    proc.send(signal.SIGTERM)
-    started = time.monotonic()
-    code = proc.wait(timeout=60)
-    assert time.monotonic() - started < 20
-    assert code != 99
-    assert jit_record(jdir) is None
+    assert_prompt_plain_exit(proc, jdir)
     assert manifest(jdir, 5)["kind"] == "final"
 
 

@@ -42,15 +42,9 @@ class ControlGroup:
         """
         if not self.distributed:
             return local
-        agreed = False
-        if self._pending is not None:
-            self._pending.wait()
-            agreed = bool(self._buffer.item())
-            self._pending = None
+        agreed = self._collect()
         if not agreed:
-            import torch
-
-            self._buffer = torch.tensor([1 if local else 0], dtype=torch.int32)
+            self._buffer = self._flag(local)
             self._pending = self._dist.all_reduce(
                 self._buffer, op=self._dist.ReduceOp.MAX, group=self._group, async_op=True
             )
@@ -60,16 +54,23 @@ class ControlGroup:
         """Blocking agreement at a point where all ranks are in step anyway (after a save)."""
         if not self.distributed:
             return local
-        agreed = False
-        if self._pending is not None:
-            self._pending.wait()
-            agreed = bool(self._buffer.item())
-            self._pending = None
-        import torch
-
-        flag = torch.tensor([1 if local or agreed else 0], dtype=torch.int32)
+        flag = self._flag(local or self._collect())
         self._dist.all_reduce(flag, op=self._dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
+
+    def _collect(self) -> bool:
+        """The result of the round in flight (False when none is)."""
+        if self._pending is None:
+            return False
+        self._pending.wait()
+        self._pending = None
+        return bool(self._buffer.item())
+
+    @staticmethod
+    def _flag(value: bool) -> Any:
+        import torch
+
+        return torch.tensor([1 if value else 0], dtype=torch.int32)
 
     def barrier(self) -> None:
         if self.distributed:
