@@ -75,7 +75,9 @@ def install(target: Path, source: Path | None = None) -> Path:
     if not (source / "cli.py").is_file():
         raise InstallError(f"{source} does not hold the jitckpt_entrypoint package")
     try:
-        target.mkdir(parents=True, exist_ok=True)
+        if not target.is_dir():
+            target.mkdir(parents=True)
+            target.chmod(0o755)  # whatever the umask: the trainer runs as another UID
         staging = target / f".{PACKAGE}.tmp-{os.getpid()}"
         if staging.exists():
             shutil.rmtree(staging)

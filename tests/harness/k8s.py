@@ -44,10 +44,13 @@ def _job(name: str, spec: dict[str, Any], metadata: dict[str, Any] | None = None
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": spec}
 
 
-def core_objects(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+def core_objects(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:  # noqa: PLR0912
     """(label, core object) for `doc` itself or for the core types embedded in a CRD."""
     kind, api = doc["kind"], doc["apiVersion"]
-    if api in CORE_API:
+    if kind == "List":
+        for item in doc["items"]:
+            yield from core_objects(item)
+    elif api in CORE_API:
         yield f"{kind}/{_name(doc)}", doc
     elif kind == "JobSet":
         for rj in doc["spec"]["replicatedJobs"]:
