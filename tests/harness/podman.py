@@ -29,7 +29,7 @@ def default_root() -> Path:
 
 
 def missing_tools() -> list[str]:
-    return [t for t in ("podman", "runc") if shutil.which(t) is None]
+    return [t for t in ("podman", "runc", "catatonit") if shutil.which(t) is None]
 
 
 def write_config(root: Path, driver: str) -> dict[str, str]:
