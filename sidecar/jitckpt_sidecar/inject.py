@@ -590,9 +590,17 @@ def inject_jobset(doc: Obj, opts: Options, where: str) -> tuple[str, list[str]]:
         template = rj.get("template") if isinstance(rj, dict) else None
         if not isinstance(template, dict) or not isinstance(template.get("spec"), dict):
             raise InjectError(f"{where}: replicatedJob {name!r} has no template.spec")
+        pod = (template["spec"].get("template") or {}).get("spec") or {}
+        if opts.containers and not set(_names(pod.get("containers"))) & set(opts.containers):
+            continue  # e.g. a launcher or a data job next to the workers: left as it is
         result, names = inject_job_spec(template["spec"], opts, f"{where} replicatedJob {name!r}")
         results.append(result)
         trainers.extend(n for n in names if n not in trainers)
+    if not results:
+        raise InjectError(
+            f"{where}: no replicatedJob has a container named {', '.join(opts.containers)}; "
+            "check --container"
+        )
     return ("injected" if "injected" in results else "unchanged"), trainers
 
 

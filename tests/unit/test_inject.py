@@ -195,6 +195,18 @@ def test_a_jobset_is_injected_in_every_replicated_job():
     assert job["podFailurePolicy"]["rules"][1]["onExitCodes"]["containerName"] == "train"
 
 
+def test_with_container_a_jobset_leaves_jobs_without_that_container_alone():
+    launcher = JOBSET.replace(
+        "  replicatedJobs:\n",
+        "  replicatedJobs:\n  - name: launcher\n    template:\n      spec:\n        template:\n"
+        "          spec:\n            restartPolicy: Never\n"
+        "            containers: [{name: launch, image: l, command: [launch]}]\n",
+    )
+    jobs = docs(injected(launcher, "containers", ("train",)))[0]["spec"]["replicatedJobs"]
+    assert "initContainers" not in jobs[0]["template"]["spec"]["template"]["spec"]
+    assert "jitckpt-sidecar" in containers(jobs[1]["template"]["spec"]["template"]["spec"])
+
+
 def test_a_trainjob_is_pointed_at_the_jitckpt_runtime_with_its_storage_uri_patched_in(capsys):
     trainjob = docs(injected(TRAINJOB))[0]
     spec = trainjob["spec"]
