@@ -17,8 +17,9 @@ $(STAMP): requirements-dev.txt pyproject.toml
 
 venv: $(STAMP)
 
+# make test never needs podman: the image tests are `make image-test`.
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not podman" $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
@@ -30,6 +31,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/hadolint Containerfile
 
 fmt: $(STAMP)
 	$(BIN)/ruff format .
@@ -41,6 +43,23 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	@for b in bench/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+# Both Containerfile targets. Without BASE_IMAGE/SIDECAR_BASE they are built on local bases
+# (debootstrap bookworm + the local torch CPU wheel; no registry needed), tagged :dev.
+# With them: make image BASE_IMAGE=docker.io/pytorch/pytorch:... SIDECAR_BASE=python:3.11-slim
+image: $(STAMP)
+	$(BIN)/python tests/harness/images.py --tag $(or $(IMAGE_TAG),dev) \
+	  $(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(SIDECAR_BASE),--sidecar-base $(SIDECAR_BASE))
+
+# Builds both images on the local bases and runs them with podman (runc, cgroupfs).
+image-test: $(STAMP)
+	$(BIN)/python tests/harness/images.py --tag test
+	$(BIN)/python -m pytest -m podman tests/images $(PYTEST_ARGS)
+
+# Strict validation of k8s/ for Kubernetes 1.29 to the newest bundled schema, plus the
+# agreement, PromQL and dashboard checks (also part of make test).
+k8s-check: $(STAMP)
+	$(BIN)/python -m pytest tests/k8s $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

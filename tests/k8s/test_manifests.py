@@ -1,0 +1,349 @@
+"""k8s/ (make k8s-check): every object validates strictly for Kubernetes 1.29 to the newest
+bundled schema, the settings that must agree do agree, and the monitoring objects reference
+only metrics the sidecar exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import promql_parser
+import pytest
+import yaml
+
+from harness.k8s import (
+    K8S,
+    VERSIONS,
+    containers,
+    core_objects,
+    env_of,
+    load_all,
+    manifest_files,
+    pod_specs,
+    validate,
+)
+from jitckpt_sidecar import inject
+from jitckpt_sidecar.metric_names import LABEL_VALUES, METRICS, series_names
+
+FILES = manifest_files()
+DOCS = [(p, d) for p in FILES for d in load_all(p)]
+# *.orig.yaml: a team's YAML before inject (the input of the generated examples).
+WORKLOADS = [(p, d) for p, d in DOCS if list(pod_specs(d)) and not p.name.endswith(".orig.yaml")]
+KUSTOMIZATIONS = sorted(p.parent for p in K8S.rglob("kustomization.yaml"))
+RULES = yaml.safe_load((K8S / "monitoring" / "prometheusrule.yaml").read_text())
+DASHBOARD = json.loads((K8S / "monitoring" / "grafana-dashboard.json").read_text())
+QUANTITY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(K8S))
+
+
+def test_the_versions_checked_span_1_29_to_the_newest_bundled_schema():
+    """Native sidecars need 1.29; the newest kubernetes-validate knows must be included."""
+    assert VERSIONS[0].startswith("1.29")
+    assert len(VERSIONS) >= 9  # 1.29 ... 1.37 with kubernetes-validate 1.37.0
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_manifest_validates_strictly(version):
+    """Every core object, and every core type embedded in a custom resource, passes
+    `kubernetes-validate --strict` for this Kubernetes version."""
+    errors, checked = [], 0
+    for path, doc in DOCS:
+        for label, obj in core_objects(doc):
+            checked += 1
+            error = validate(obj, version)
+            if error:
+                errors.append(f"{rel(path)} {label}: {error}")
+    assert not errors, "\n".join(errors)
+    assert checked >= 10
+
+
+def test_custom_resources_are_only_the_known_ones():
+    """Anything not validated against a core schema is one of the CRDs we check by hand."""
+    kinds = {d["kind"] for _, d in DOCS if d["apiVersion"] not in ("v1", "batch/v1")}
+    assert kinds <= {"TrainJob", "TrainingRuntime", "PodMonitor", "PrometheusRule"}
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) not installed")
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: rel(p) or ".")
+def test_each_kustomization_builds_and_its_output_validates(directory):
+    """`kubectl kustomize DIR` renders, and what it renders validates for the newest version."""
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(directory)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert docs
+    errors = [
+        f"{label}: {err}"
+        for d in docs
+        for label, obj in core_objects(d)
+        if (err := validate(obj, VERSIONS[-1]))
+    ]
+    assert not errors, "\n".join(errors)
+
+
+def quantity(text: str) -> int:
+    match = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", text)
+    assert match, text
+    return int(match.group(1)) * QUANTITY.get(match.group(2) or "", 1)
+
+
+def pods_with_sidecar():
+    for path, doc in WORKLOADS:
+        for job, pod in pod_specs(doc):
+            if "jitckpt-sidecar" in containers(pod):
+                yield path, doc, job, pod
+
+
+POD_CASES = list(pods_with_sidecar())
+POD_IDS = [f"{rel(p)}:{d['kind']}" for p, d, _, _ in POD_CASES]
+
+
+def test_every_workload_runs_the_sidecar():
+    """Each Job and runtime in k8s/ carries the jitckpt sidecar."""
+    assert {rel(p) for p, _ in WORKLOADS} == {rel(p) for p, *_ in POD_CASES}
+    assert len(POD_CASES) >= 5
+
+
+def trainers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in pod["containers"] if c["name"] != "jitckpt-sidecar"]
+
+
+@pytest.mark.parametrize(("path", "doc", "job", "pod"), POD_CASES, ids=POD_IDS)
+def test_settings_that_must_agree_do(path, doc, job, pod):
+    """Grace period = JITCKPT_GRACE_SECONDS, sizeLimit = JITCKPT_STORAGE_CAPACITY, the same
+    storage URI and JITCKPT_DIR on both sides, the ignored exit code = JITCKPT_EXIT_CODE."""
+    sidecar = containers(pod)["jitckpt-sidecar"]
+    side_env = env_of(sidecar)
+    grace = pod["terminationGracePeriodSeconds"]
+    assert side_env["JITCKPT_GRACE_SECONDS"] == str(grace)
+    volume = next(v for v in pod["volumes"] if v["name"] == "jitckpt")
+    assert quantity(volume["emptyDir"]["sizeLimit"]) == quantity(
+        side_env["JITCKPT_STORAGE_CAPACITY"]
+    )
+    assert {"name": "jitckpt", "mountPath": side_env["JITCKPT_DIR"]} in sidecar["volumeMounts"]
+    for trainer in trainers(pod):
+        env = env_of(trainer)
+        assert env["JITCKPT_GRACE_SECONDS"] == str(grace)
+        assert env["JITCKPT_DIR"] == side_env["JITCKPT_DIR"]
+        if doc["kind"] != "TrainingRuntime":  # a TrainJob sets it per job (trainjob.yaml)
+            assert env["JITCKPT_STORAGE_URI"] == side_env["JITCKPT_STORAGE_URI"]
+        assert any(m["mountPath"] == env["JITCKPT_DIR"] for m in trainer["volumeMounts"])
+        rules = job["podFailurePolicy"]["rules"]
+        assert {
+            "action": "Ignore",
+            "onExitCodes": {
+                "containerName": trainer["name"],
+                "operator": "In",
+                "values": [int(env.get("JITCKPT_EXIT_CODE", "143"))],
+            },
+        } in rules
+    assert {
+        "action": "Ignore",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    } in job["podFailurePolicy"]["rules"]
+    assert pod["restartPolicy"] == "Never"
+
+
+@pytest.mark.parametrize(("path", "doc", "job", "pod"), POD_CASES, ids=POD_IDS)
+def test_the_sidecar_gates_training_on_the_restore(path, doc, job, pod):
+    """A native sidecar has a startupProbe on /readyz; without native sidecars a `restore`
+    init container runs first and the sidecar exits with the trainer."""
+    sidecar = containers(pod)["jitckpt-sidecar"]
+    port = next(p for p in sidecar["ports"] if p["name"] == "jitckpt-metrics")
+    assert str(port["containerPort"]) == env_of(sidecar)["JITCKPT_METRICS_PORT"] == "9402"
+    if sidecar in pod.get("initContainers", []):
+        assert sidecar["restartPolicy"] == "Always"
+        assert sidecar["startupProbe"]["httpGet"] == {"path": "/readyz", "port": "jitckpt-metrics"}
+    else:
+        restore = containers(pod)["jitckpt-restore"]
+        assert restore["command"] == ["jitckpt-sidecar", "restore"]
+        assert env_of(sidecar)["JITCKPT_EXIT_WITH_TRAINER"] == "1"
+    assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+@pytest.mark.parametrize(("path", "doc", "job", "pod"), POD_CASES, ids=POD_IDS)
+def test_containers_are_locked_down(path, doc, job, pod):
+    """Our containers and base-image trainers: non-root, no privilege escalation, no
+    capabilities, read-only root filesystem. A swap-in trainer keeps its image and user."""
+    pod_ctx = pod.get("securityContext", {})
+    for name, c in containers(pod).items():
+        ctx = c.get("securityContext", {})
+        if not c["image"].startswith("jitckpt-"):
+            continue  # the team's own image and user (swap-in): not ours to change
+        assert ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")) is True, name
+        assert ctx["allowPrivilegeEscalation"] is False, name
+        assert ctx["capabilities"] == {"drop": ["ALL"]}, name
+        assert ctx["readOnlyRootFilesystem"] is True, name
+        if name not in ("jitckpt-sidecar", "jitckpt-restore", "jitckpt-install"):
+            assert env_of(c)["HOME"] == "/tmp"  # the read-only root has no writable home
+            assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])
+
+
+def test_base_image_jobs_pass_the_command_as_args():
+    """With the base image, `command:` would replace the ENTRYPOINT (jitckpt-entrypoint --)."""
+    for path, doc in WORKLOADS:
+        for _, pod in pod_specs(doc):
+            for c in trainers(pod):
+                if c["image"].startswith("jitckpt-base"):
+                    assert "command" not in c, rel(path)
+                    assert c["args"][0] == "torchrun", rel(path)
+
+
+def test_kueue_queue_name_label_is_on_every_job():
+    for path, doc in WORKLOADS:
+        if doc["kind"] == "Job":
+            assert doc["metadata"]["labels"]["kueue.x-k8s.io/queue-name"], rel(path)
+
+
+def test_multi_node_rendezvous_matches_the_headless_service():
+    """Pods find node 0 as <job>-0.<service>: subdomain = Service, PET_NNODES = completions."""
+    docs = {d["kind"]: d for d in load_all(K8S / "multi-node" / "service.yaml")}
+    docs |= {d["kind"]: d for d in load_all(K8S / "multi-node" / "job.yaml")}
+    svc, job = docs["Service"], docs["Job"]
+    pod = job["spec"]["template"]["spec"]
+    env = env_of(pod["containers"][0])
+    assert svc["spec"]["clusterIP"] == "None"
+    assert pod["subdomain"] == svc["metadata"]["name"]
+    assert svc["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert env["PET_NNODES"] == str(job["spec"]["completions"]) == str(job["spec"]["parallelism"])
+    assert env["PET_MASTER_ADDR"] == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
+    assert env["PET_MASTER_PORT"] == str(svc["spec"]["ports"][0]["port"])
+    assert "job-completion-index" in env["PET_NODE_RANK"]["fieldRef"]["fieldPath"]
+
+
+@pytest.mark.parametrize(
+    ("generated", "original", "args"),
+    [
+        ("swap-in/job.yaml", "swap-in/job.orig.yaml",
+         ["--image", "jitckpt-sidecar:0.1.0", "--storage-uri", "s3://my-bucket/jitckpt/llama-finetune",
+          "--secret", "aws-connection-jitckpt"]),
+        ("trainjob/trainjob.yaml", "trainjob/trainjob.orig.yaml",
+         ["--storage-uri", "s3://my-bucket/jitckpt/llama-finetune"]),
+    ],
+)  # fmt: skip
+def test_generated_examples_are_injects_current_output(generated, original, args, capsys):
+    """The committed swap-in examples are exactly what inject makes of their originals."""
+    assert inject.main(["-q", "-f", str(K8S / original), *args]) == 0
+    out = capsys.readouterr().out
+    assert list(yaml.safe_load_all(out)) == load_all(K8S / generated)
+
+
+def test_trainjob_runtime_is_the_one_inject_points_at():
+    runtime = load_all(K8S / "trainjob" / "runtime.yaml")[0]
+    trainjob = load_all(K8S / "trainjob" / "trainjob.yaml")[0]
+    assert f"{runtime['kind']}/{runtime['metadata']['name']}" == inject.DEFAULT_TRAINJOB_RUNTIME
+    assert trainjob["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"]
+    assert trainjob["spec"]["runtimeRef"]["kind"] == runtime["kind"]
+
+
+# --- monitoring --------------------------------------------------------------------------
+
+
+def selectors(expr: promql_parser.Expr) -> list[Any]:
+    found: list[Any] = []
+
+    def visit(node: Any) -> bool:
+        if isinstance(node, promql_parser.VectorSelector):
+            found.append(node)
+        return True
+
+    promql_parser.walk(expr, visit)
+    return found
+
+
+def check_references(expr_text: str) -> list[str]:
+    """Parse `expr_text`; return the problems with the metrics and label values it uses."""
+    expr = promql_parser.parse(expr_text)
+    problems, series = [], series_names()
+    found = selectors(expr)
+    if not found:
+        problems.append(f"{expr_text}: selects no metric")
+    for sel in found:
+        if sel.name not in series:
+            problems.append(f"{sel.name} is not exported by the sidecar")
+            continue
+        metric = series[sel.name]
+        for matcher in sel.matchers.matchers:
+            allowed = LABEL_VALUES.get((metric, matcher.name))
+            if allowed is not None and matcher.value not in allowed:
+                problems.append(f"{metric}{{{matcher.name}={matcher.value!r}}}: not in {allowed}")
+    return problems
+
+
+def test_podmonitor_scrapes_the_port_and_label_the_jobs_use():
+    monitor = load_all(K8S / "monitoring" / "podmonitor.yaml")[0]
+    labels = monitor["spec"]["selector"]["matchLabels"]
+    endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["path"] == "/metrics"
+    for path, _doc, job, pod in POD_CASES:
+        template = (job or {}).get("template", {})
+        assert labels.items() <= template.get("metadata", {}).get("labels", {}).items(), rel(path)
+        ports = [p["name"] for p in containers(pod)["jitckpt-sidecar"]["ports"]]
+        assert endpoint["port"] in ports
+
+
+def test_alert_expressions_parse_and_use_only_exported_metrics():
+    """Every rule's PromQL parses (promql-parser) and selects only the sidecar's series."""
+    rules = [r for g in RULES["spec"]["groups"] for r in g["rules"]]
+    problems = [p for r in rules for p in check_references(r["expr"])]
+    assert not problems, problems
+    assert all(r["labels"]["severity"] in ("warning", "critical") for r in rules)
+
+
+def test_alerts_cover_disk_pressure_upload_lag_upload_and_restore_failures():
+    rules = {r["alert"]: r["expr"] for g in RULES["spec"]["groups"] for r in g["rules"]}
+    assert "jitckpt_storage_pressure_ratio" in rules["JitckptDiskPressure"]
+    assert rules["JitckptDiskPressure"].endswith("> 0.85")
+    assert "jitckpt_upload_lag_seconds" in rules["JitckptUploadLag"]
+    assert 'jitckpt_uploads_total{result="failure"}' in rules["JitckptUploadFailures"]
+    assert 'jitckpt_restores_total{result="failure"}' in rules["JitckptRestoreFailed"]
+
+
+def test_a_broken_expression_is_caught():
+    """The parser really rejects bad PromQL, so the checks above can fail."""
+    with pytest.raises(ValueError, match="unclosed"):
+        promql_parser.parse("max by (pod (jitckpt_upload_lag_seconds)")
+    assert check_references("rate(jitckpt_made_up_total[5m])")
+
+
+GRAFANA_VARS = {"$__rate_interval": "5m", "$namespace": "ns", "$pod": ".*"}
+
+
+def dashboard_exprs() -> list[str]:
+    exprs = []
+    for panel in DASHBOARD["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for var, value in GRAFANA_VARS.items():
+                expr = expr.replace(var, value)
+            exprs.append(expr)
+    return exprs
+
+
+def test_dashboard_queries_use_only_exported_metrics():
+    """Each panel's PromQL parses once Grafana's variables are filled in, and selects only
+    series the sidecar exports."""
+    exprs = dashboard_exprs()
+    assert len(exprs) >= 20
+    problems = [p for e in exprs for p in check_references(e)]
+    assert not problems, problems
+    for var in DASHBOARD["templating"]["list"]:
+        if var["type"] == "query":
+            metric = re.search(r"label_values\((\w+)", var["definition"]).group(1)
+            assert metric in METRICS
+
+
+def test_dashboard_shows_every_exported_metric():
+    used = {
+        series_names()[s.name] for e in dashboard_exprs() for s in selectors(promql_parser.parse(e))
+    }
+    assert used == set(METRICS)
