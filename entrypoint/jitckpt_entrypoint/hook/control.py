@@ -85,6 +85,13 @@ class ControlGroup:
         self._dist.all_gather_object(out, obj, group=self._group)
         return out
 
+    def close(self) -> None:
+        """Destroy the group while every rank is still here (not in interpreter teardown)."""
+        if self.distributed:
+            self._collect()
+            self._dist.destroy_process_group(self._group)
+            self._group = None
+
     def _drain(self) -> None:
         """Finish the in-flight async round so collectives stay matched across ranks."""
         # Every rank has the same round in flight, so waiting here is symmetric; its result

@@ -60,6 +60,11 @@ class Session:
     def training_ended(self) -> None:
         self.training = False
         self.flag.restore()
+        if self._control is not None:
+            # gloo's threads must not be left to the interpreter's teardown, where their
+            # destruction order is arbitrary; the next train() builds a new group.
+            self._control.close()
+            self._control = None
 
     def exit(self, code: int) -> NoReturn:
         """Leave now with `code`: no interpreter teardown that could outlast the grace period."""
