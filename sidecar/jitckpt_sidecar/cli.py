@@ -4,5 +4,5 @@ import sys
 
 
 def main() -> int:
-    print("jitckpt-sidecar: error: not implemented yet", file=sys.stderr)  # noqa: T201
+    print("jitckpt-sidecar: error: not implemented yet", file=sys.stderr)
     return 2
