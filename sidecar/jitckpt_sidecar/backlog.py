@@ -23,6 +23,7 @@ class Backlog:
         self._in_flight: Optional[Staged] = None
         self._done: dict[int, float] = {}
         """step -> created_at of the manifest uploaded (or skipped) by this process."""
+        self._closed = False
 
     def offer(self, staged: Staged) -> bool:
         """Queue `staged` unless it is queued, in flight or already done; True when added."""
@@ -42,7 +43,7 @@ class Backlog:
         """The newest waiting checkpoint whose backoff has passed (now in flight), or None."""
         deadline = self._clock() + timeout
         with self._cond:
-            while True:
+            while not self._closed:
                 now = self._clock()
                 ready = [s for s in self._waiting if self._not_before.get(s, 0.0) <= now]
                 if ready and self._in_flight is None:
@@ -54,6 +55,13 @@ class Backlog:
                     return None
                 waits = [t - now for t in self._not_before.values() if t > now]
                 self._cond.wait(timeout=min([deadline - now, *waits]))
+            return None
+
+    def close(self) -> None:
+        """Hand out nothing more; a waiting `take` returns None at once."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def done(self, staged: Staged) -> None:
         """`staged` is committed in S3 (or skipped on purpose): never queue it again."""

@@ -184,9 +184,11 @@ def run_main(argv: list[str]) -> int:
 def _run(cfg: Config, logger: logging.Logger) -> int:
     from prometheus_client import CollectorRegistry
 
+    from jitckpt_sidecar import memory
     from jitckpt_sidecar.server import MetricsServer
     from jitckpt_sidecar.service import Service
 
+    memory.limit_arenas()  # before any thread exists
     layout = prepare_dir(cfg)
     registry = CollectorRegistry()
     server = MetricsServer(

@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional
 from prometheus_client import CollectorRegistry
 
 from jitckpt_entrypoint import manifest as m
-from jitckpt_sidecar import s3, staging, transfers
+from jitckpt_entrypoint import status
+from jitckpt_sidecar import memory, s3, staging, transfers
 from jitckpt_sidecar.backlog import Backlog
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.metrics import Metrics
@@ -114,6 +115,7 @@ class Service:
         result = self.restore()
         if result is None:
             return 1
+        memory.trim()
         self.readiness.set(result.source, result.step, result.seconds)
         self.metrics.restore.ready.set(1)
         self.log.info(
@@ -129,11 +131,11 @@ class Service:
             return self._loop()
         finally:
             self._stop.set()
-            self._wake.set()
-            if worker.is_alive():  # it stops at its next check; never past the grace period
-                worker.join(timeout=0.2 if self._sigterm_at is not None else 10.0)
+            self.backlog.close()
             self.watcher.stop()
             self.server.stop()
+            if worker.is_alive():  # it stops at its next check; never past the grace period
+                worker.join(timeout=0.2 if self._sigterm_at is not None else 10.0)
 
     def restore(self) -> Optional[RestoreResult]:
         """The start-up restore with its metrics; None when SIGTERM interrupted it."""
@@ -169,10 +171,9 @@ class Service:
                 next_rescan = now + self.cfg.rescan_seconds
             # Read trainer.json before scanning: whatever the trainer staged before it exited
             # is then in this scan, so "exited and nothing pending" is never premature.
-            trainer_exited = self.feed.trainer_exited()
-            trainer_known = self.feed.trainer() is not None
+            trainer = self.feed.trainer()
             self._tick()
-            code = self._exit_code(trainer_exited, trainer_known)
+            code = self._exit_code(trainer)
             if code is not None:
                 return code
             timeout = next_rescan - self.monotonic()
@@ -195,7 +196,9 @@ class Service:
         except Exception as exc:  # noqa: BLE001 - relief is retried at the next tick; the loop must go on
             self.log.warning("disk-pressure relief failed: %s", self._describe(exc, "prune"))
 
-    def _exit_code(self, trainer_exited: bool, trainer_known: bool) -> Optional[int]:
+    def _exit_code(self, trainer: Optional[status.TrainerStatus]) -> Optional[int]:
+        trainer_known = trainer is not None
+        trainer_exited = trainer is not None and trainer.exited_at is not None
         if self._sigterm_at is not None:
             if not self._said_draining:
                 self._said_draining = True
@@ -213,6 +216,10 @@ class Service:
                 )
                 return 0
             elapsed = self.monotonic() - self._sigterm_at
+            if trainer is not None and trainer.sigterm_at is not None:
+                # The pod's grace period began when the trainer got SIGTERM; a native sidecar
+                # gets its own SIGTERM only after the trainer has exited.
+                elapsed = max(elapsed, self.clock() - trainer.sigterm_at)
             if elapsed >= self.cfg.drain_seconds:
                 pending = ", ".join(s.name for s in self.backlog.pending())
                 left = f"not committed in S3: {pending}" if pending else "nothing left to upload"
@@ -335,6 +342,7 @@ class Service:
                 "retention failed (retried after the next upload): %s",
                 self._describe(exc, "retention"),
             )
+        memory.trim()
         self.wake()  # pressure relief may now delete what just became safe to delete
 
     def _cancel_reason(self, staged: Staged) -> Optional[str]:
@@ -352,8 +360,10 @@ class Service:
     # -- helpers --
 
     def _in_s3(self, step: int) -> bool:
+        """Asked before deleting a local copy: look again rather than trust the cache (another
+        node's retention may have deleted it since)."""
         try:
-            return self.remote.committed(step) is not None
+            return self.remote.committed(step, refresh=True) is not None
         except Exception as exc:  # noqa: BLE001 - unknown means no: never delete what S3 may not hold
             self.log.debug("cannot tell whether %s is in S3: %s", m.checkpoint_name(step), exc)
             return False

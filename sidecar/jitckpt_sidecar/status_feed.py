@@ -35,9 +35,5 @@ class StatusFeed:
             self.metrics.jit(record)
 
     def trainer(self) -> Optional[status.TrainerStatus]:
+        """trainer.json (started, SIGTERM received at, exited at), None before the first run."""
         return status.read_trainer(self.dir)
-
-    def trainer_exited(self) -> bool:
-        """Whether trainer.json says the trainer exited (False when there is none yet)."""
-        record = self.trainer()
-        return record is not None and record.exited_at is not None

@@ -73,7 +73,6 @@ class Watcher:
         self._observer = observer
 
     def stop(self) -> None:
-        if self._observer is not None:
+        if self._observer is not None:  # its threads are daemons: no need to wait for them
             self._observer.stop()
-            self._observer.join(timeout=5)
             self._observer = None

@@ -120,7 +120,9 @@ def upload_directly(bucket_uri: str, endpoint: str, root: Path, step: int) -> No
     staging.remove(staged)
 
 
-def write_trainer(root: Path, *, exited: bool = False, sigterm: bool = False) -> None:
+def write_trainer(
+    root: Path, *, exited: bool = False, sigterm: bool = False, sigterm_ago: float = 0.0
+) -> None:
     """status/trainer.json as the entrypoint writes it (running, or exited)."""
     m.Layout(str(root)).ensure()
     now = time.time()
@@ -131,7 +133,7 @@ def write_trainer(root: Path, *, exited: bool = False, sigterm: bool = False) ->
             pid=12345,
             command=("torchrun", "train.py"),
             started_at=now - 60,
-            sigterm_at=now if sigterm else None,
+            sigterm_at=now - sigterm_ago if sigterm else None,
             exited_at=now if exited else None,
             exit_code=143 if exited else None,
         ),

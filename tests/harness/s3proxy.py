@@ -21,6 +21,15 @@ from typing import Optional
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade"}
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """Clients that vanish (a SIGKILLed sidecar, a dropped held request) are expected here."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     method: str
@@ -82,8 +91,7 @@ class S3Proxy:
         self.holds: list[Hold] = []
         self.faults: list[Fault] = []
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
+        self._server = _QuietServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property

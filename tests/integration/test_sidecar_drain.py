@@ -168,3 +168,25 @@ def test_exit_with_trainer_leaves_once_the_final_checkpoint_is_uploaded(
     write_trainer(root, exited=True)
     assert proc.wait(60) == 0, proc.output()
     assert committed_in_s3(s3_bucket) == [99]
+
+
+def test_the_drain_deadline_counts_from_the_trainers_sigterm_when_that_came_first(
+    spawn, base_env, s3_bucket, proxy, tmp_path
+):
+    """A native sidecar gets SIGTERM after the trainer exited; the pod's grace period began at
+    the trainer's SIGTERM (trainer.json), so the sidecar gives up by then, not later."""
+    root = tmp_path / "node"
+    write_trainer(root)
+    proxy.hold(is_key("model.safetensors", "PUT"), times=None)
+    proc = spawn(
+        SIDECAR, env=env_for(base_env, s3_bucket, root, proxy.url, JITCKPT_GRACE_SECONDS="30")
+    )
+    metrics_port(proc)
+    commit([root], 20, [hf_files(20)], kind="jit")
+    wait_for(lambda: proxy.holds[0].held >= 1, timeout=30, what="the JIT upload to hang")
+    write_trainer(root, exited=True, sigterm=True, sigterm_ago=26.0)  # 30 s grace - 3 s margin
+    started = time.monotonic()
+    proc.send(signal.SIGTERM)
+    assert proc.wait(30) == 1, proc.output()
+    assert time.monotonic() - started < 5.0
+    log_line(proc, r"drain deadline reached 2[6-9]\.\d s after SIGTERM")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -134,3 +135,13 @@ def test_check_passes_on_a_healthy_bucket_and_aws_s3_bucket_gives_the_uri(
         "list, write, read and delete work"
     )
     assert proc.stdout == [expected]
+
+
+def test_with_json_logs_the_error_is_one_json_line(spawn, base_env, s3_bucket):
+    """JITCKPT_LOG_FORMAT=json: the one error line is a JSON object naming the component."""
+    env = s3_bucket.env(base_env)
+    env.update(JITCKPT_STORAGE_URI="s3://no-such-bucket-here/x", JITCKPT_LOG_FORMAT="json")
+    line = run_and_expect(spawn, env, ["check"], 3, "does not exist")
+    entry = json.loads(line)
+    assert (entry["level"], entry["component"]) == ("error", "jitckpt-sidecar")
+    assert "'no-such-bucket-here' does not exist" in entry["msg"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -233,3 +234,46 @@ def test_a_failed_upload_is_logged_counted_and_retried_until_it_succeeds(
     assert metrics[("jitckpt_uploads_total", (("result", "failure"),))] == 1
     assert metrics[("jitckpt_uploads_total", (("result", "success"),))] == 1
     assert metrics[("jitckpt_upload_retries_total", ())] >= 1
+
+
+def test_a_checkpoint_committed_while_running_is_uploaded_on_the_inotify_event(
+    spawn, base_env, s3_bucket, proxy, tmp_path
+):
+    """With the periodic rescan an hour away, a checkpoint staged after start-up is uploaded
+    within seconds: the watchdog event wakes the loop."""
+    root = tmp_path / "node"
+    write_trainer(root)
+    proc = spawn(
+        SIDECAR, env=env_for(base_env, s3_bucket, proxy, root, JITCKPT_RESCAN_SECONDS="3600")
+    )
+    log_line(proc, r"ready \(restore: none\)")
+    committed_at = time.monotonic()
+    commit([root], 5, [hf_files(5)])
+    log_line(proc, r"uploaded checkpoint-5 ", timeout=20)
+    assert time.monotonic() - committed_at < 20
+
+
+def test_a_two_node_checkpoint_is_committed_in_s3_only_once_both_sidecars_uploaded(
+    spawn, base_env, s3_bucket, tmp_path
+):
+    """Each node's sidecar uploads its owned files and manifest; S3 holds a committed
+    checkpoint only after the second node's manifest arrives."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    shared = {"trainer_state.json": b'{"global_step": 8}\n'}
+    commit(nodes, 8, [{**hf_files(8), **shared}, {**shared, "rng_state_1.pth": 900}])
+    remote = Remote(s3_bucket.client, parse_s3_uri(s3_bucket.uri))
+    for node, root in enumerate(nodes):
+        write_trainer(root, exited=True)
+        env = sidecar_env(
+            s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}), JITCKPT_EXIT_WITH_TRAINER="1"
+        )
+        proc = spawn(SIDECAR, env=env)
+        assert proc.wait(60) == 0, proc.output()
+        log_line(proc, rf"uploaded checkpoint-8 \(node {node}\)")
+        if node == 0:
+            assert remote.committed(8) is None
+            assert problems(remote.load(8)) == ["manifest of node 1 missing"]
+    ckpt = remote.committed(8)
+    assert ckpt is not None
+    assert sorted(ckpt.manifests) == [0, 1]
+    assert s3_bucket.keys("checkpoint-8").keys() >= {"checkpoint-8/rng_state_1.pth"}

@@ -72,4 +72,4 @@ def test_save_events_and_the_jit_record_are_counted_once(tmp_path):
     feed.poll()
     assert value("jitckpt_jit_trigger_to_commit_seconds") == 1.25
     assert not os.path.exists(os.path.join(tmp_path, "trainer.json"))
-    assert feed.trainer_exited() is False
+    assert feed.trainer() is None
