@@ -55,9 +55,12 @@ BUCKET = "jitckpt-bench"
 MiB = 1024 * 1024
 
 # Tuned settings, chosen with --tune on this machine (see the README draft for the search).
-AWS_TUNED = {"max_concurrent_requests": "20", "multipart_chunksize": "64MB"}
-S5CMD_TUNED = ["--numworkers", "16", "cp", "-c", "10", "-p", "64"]
-SIDECAR_TUNED: dict[str, str] = {}  # the defaults are the tuned values
+# Tuned settings: the fastest of the --tune candidates (1 GiB, this machine), per direction.
+AWS_TUNED_UP = {"max_concurrent_requests": "10", "multipart_chunksize": "16MB"}
+AWS_TUNED_DOWN = {"max_concurrent_requests": "4", "multipart_chunksize": "64MB"}
+S5CMD_TUNED_UP = ["--numworkers", "16", "cp", "-c", "10", "-p", "16"]
+S5CMD_TUNED_DOWN = ["--numworkers", "16", "cp", "-c", "10", "-p", "64"]
+SIDECAR_TUNED: dict[str, str] = {}  # its defaults are the tuned values
 
 AWS_CANDIDATES = [
     {"max_concurrent_requests": str(c), "multipart_chunksize": f"{p}MB"}
@@ -383,28 +386,40 @@ def commit_and_stage(jdir: Path, src: Path) -> Any:
 
 
 def measure(
-    tool: Any, src: Path, work: Path, client: Any, *, runs: int, restore_prefix: str
-) -> dict[str, Any]:
-    ups, downs, up_xfer, down_xfer = [], [], [], []
-    for i in range(runs):
-        prefix = f"up-{time.monotonic_ns()}-{i}"
-        ups.append(tool.upload(src, prefix))
-        up_xfer.append(getattr(tool, "last_transfer", float("nan")))
-        empty_prefix(client, prefix + "/")
-        dest = work / f"down-{i}"
-        shutil.rmtree(dest, ignore_errors=True)
-        dest.mkdir()
-        downs.append(tool.download(restore_prefix, dest))
-        down_xfer.append(getattr(tool, "last_transfer", float("nan")))
-        shutil.rmtree(dest)
-    return {
-        "up": statistics.median(ups),
-        "down": statistics.median(downs),
-        "up_transfer": statistics.median(up_xfer),
-        "down_transfer": statistics.median(down_xfer),
-        "ups": ups,
-        "downs": downs,
+    tools: list[tuple[str, Any, Any]],
+    src: Path,
+    work: Path,
+    client: Any,
+    *,
+    runs: int,
+    restore_prefix: str,
+) -> dict[str, dict[str, Any]]:
+    """Median seconds per tool; the runs are interleaved so that drift hits every tool alike."""
+    raw: dict[str, dict[str, list[float]]] = {
+        name: {"up": [], "down": [], "up_transfer": [], "down_transfer": []} for name, _, _ in tools
     }
+    for i in range(runs):
+        for name, up, down in tools:
+            prefix = f"up-{time.monotonic_ns()}-{i}"
+            raw[name]["up"].append(up.upload(src, prefix))
+            raw[name]["up_transfer"].append(getattr(up, "last_transfer", float("nan")))
+            empty_prefix(client, prefix + "/")
+            dest = work / f"down-{i}"
+            shutil.rmtree(dest, ignore_errors=True)
+            dest.mkdir()
+            raw[name]["down"].append(down.download(restore_prefix, dest))
+            raw[name]["down_transfer"].append(getattr(down, "last_transfer", float("nan")))
+            shutil.rmtree(dest)
+            print(
+                f"run {i + 1}: {name}: {raw[name]['up'][-1]:.2f} / {raw[name]['down'][-1]:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    out: dict[str, dict[str, Any]] = {}
+    for name, series in raw.items():
+        out[name] = {key: statistics.median(values) for key, values in series.items()}
+        out[name]["runs"] = series
+    return out
 
 
 def seed_restore_prefix(endpoint: str, src: Path, work: Path) -> str:
@@ -429,7 +444,10 @@ def tune(
     for name, setting, make in rows:
         if name not in tools:
             continue
-        result = measure(make(), src, work, client, runs=1, restore_prefix=restore_prefix)
+        tool = make()
+        result = measure(
+            [(name, tool, tool)], src, work, client, runs=1, restore_prefix=restore_prefix
+        )[name]
         print(f"{name:8} {setting:70} {result['up']:8.2f} {result['down']:8.2f}", flush=True)
 
 
@@ -518,26 +536,37 @@ def main() -> None:
                 tune(endpoint, src, work, client, restore_prefix, tools=set(args.tools.split(",")))
                 return
             put, get = floor(src, work, client)
+            up_aws = " ".join(f"{k}={v}" for k, v in AWS_TUNED_UP.items())
+            down_aws = " ".join(f"{k}={v}" for k, v in AWS_TUNED_DOWN.items())
+            up_s5, down_s5 = " ".join(S5CMD_TUNED_UP), " ".join(S5CMD_TUNED_DOWN)
+            aws, s5 = Aws(endpoint, work, None), S5cmd(endpoint, None)
+            sidecar = Sidecar(endpoint, work, SIDECAR_TUNED)
             tools = [
-                ("aws default", Aws(endpoint, work, None)),
+                ("aws default", aws, aws),
                 (
-                    "aws tuned " + " ".join(f"{k}={v}" for k, v in AWS_TUNED.items()),
-                    Aws(endpoint, work, AWS_TUNED),
+                    "aws tuned",
+                    Aws(endpoint, work, AWS_TUNED_UP),
+                    Aws(endpoint, work, AWS_TUNED_DOWN),
                 ),
-                ("s5cmd default", S5cmd(endpoint, None)),
-                ("s5cmd tuned " + " ".join(S5CMD_TUNED), S5cmd(endpoint, S5CMD_TUNED)),
-                ("jitckpt-sidecar (defaults)", Sidecar(endpoint, work, SIDECAR_TUNED)),
+                ("s5cmd default", s5, s5),
+                (
+                    "s5cmd tuned",
+                    S5cmd(endpoint, S5CMD_TUNED_UP),
+                    S5cmd(endpoint, S5CMD_TUNED_DOWN),
+                ),
+                ("jitckpt-sidecar (defaults)", sidecar, sidecar),
             ]
-            results = {}
-            for name, tool in tools:
-                results[name] = measure(
-                    tool, src, work, client, runs=args.runs, restore_prefix=restore_prefix
-                )
-                print(
-                    f"measured {name}: {results[name]['ups']} / {results[name]['downs']}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            results = measure(
+                tools, src, work, client, runs=args.runs, restore_prefix=restore_prefix
+            )
+            legend = [
+                f"aws tuned: upload {up_aws}; restore {down_aws} (AWS_CONFIG_FILE s3 section)",
+                f"s5cmd tuned: upload s5cmd {up_s5}; restore s5cmd {down_s5}",
+                (
+                    "jitckpt-sidecar: JITCKPT_UPLOAD_CONCURRENCY=8 JITCKPT_MULTIPART_CHUNK=16Mi "
+                    "JITCKPT_DOWNLOAD_CONCURRENCY=8 JITCKPT_DOWNLOAD_CHUNK=256Mi (defaults)"
+                ),
+            ]
             idle = [] if args.no_idle else idle_cost(endpoint, src, work, args.idle_seconds)
 
     ours = results["jitckpt-sidecar (defaults)"]
@@ -558,6 +587,8 @@ def main() -> None:
         print(f"{name:60}{cells(r['up'], r['down'])}")
     transfer = f"{ours['up_transfer']:9.2f}{'':7}{ours['down_transfer']:9.2f}"
     print(f"{'  the sidecar transfer alone (from its log line)':60}{transfer}")
+    for line in legend:
+        print(f"  {line}")
     print(
         f"\nratio best tool / sidecar (>= 1.0: sidecar at least as fast): "
         f"upload {best_up / ours['up']:.2f}, restore {best_down / ours['down']:.2f}"

@@ -188,7 +188,7 @@ def _run(cfg: Config, logger: logging.Logger) -> int:
     from jitckpt_sidecar.server import MetricsServer
     from jitckpt_sidecar.service import Service
 
-    memory.limit_arenas()  # before any thread exists
+    memory.configure()  # before any thread exists
     layout = prepare_dir(cfg)
     registry = CollectorRegistry()
     server = MetricsServer(

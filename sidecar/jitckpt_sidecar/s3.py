@@ -41,6 +41,17 @@ _PERMISSION = {
 }
 
 
+_CHECKSUM_REFUSALS = (
+    "XAmzContentSHA256Mismatch",
+    "InvalidArgument",
+    "NotImplemented",
+    "InvalidRequest",
+    "BadDigest",
+    "InvalidDigest",
+)
+"""What S3-compatible stores without flexible-checksum support answer to CRC32 trailers."""
+
+
 def endpoint_of(cfg: Config) -> str:
     """The endpoint in words, for messages (no credentials: any user:password@ is dropped)."""
     if not cfg.s3_endpoint:
@@ -71,6 +82,10 @@ def make_client(
     if addressing == "auto":
         # MinIO, Ceph RGW and ODF endpoints rarely have wildcard DNS for virtual-host buckets.
         addressing = "path" if cfg.s3_endpoint else "auto"
+    # botocore's flexible checksums stay at boto3's default (CRC32 on every upload request, so
+    # S3 rejects bytes damaged in transit; measured faster on moto too, which otherwise builds a
+    # full-object checksum itself). Stores that predate them are told apart by the start-up
+    # probe, whose error names AWS_REQUEST_CHECKSUM_CALCULATION=when_required, boto3's switch.
     boto_cfg = BotoConfig(
         retries={"mode": "standard", "total_max_attempts": attempts or cfg.s3_max_attempts},
         max_pool_connections=max(pool, 10),
@@ -78,10 +93,6 @@ def make_client(
         read_timeout=120,
         tcp_keepalive=True,
         s3={"addressing_style": addressing},
-        # Our own end-to-end checksum (manifest + object metadata) covers integrity; botocore's
-        # default CRC trailers cost CPU and break older S3-compatible stores.
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
         user_agent_extra=f"jitckpt-sidecar/{__version__}",
     )
     verify: Optional[bool] = None  # None: verify, with AWS_CA_BUNDLE when set
@@ -206,6 +217,11 @@ def describe(exc: BaseException, cfg: Config, operation: str, where: str) -> str
             f"{permission} there"
         )
     detail = _one_line(str(exc))
+    if code in _CHECKSUM_REFUSALS and not os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION"):
+        return (
+            f"{operation} on {where} at {endpoint} failed ({code}): the store may predate S3's "
+            "flexible checksums; set AWS_REQUEST_CHECKSUM_CALCULATION=when_required"
+        )
     return f"{operation} on {where} at {endpoint} failed: {detail}"
 
 

@@ -40,6 +40,8 @@ from jitckpt_sidecar.watcher import Watcher
 
 DRAIN_POLL = 0.5
 """Seconds between drain checks (trainer.json is also watched; this is the safety net)."""
+WORKER_POLL = 5.0
+"""The idle worker's wake-up interval; new work and stopping wake it at once."""
 MAX_BACKOFF = 60.0
 DRAIN_MAX_BACKOFF = 1.0
 
@@ -273,7 +275,7 @@ class Service:
 
     def _work(self) -> None:
         while not self._stop.is_set():
-            staged = self.backlog.take(timeout=DRAIN_POLL)
+            staged = self.backlog.take(timeout=WORKER_POLL)
             if staged is not None:
                 self._upload(staged)
 

@@ -40,8 +40,8 @@ def download_config(cfg: Config) -> Any:
     from boto3.s3.transfer import TransferConfig
 
     return TransferConfig(
-        multipart_threshold=cfg.multipart_chunk,
-        multipart_chunksize=cfg.multipart_chunk,
+        multipart_threshold=cfg.download_chunk,
+        multipart_chunksize=cfg.download_chunk,
         max_concurrency=cfg.download_concurrency,
         io_chunksize=1024 * 1024,  # fewer, larger writes than the 256 KiB default
         use_threads=True,

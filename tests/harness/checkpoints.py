@@ -148,6 +148,7 @@ def sidecar_env(env: Mapping[str, str], **extra: str) -> dict[str, str]:
         JITCKPT_METRICS_PORT="0",
         JITCKPT_RESCAN_SECONDS="2",
         JITCKPT_MULTIPART_CHUNK="5Mi",
+        JITCKPT_DOWNLOAD_CHUNK="5Mi",
     )
     out.update(extra)
     return out

@@ -17,6 +17,8 @@ def two_node_files(step: int) -> list[dict[str, bytes | int]]:
     """Node 0 holds the model and its RNG state; node 1 its RNG state; both the trainer state."""
     state = f'{{"global_step": {step}}}\n'.encode()
     node0 = {**hf_files(step), "trainer_state.json": state, "rng_state_0.pth": data(700, step)}
+    if step == 10:  # the one restored: a shard large enough for ranged GETs (5 MiB ranges)
+        node0["model-2.safetensors"] = data(11 * 1024 * 1024, step)
     node1 = {"trainer_state.json": state, "rng_state_1.pth": data(900, step + 7)}
     return [node0, node1]
 
@@ -48,7 +50,8 @@ def test_restore_picks_the_newest_committed_checkpoint_and_passes_over_broken_on
     root = tmp_path / "restored"
     leftover = root / "checkpoints" / ".jitckpt-restore-10-1"
     leftover.mkdir(parents=True)  # a restore killed earlier
-    proc = spawn([*SIDECAR, "restore"], env=s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}))
+    env = s3_bucket.env({**base_env, "JITCKPT_DIR": str(root), "JITCKPT_DOWNLOAD_CHUNK": "5Mi"})
+    proc = spawn([*SIDECAR, "restore"], env=env)
     assert proc.wait(60) == 0, proc.output()
 
     checkpoints = str(root / "checkpoints")

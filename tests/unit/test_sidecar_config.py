@@ -18,7 +18,8 @@ def test_defaults_match_the_documented_table():
     assert (cfg.s3_keep, cfg.storage_capacity, cfg.disk_pressure_threshold) == (0, None, 0.85)
     assert (cfg.grace_seconds, cfg.rescan_seconds, cfg.exit_with_trainer) == (30, 30.0, False)
     assert (cfg.s3_verify_tls, cfg.s3_addressing, cfg.s3_endpoint) == (True, "auto", "")
-    assert cfg.multipart_chunk >= 5 * 1024**2
+    assert (cfg.upload_concurrency, cfg.download_concurrency) == (8, 8)
+    assert (cfg.multipart_chunk, cfg.download_chunk) == (16 * 1024**2, 256 * 1024**2)
     assert cfg.uri.bucket == "bucket-1"
     assert cfg.uri.prefix == "run"
 
@@ -107,6 +108,7 @@ def test_malformed_quantities_are_rejected(text):
         ({**URI, "JITCKPT_GRACE_SECONDS": "0"}, {}, "JITCKPT_GRACE_SECONDS=0 is invalid"),
         ({**URI, "JITCKPT_UPLOAD_CONCURRENCY": "0"}, {}, "use a number from 1 to 64"),
         ({**URI, "JITCKPT_MULTIPART_CHUNK": "6Gi"}, {}, "use a quantity from 5Mi to 5Gi"),
+        ({**URI, "JITCKPT_DOWNLOAD_CHUNK": "1Mi"}, {}, "JITCKPT_DOWNLOAD_CHUNK=1048576 is"),
         ({**URI, "JITCKPT_S3_ADDRESSING": "dns"}, {}, "use one of auto, path, virtual"),
         (
             {**URI, "JITCKPT_S3_VERIFY_TLS": "nah"},

@@ -40,6 +40,11 @@ def client_error(code: str, status: int = 400, op: str = "ListObjectsV2") -> Cli
             "AWS_CA_BUNDLE",
         ),
         (client_error("InternalError", 500), "PutObject", "PutObject on s3://bucket-1/run at"),
+        (
+            client_error("XAmzContentSHA256Mismatch", 400),
+            "PutObject",
+            "set AWS_REQUEST_CHECKSUM_CALCULATION=when_required",
+        ),
     ],
 )
 def test_each_failure_kind_names_its_fix_on_one_line_without_secrets(exc, operation, needle):
