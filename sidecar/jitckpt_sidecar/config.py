@@ -177,8 +177,9 @@ class Config:
     upload_concurrency: int = 8
     """Parallel S3 requests (parts and whole files) of one checkpoint upload (measured: see
     bench/bench_s3.py; 4 to 16 are within noise of each other, 8 leaves CPU for the rest)."""
-    download_concurrency: int = 8
-    """Parallel S3 requests of a restore."""
+    download_concurrency: int = 4
+    """Parallel S3 requests of a restore. Measured on a 2-core node: 4 was steadier than 8 or
+    16 (fewer large responses in flight at once); raise it on big nodes with fast networks."""
     multipart_chunk: int = 16 * 1024**2
     """Upload part size; files above it go multipart. Measured fastest of 8 to 256 MiB; 16 MiB
     keeps a 5 GB shard at ~300 parts (s3transfer raises it past S3's 10,000-part limit)."""
