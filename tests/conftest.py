@@ -10,6 +10,8 @@ import pytest
 
 from harness.procs import Proc
 
+pytest_plugins = ("harness.s3",)  # moto_server and s3_bucket: a real S3 server on loopback
+
 
 @pytest.fixture
 def jdir(tmp_path: Path) -> Path:

@@ -1,27 +1,248 @@
-"""`jitckpt-sidecar`: placeholder until the sidecar lands.
+"""`jitckpt-sidecar [COMMAND] [OPTIONS]`: the S3 sidecar beside the trainer.
 
-TEMPORARY (issue 6): the `install` and `inject` dispatch below only lets the deployment
-branch's image tests run; the real CLI replaces this file and wires both subcommands.
+Commands are dispatched through COMMANDS ("module:function", each `main(argv) -> int`), so a
+new one is one line there. Exit codes: 0 success; 1 runtime failure (the drain ended with
+checkpoints not committed in S3, a restore failed); 2 a usage or configuration error;
+3 S3 is unreachable, the bucket is missing or the credentials are refused.
 """
 
 from __future__ import annotations
 
+import argparse
+import errno
+import importlib
+import logging
+import os
+import signal
 import sys
-from typing import Optional
+import traceback
+from collections.abc import Sequence
+from typing import Callable, NoReturn, Optional
+
+from jitckpt_entrypoint import log
+from jitckpt_entrypoint.manifest import Layout
+from jitckpt_sidecar import __version__, s3
+from jitckpt_sidecar.config import BOOL_FIELDS, OPTIONS, Config
+from jitckpt_sidecar.errors import ConfigError, SidecarError
+
+PROG = "jitckpt-sidecar"
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": (
+        "jitckpt_sidecar.cli:run_main",
+        "restore, then watch, upload, prune and serve metrics until SIGTERM (the default)",
+    ),
+    "restore": (
+        "jitckpt_sidecar.cli:restore_main",
+        "restore the newest checkpoint committed in S3, then exit (an init container)",
+    ),
+    "check": (
+        "jitckpt_sidecar.cli:check_main",
+        "verify the configuration and S3 access (list, write, read, delete), then exit",
+    ),
+    "install": (
+        "jitckpt_sidecar.install:main",
+        "copy the stdlib-only entrypoint bundle into DIR (the swap-in init container)",
+    ),
+    "inject": (
+        "jitckpt_sidecar.inject:main",
+        "rewrite Pod/Job/JobSet/TrainJob YAML into the swap-in form (stdin or -f FILE)",
+    ),
+}
+USAGE = f"{PROG} [{'|'.join(COMMANDS)}] [OPTIONS]"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "install":
-        from jitckpt_sidecar import install
-
-        return install.main(args[1:])
-    if args and args[0] == "inject":
-        from jitckpt_sidecar import inject
-
-        return inject.main(args[1:])
-    if args and args[0] in ("-h", "--help"):
-        print("usage: jitckpt-sidecar {install DIR | inject [OPTIONS]}")  # noqa: T201
+    if args[:1] in (["-h"], ["--help"]):
+        print(_overview())
         return 0
-    print("jitckpt-sidecar: error: not implemented yet", file=sys.stderr)  # noqa: T201
-    return 2
+    if args[:1] == ["--version"]:
+        print(f"{PROG} {__version__}")
+        return 0
+    name = "run"
+    if args and not args[0].startswith("-"):
+        name, args = args[0], args[1:]
+    if name not in COMMANDS:
+        _error(f"unknown command {name!r}; use one of {', '.join(COMMANDS)} (usage: {USAGE})")
+        return 2
+    module, _, function = COMMANDS[name][0].partition(":")
+    target: Callable[[list[str]], int] = getattr(importlib.import_module(module), function)
+    return target(args)
+
+
+def _overview() -> str:
+    lines = [f"usage: {USAGE}", "", "commands:"]
+    lines += [f"  {name:10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", f"`{PROG} COMMAND --help` lists the options (each also a JITCKPT_* variable)."]
+    return "\n".join(lines)
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message}; usage: {self.usage}")
+
+
+def parse(command: str, argv: Sequence[str]) -> tuple[Config, bool]:
+    """Options of `command` (flags over JITCKPT_* env) into a validated Config, and -v."""
+    parser = _Parser(
+        prog=f"{PROG} {command}",
+        usage=f"{PROG} {command} [OPTIONS]",
+        description=COMMANDS[command][1] + ". Every option also reads its environment "
+        "variable; a flag wins.",
+        allow_abbrev=False,
+    )
+    for option in OPTIONS:
+        if option.field in BOOL_FIELDS:
+            parser.add_argument(
+                option.flag,
+                dest=option.field,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{option.help} [{option.env}]",
+            )
+        else:
+            parser.add_argument(
+                option.flag,
+                dest=option.field,
+                metavar="VALUE",
+                help=f"{option.help} [{option.env}]",
+            )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
+    parsed = vars(parser.parse_args(list(argv)))
+    verbose = bool(parsed.pop("verbose"))
+    flags = {
+        name: (("1" if value else "0") if name in BOOL_FIELDS else str(value))
+        for name, value in parsed.items()
+        if value is not None
+    }
+    return Config.from_env(os.environ, flags), verbose
+
+
+def _command(
+    command: str, argv: Sequence[str], body: Callable[[Config, logging.Logger], int]
+) -> int:
+    """Parse, set up logging, run `body`; every failure ends as one line on stderr."""
+    verbose = "-v" in argv or "--verbose" in argv
+    try:
+        cfg, verbose = parse(command, argv)
+    except SidecarError as exc:
+        _error(str(exc))
+        return exc.exit_code
+    logger = log.setup(PROG, cfg.log_format, verbose=verbose)
+    try:
+        return body(cfg, logger)
+    except SidecarError as exc:
+        logger.error("%s", exc, exc_info=verbose)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if s3.is_storage_error(exc):
+            logger.error("%s", s3.describe(exc, cfg, command, str(cfg.uri)), exc_info=verbose)
+            return 1
+        logger.error(
+            "internal error: %s: %s (run with -v for the traceback)",
+            type(exc).__name__,
+            " ".join(str(exc).split()),
+        )
+        if verbose:
+            traceback.print_exc()
+        return 1
+
+
+def prepare_dir(cfg: Config) -> Layout:
+    """Create checkpoints/, staging/ and status/ and prove we can write there."""
+    layout = Layout(cfg.dir)
+    try:
+        layout.ensure()
+        probe = os.path.join(layout.status, f".sidecar-write-probe.{os.getpid()}.tmp")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or errno.errorcode.get(exc.errno or 0, str(exc))
+        raise ConfigError(
+            f"JITCKPT_DIR={cfg.dir!r} is not writable by uid {os.getuid()} ({reason}); "
+            "mount the shared emptyDir there (writable for the pod's UID) or set JITCKPT_DIR"
+        ) from None
+    return layout
+
+
+def _clients(cfg: Config, logger: logging.Logger) -> object:
+    """Probe S3 access (fast-failing client), then return the transfer client."""
+    session = s3.new_session()
+    if not cfg.s3_verify_tls:
+        logger.warning(
+            "TLS verification of %s is OFF (JITCKPT_S3_VERIFY_TLS=0)", s3.endpoint_of(cfg)
+        )
+    attempts = min(s3.PROBE_ATTEMPTS, cfg.s3_max_attempts)
+    s3.probe(s3.make_client(cfg, session, attempts=attempts), cfg)
+    pool = max(cfg.upload_concurrency, cfg.download_concurrency) + 4
+    return s3.make_client(cfg, session, pool=pool)
+
+
+def run_main(argv: list[str]) -> int:
+    return _command("run", argv, _run)
+
+
+def _run(cfg: Config, logger: logging.Logger) -> int:
+    from prometheus_client import CollectorRegistry
+
+    from jitckpt_sidecar import memory
+    from jitckpt_sidecar.server import MetricsServer
+    from jitckpt_sidecar.service import Service
+
+    memory.configure()  # before any thread exists
+    layout = prepare_dir(cfg)
+    registry = CollectorRegistry()
+    server = MetricsServer(
+        host=cfg.metrics_host, port=cfg.metrics_port, registry=registry, logger=logger
+    )
+    client = _clients(cfg, logger)
+    service = Service(cfg, layout, client=client, registry=registry, server=server, logger=logger)
+    for signo in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signo, lambda *_: service.sigterm())
+    logger.info("started (pid %d): %s at %s", os.getpid(), cfg.uri, s3.endpoint_of(cfg))
+    code = service.run()
+    # Leave now: a request stuck at the drain deadline must not hold the exit (s3transfer's
+    # worker threads are joined at interpreter exit), and everything that matters is done.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def restore_main(argv: list[str]) -> int:
+    return _command("restore", argv, _restore)
+
+
+def _restore(cfg: Config, logger: logging.Logger) -> int:
+    from jitckpt_sidecar.readiness import Readiness
+    from jitckpt_sidecar.remote import Remote
+    from jitckpt_sidecar.restore import Restorer
+
+    layout = prepare_dir(cfg)
+    client = _clients(cfg, logger)
+    stop: list[str] = []
+    for signo in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signo, lambda signum, _frame: stop.append(signal.Signals(signum).name))
+    readiness = Readiness(layout.status)
+    readiness.reset()
+    restorer = Restorer(client, Remote(client, cfg.uri), cfg, layout, logger)
+    result = restorer.run(cancel=lambda: stop[0] if stop else None)
+    readiness.set(result.source, result.step, result.seconds)
+    return 0
+
+
+def check_main(argv: list[str]) -> int:
+    return _command("check", argv, _check)
+
+
+def _check(cfg: Config, logger: logging.Logger) -> int:
+    _clients(cfg, logger)
+    print(f"{PROG}: ok: {cfg.uri} at {s3.endpoint_of(cfg)}: list, write, read and delete work")
+    return 0

@@ -1,0 +1,602 @@
+"""S3 upload and restore throughput of jitckpt-sidecar against the usual tools, and its idle cost.
+
+A ~1 GiB checkpoint laid out like a Hugging Face Trainer's (two model shards, the optimizer
+state, small JSON/RNG/scheduler files) goes to a local moto S3 server and back with:
+
+- jitckpt-sidecar: `run` with JITCKPT_EXIT_WITH_TRAINER=1 (probe, upload of the staged
+  checkpoint, manifest last, exit) and `restore` (probe, listing, download, verification);
+- `aws s3 cp --recursive` (awscli from the venv), default and tuned through a temporary
+  AWS_CONFIG_FILE (max_concurrent_requests, multipart_chunksize);
+- `s5cmd cp` (from the venv), default and tuned (--numworkers, -c, -p).
+
+Every figure is the wall time of the whole process (start-up included), median of --runs, all
+against the same moto server in the same run; the first table row is the floor: the same bytes
+through raw HTTP PUT/GET on loopback to that server (no SDK, no signing, no checksums).
+Ratios are (best tool's time) / (sidecar's time): >= 1.0 means the sidecar is at least as fast.
+Then the sidecar's RSS and CPU while idle (after start-up, and after a 1 GiB upload).
+
+    .venv/bin/python bench/bench_s3.py [--size-mib 1024] [--runs 3] [--tune] [--no-idle]
+
+--tune runs every candidate setting once on a smaller checkpoint to choose the tuned rows.
+Temporary data lives under /tmp (or $TMPDIR) and is deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import http.client
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+VENV_BIN = Path(sys.executable).parent
+AWS = str(VENV_BIN / "aws")
+S5CMD = str(VENV_BIN / "s5cmd")
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "AKIABENCH",
+    "AWS_SECRET_ACCESS_KEY": "bench-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+BUCKET = "jitckpt-bench"
+MiB = 1024 * 1024
+
+# Tuned settings, chosen with --tune on this machine (see the README draft for the search).
+# Tuned settings: the fastest of the --tune candidates (1 GiB, this machine), per direction.
+AWS_TUNED_UP = {"max_concurrent_requests": "10", "multipart_chunksize": "16MB"}
+AWS_TUNED_DOWN = {"max_concurrent_requests": "4", "multipart_chunksize": "64MB"}
+S5CMD_TUNED_UP = ["--numworkers", "16", "cp", "-c", "10", "-p", "16"]
+S5CMD_TUNED_DOWN = ["--numworkers", "16", "cp", "-c", "10", "-p", "64"]
+SIDECAR_TUNED: dict[str, str] = {}  # its defaults are the tuned values
+
+AWS_CANDIDATES = [
+    {"max_concurrent_requests": str(c), "multipart_chunksize": f"{p}MB"}
+    for c in (4, 10, 20)
+    for p in (8, 16, 64)
+]
+S5CMD_CANDIDATES = [
+    ["--numworkers", str(w), "cp", "-c", str(c), "-p", str(p)]
+    for w in (16,)
+    for c in (4, 10, 20)
+    for p in (16, 64)
+]
+SIDECAR_CANDIDATES = [
+    {
+        "JITCKPT_UPLOAD_CONCURRENCY": str(c),
+        "JITCKPT_DOWNLOAD_CONCURRENCY": str(c),
+        "JITCKPT_MULTIPART_CHUNK": f"{p}Mi",
+    }
+    for c in (4, 8, 16)
+    for p in (16, 64, 128, 256)
+]
+
+
+# -- data ------------------------------------------------------------------------------------
+
+
+def checkpoint_layout(total_mib: int) -> dict[str, int]:
+    """File sizes of an HF-like checkpoint of about `total_mib` MiB."""
+    small = {
+        "config.json": 700,
+        "generation_config.json": 130,
+        "trainer_state.json": 40_000,
+        "training_args.bin": 5_500,
+        "rng_state.pth": 14_500,
+        "scheduler.pt": 1_100,
+        "tokenizer.json": 2 * MiB,
+        "tokenizer_config.json": 3_000,
+        "special_tokens_map.json": 600,
+        "model.safetensors.index.json": 25_000,
+    }
+    big_total = total_mib * MiB - sum(small.values())
+    shards = {
+        "model-00001-of-00002.safetensors": int(big_total * 0.4),
+        "model-00002-of-00002.safetensors": int(big_total * 0.267),
+    }
+    shards["optimizer.pt"] = big_total - sum(shards.values())
+    return {**shards, **small}
+
+
+def write_checkpoint(root: Path, total_mib: int) -> Path:
+    src = root / "source"
+    src.mkdir(parents=True)
+    block = os.urandom(MiB)
+    for rel, size in checkpoint_layout(total_mib).items():
+        with open(src / rel, "wb") as f:
+            left = size
+            while left:
+                n = min(left, MiB)
+                f.write(block[:n])
+                block = block[1:] + block[:1]  # distinct blocks: no dedup anywhere
+                left -= n
+    return src
+
+
+def total_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# -- the S3 server -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def moto_server(tmp: Path) -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **CREDENTIALS, "TMPDIR": str(tmp)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(endpoint + "/moto-api/", timeout=1):  # noqa: S310
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("moto did not start") from None
+            time.sleep(0.1)
+    try:
+        yield endpoint
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def s3_client(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        region_name="us-east-1",
+    )
+
+
+def empty_prefix(client: Any, prefix: str) -> None:
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=BUCKET, Delete={"Objects": keys, "Quiet": True})
+
+
+# -- the floor: raw HTTP on loopback -----------------------------------------------------------
+
+
+def raw_put(url: str, path: Path) -> None:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=600)
+    with open(path, "rb") as f:
+        headers = {"Content-Length": str(path.stat().st_size)}
+        conn.request("PUT", f"{parts.path}?{parts.query}", body=f, headers=headers)
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200, resp.status
+    conn.close()
+
+
+def raw_get(url: str, dest: Path) -> None:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=600)
+    conn.request("GET", f"{parts.path}?{parts.query}")
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.status
+    with open(dest, "wb") as f:
+        while chunk := resp.read(MiB):
+            f.write(chunk)
+    conn.close()
+
+
+def floor(src: Path, work: Path, client: Any) -> tuple[float, float]:
+    """Seconds to PUT and to GET every file once, all files in parallel: plain HTTP requests
+    (presigned URLs: no SDK, no payload signing, no checksums)."""
+    files = [p for p in src.rglob("*") if p.is_file()]
+
+    def url(method: str, p: Path) -> str:
+        params = {"Bucket": BUCKET, "Key": f"floor/{p.name}"}
+        return str(client.generate_presigned_url(method, Params=params, ExpiresIn=3600))
+
+    puts = {p: url("put_object", p) for p in files}
+    gets = {p: url("get_object", p) for p in files}
+    with concurrent.futures.ThreadPoolExecutor(len(files)) as pool:
+        start = time.perf_counter()
+        list(pool.map(lambda p: raw_put(puts[p], p), files))
+        put = time.perf_counter() - start
+        out = work / "floor-get"
+        out.mkdir()
+        start = time.perf_counter()
+        list(pool.map(lambda p: raw_get(gets[p], out / p.name), files))
+        get = time.perf_counter() - start
+    shutil.rmtree(out)
+    empty_prefix(client, "floor/")
+    return put, get
+
+
+# -- the tools ---------------------------------------------------------------------------------
+
+
+def timed(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
+    start = time.perf_counter()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{argv[:3]} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return seconds, proc.stderr
+
+
+def base_env(endpoint: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "JITCKPT_"))}
+    env.update(CREDENTIALS)
+    env["AWS_ENDPOINT_URL"] = endpoint
+    return env
+
+
+class Aws:
+    def __init__(self, endpoint: str, work: Path, settings: Optional[dict[str, str]]) -> None:
+        self.env = base_env(endpoint)
+        config = work / f"aws-config-{os.getpid()}-{id(self)}"
+        lines = ["[default]", "region = us-east-1"]
+        if settings:
+            lines += ["s3 =", *(f"  {k} = {v}" for k, v in settings.items())]
+        config.write_text("\n".join(lines) + "\n")
+        self.env["AWS_CONFIG_FILE"] = str(config)
+        self.endpoint = endpoint
+
+    def upload(self, src: Path, prefix: str) -> float:
+        argv = [
+            AWS,
+            "s3",
+            "cp",
+            "--recursive",
+            "--only-show-errors",
+            "--endpoint-url",
+            self.endpoint,
+            str(src),
+            f"s3://{BUCKET}/{prefix}/",
+        ]
+        return timed(argv, self.env)[0]
+
+    def download(self, prefix: str, dest: Path) -> float:
+        argv = [
+            AWS,
+            "s3",
+            "cp",
+            "--recursive",
+            "--only-show-errors",
+            "--endpoint-url",
+            self.endpoint,
+            f"s3://{BUCKET}/{prefix}/",
+            str(dest),
+        ]
+        return timed(argv, self.env)[0]
+
+
+class S5cmd:
+    def __init__(self, endpoint: str, args: Optional[list[str]]) -> None:
+        self.env = base_env(endpoint)
+        self.endpoint = endpoint
+        self.args = args or ["cp"]
+
+    def _argv(self, src: str, dest: str) -> list[str]:
+        split = self.args.index("cp")
+        return [
+            S5CMD,
+            "--endpoint-url",
+            self.endpoint,
+            *self.args[:split],
+            "cp",
+            *self.args[split + 1 :],
+            src,
+            dest,
+        ]
+
+    def upload(self, src: Path, prefix: str) -> float:
+        return timed(self._argv(f"{src}/", f"s3://{BUCKET}/{prefix}/"), self.env)[0]
+
+    def download(self, prefix: str, dest: Path) -> float:
+        return timed(self._argv(f"s3://{BUCKET}/{prefix}/*", f"{dest}/"), self.env)[0]
+
+
+class Sidecar:
+    """jitckpt-sidecar as shipped: `run` uploads the staged checkpoint and exits (the trainer
+    has exited, JITCKPT_EXIT_WITH_TRAINER=1); `restore` downloads and verifies."""
+
+    def __init__(self, endpoint: str, work: Path, settings: Optional[dict[str, str]]) -> None:
+        self.env = base_env(endpoint)
+        self.env.update(settings or {})
+        self.work = work
+        self.last_transfer = 0.0
+
+    def _jdir(self, name: str) -> Path:
+        path = self.work / name
+        shutil.rmtree(path, ignore_errors=True)
+        return path
+
+    def upload(self, src: Path, prefix: str) -> float:
+        from jitckpt_entrypoint import status
+
+        jdir = self._jdir("sidecar-up")
+        layout = commit_and_stage(jdir, src)
+        now = time.time()
+        status.write_trainer(layout.status, status.TrainerStatus("b", 1, ("x",), now, None, now, 0))
+        env = {
+            **self.env,
+            "JITCKPT_DIR": str(jdir),
+            "JITCKPT_STORAGE_URI": f"s3://{BUCKET}/{prefix}",
+            "JITCKPT_EXIT_WITH_TRAINER": "1",
+            "JITCKPT_METRICS_HOST": "127.0.0.1",
+            "JITCKPT_METRICS_PORT": "0",
+        }
+        seconds, log = timed([sys.executable, "-m", "jitckpt_sidecar", "run"], env)
+        match = re.search(r"uploaded checkpoint-1 .* in ([\d.]+) s", log)
+        self.last_transfer = float(match.group(1)) if match else float("nan")
+        shutil.rmtree(jdir)
+        return seconds
+
+    def download(self, prefix: str, dest: Path) -> float:
+        base = prefix.rsplit("/checkpoint-", 1)[0]  # the sidecar finds checkpoint-1 itself
+        env = {**self.env, "JITCKPT_DIR": str(dest), "JITCKPT_STORAGE_URI": f"s3://{BUCKET}/{base}"}
+        seconds, log = timed([sys.executable, "-m", "jitckpt_sidecar", "restore"], env)
+        match = re.search(r"restored checkpoint-1: .* in ([\d.]+) s", log)
+        self.last_transfer = float(match.group(1)) if match else float("nan")
+        return seconds
+
+
+def commit_and_stage(jdir: Path, src: Path) -> Any:
+    """checkpoint-1 under `jdir`, committed and staged as the trainer's hook does it (hard
+    links to the source files: no copy)."""
+    from jitckpt_entrypoint import manifest as m
+    from jitckpt_entrypoint.hook.commit import stage
+
+    layout = m.Layout(str(jdir))
+    layout.ensure()
+    ckpt = Path(layout.checkpoint_dir(1))
+    ckpt.mkdir(parents=True)
+    for p in src.iterdir():
+        (ckpt / p.name).hardlink_to(p)
+    files = m.assign_owners({0: m.list_files(str(ckpt))})[0]
+    own = m.new_manifest(1, "periodic", node=0, nodes=1, world_size=1, files=files)
+    m.write_manifest(str(ckpt), own)
+    stage(layout, str(ckpt), own)
+    return layout
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+
+def measure(
+    tools: list[tuple[str, Any, Any]],
+    src: Path,
+    work: Path,
+    client: Any,
+    *,
+    runs: int,
+    restore_prefix: str,
+) -> dict[str, dict[str, Any]]:
+    """Median seconds per tool; the runs are interleaved so that drift hits every tool alike."""
+    raw: dict[str, dict[str, list[float]]] = {
+        name: {"up": [], "down": [], "up_transfer": [], "down_transfer": []} for name, _, _ in tools
+    }
+    for i in range(runs):
+        for name, up, down in tools:
+            prefix = f"up-{time.monotonic_ns()}-{i}"
+            raw[name]["up"].append(up.upload(src, prefix))
+            raw[name]["up_transfer"].append(getattr(up, "last_transfer", float("nan")))
+            empty_prefix(client, prefix + "/")
+            dest = work / f"down-{i}"
+            shutil.rmtree(dest, ignore_errors=True)
+            dest.mkdir()
+            raw[name]["down"].append(down.download(restore_prefix, dest))
+            raw[name]["down_transfer"].append(getattr(down, "last_transfer", float("nan")))
+            shutil.rmtree(dest)
+            print(
+                f"run {i + 1}: {name}: {raw[name]['up'][-1]:.2f} / {raw[name]['down'][-1]:.2f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    out: dict[str, dict[str, Any]] = {}
+    for name, series in raw.items():
+        out[name] = {key: statistics.median(values) for key, values in series.items()}
+        out[name]["runs"] = series
+    return out
+
+
+def seed_restore_prefix(endpoint: str, src: Path, work: Path) -> str:
+    """The checkpoint as the sidecar stores it (files + manifest): every tool downloads it."""
+    prefix = "restore-source"
+    Sidecar(endpoint, work, SIDECAR_TUNED).upload(src, prefix)
+    return prefix + "/checkpoint-1"
+
+
+def tune(
+    endpoint: str, src: Path, work: Path, client: Any, restore_prefix: str, *, tools: set[str]
+) -> None:
+    print(f"\ntuning on {total_bytes(src) / MiB:.0f} MiB, one run per setting (seconds)")
+    print(f"{'tool':8} {'setting':70} {'upload':>8} {'restore':>8}")
+    rows: list[tuple[str, str, Callable[[], Any]]] = []
+    rows += [("aws", json.dumps(c), lambda c=c: Aws(endpoint, work, c)) for c in AWS_CANDIDATES]
+    rows += [("s5cmd", " ".join(c), lambda c=c: S5cmd(endpoint, c)) for c in S5CMD_CANDIDATES]
+    rows += [
+        ("sidecar", json.dumps(c), lambda c=c: Sidecar(endpoint, work, c))
+        for c in SIDECAR_CANDIDATES
+    ]
+    for name, setting, make in rows:
+        if name not in tools:
+            continue
+        tool = make()
+        result = measure(
+            [(name, tool, tool)], src, work, client, runs=1, restore_prefix=restore_prefix
+        )[name]
+        print(f"{name:8} {setting:70} {result['up']:8.2f} {result['down']:8.2f}", flush=True)
+
+
+# -- idle cost ---------------------------------------------------------------------------------
+
+
+def idle_cost(
+    endpoint: str, src: Path, work: Path, seconds: float
+) -> list[tuple[str, float, float]]:
+    """(phase, RSS MB, CPU %) of a running sidecar: idle after start-up, idle after an upload."""
+    import psutil
+
+    from jitckpt_entrypoint import manifest as m
+
+    out = []
+    jdir = work / "idle"
+    shutil.rmtree(jdir, ignore_errors=True)
+    m.Layout(str(jdir)).ensure()
+    env = {
+        **base_env(endpoint),
+        "JITCKPT_DIR": str(jdir),
+        "JITCKPT_STORAGE_URI": f"s3://{BUCKET}/idle",
+        "JITCKPT_METRICS_HOST": "127.0.0.1",
+        "JITCKPT_METRICS_PORT": "0",
+    }
+    log = open(work / "idle.log", "w+")  # noqa: SIM115 - read back while the process runs
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jitckpt_sidecar", "run"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+    try:
+
+        def wait_log(pattern: str) -> None:
+            deadline = time.monotonic() + 300
+            while not re.search(pattern, (work / "idle.log").read_text()):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"sidecar never logged {pattern!r}")
+                time.sleep(0.2)
+
+        def sample(phase: str) -> None:
+            p = psutil.Process(proc.pid)
+            time.sleep(3)  # settle
+            cpu0, wall0 = sum(p.cpu_times()[:2]), time.monotonic()
+            time.sleep(seconds)
+            cpu1, wall1 = sum(p.cpu_times()[:2]), time.monotonic()
+            out.append((phase, p.memory_info().rss / 1e6, 100 * (cpu1 - cpu0) / (wall1 - wall0)))
+
+        wait_log(r"ready \(restore")
+        sample("idle after start-up")
+        commit_and_stage(jdir, src)
+        wait_log(r"uploaded checkpoint-1 ")
+        sample(f"idle after uploading {total_bytes(src) / MiB:.0f} MiB")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+    return out
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--tune", action="store_true", help="try every candidate once, then stop")
+    parser.add_argument("--tools", default="aws,s5cmd,sidecar", help="with --tune: which tools")
+    parser.add_argument("--no-idle", action="store_true", help="skip the idle RSS/CPU part")
+    parser.add_argument("--idle-seconds", type=float, default=30.0)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="jitckpt-bench-") as tmp:
+        work = Path(tmp)
+        src = write_checkpoint(work, args.size_mib)
+        size = total_bytes(src)
+        moto_tmp = work / "moto"
+        moto_tmp.mkdir()
+        with moto_server(moto_tmp) as endpoint:
+            client = s3_client(endpoint)
+            client.create_bucket(Bucket=BUCKET)
+            restore_prefix = seed_restore_prefix(endpoint, src, work)
+            if args.tune:
+                tune(endpoint, src, work, client, restore_prefix, tools=set(args.tools.split(",")))
+                return
+            put, get = floor(src, work, client)
+            up_aws = " ".join(f"{k}={v}" for k, v in AWS_TUNED_UP.items())
+            down_aws = " ".join(f"{k}={v}" for k, v in AWS_TUNED_DOWN.items())
+            up_s5, down_s5 = " ".join(S5CMD_TUNED_UP), " ".join(S5CMD_TUNED_DOWN)
+            aws, s5 = Aws(endpoint, work, None), S5cmd(endpoint, None)
+            sidecar = Sidecar(endpoint, work, SIDECAR_TUNED)
+            tools = [
+                ("aws default", aws, aws),
+                (
+                    "aws tuned",
+                    Aws(endpoint, work, AWS_TUNED_UP),
+                    Aws(endpoint, work, AWS_TUNED_DOWN),
+                ),
+                ("s5cmd default", s5, s5),
+                (
+                    "s5cmd tuned",
+                    S5cmd(endpoint, S5CMD_TUNED_UP),
+                    S5cmd(endpoint, S5CMD_TUNED_DOWN),
+                ),
+                ("jitckpt-sidecar (defaults)", sidecar, sidecar),
+            ]
+            results = measure(
+                tools, src, work, client, runs=args.runs, restore_prefix=restore_prefix
+            )
+            legend = [
+                f"aws tuned: upload {up_aws}; restore {down_aws} (AWS_CONFIG_FILE s3 section)",
+                f"s5cmd tuned: upload s5cmd {up_s5}; restore s5cmd {down_s5}",
+                (
+                    "jitckpt-sidecar: JITCKPT_UPLOAD_CONCURRENCY=8 JITCKPT_MULTIPART_CHUNK=16Mi "
+                    "JITCKPT_DOWNLOAD_CONCURRENCY=4 JITCKPT_DOWNLOAD_CHUNK=256Mi (defaults)"
+                ),
+            ]
+            idle = [] if args.no_idle else idle_cost(endpoint, src, work, args.idle_seconds)
+
+    ours = results["jitckpt-sidecar (defaults)"]
+    others = {k: v for k, v in results.items() if not k.startswith("jitckpt")}
+    best_up = min(v["up"] for v in others.values())
+    best_down = min(v["down"] for v in others.values())
+    mb = size / 1e6
+
+    def cells(up: float, down: float) -> str:
+        return f"{up:9.2f} ({mb / up:4.0f}){down:9.2f} ({mb / down:4.0f})"
+
+    files = len(checkpoint_layout(args.size_mib))
+    print(f"\n{size / MiB:.0f} MiB checkpoint ({files} files) on moto, median of {args.runs} runs,")
+    print("wall seconds of the whole process (MB/s)")
+    print(f"{'':60}{'upload':>16}{'restore':>16}")
+    print(f"{'floor: raw HTTP PUT/GET, all files in parallel':60}{cells(put, get)}")
+    for name, r in results.items():
+        print(f"{name:60}{cells(r['up'], r['down'])}")
+    transfer = f"{ours['up_transfer']:9.2f}{'':7}{ours['down_transfer']:9.2f}"
+    print(f"{'  the sidecar transfer alone (from its log line)':60}{transfer}")
+    for line in legend:
+        print(f"  {line}")
+    print(
+        f"\nratio best tool / sidecar (>= 1.0: sidecar at least as fast): "
+        f"upload {best_up / ours['up']:.2f}, restore {best_down / ours['down']:.2f}"
+    )
+    print(f"ratio floor / sidecar: upload {put / ours['up']:.2f}, restore {get / ours['down']:.2f}")
+    for phase, rss, cpu in idle:
+        print(f"sidecar {phase}: RSS {rss:.1f} MB, CPU {cpu:.2f} % over {args.idle_seconds:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Committed checkpoints waiting for upload, handed out newest first (LIFO).
+
+The newest checkpoint is the one a restart would resume from, so it always goes next: a
+checkpoint committed while others wait jumps ahead of them. A failed upload comes back after
+a backoff; one preempted (during the drain, by a newer checkpoint) comes back at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
+
+from jitckpt_sidecar.staging import Staged
+
+
+class Backlog:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._waiting: dict[int, Staged] = {}
+        self._not_before: dict[int, float] = {}
+        self._in_flight: Optional[Staged] = None
+        self._done: dict[int, float] = {}
+        """step -> created_at of the manifest uploaded (or skipped) by this process."""
+        self._closed = False
+
+    def offer(self, staged: Staged) -> bool:
+        """Queue `staged` unless it is queued, in flight or already done; True when added."""
+        with self._cond:
+            step = staged.step
+            if self._done.get(step) == staged.committed_at:
+                return False
+            if step in self._waiting or (
+                self._in_flight is not None and self._in_flight.step == step
+            ):
+                return False
+            self._waiting[step] = staged
+            self._cond.notify_all()
+            return True
+
+    def take(self, timeout: float) -> Optional[Staged]:
+        """The newest waiting checkpoint whose backoff has passed (now in flight), or None."""
+        deadline = self._clock() + timeout
+        with self._cond:
+            while not self._closed:
+                now = self._clock()
+                ready = [s for s in self._waiting if self._not_before.get(s, 0.0) <= now]
+                if ready and self._in_flight is None:
+                    step = max(ready)
+                    self._in_flight = self._waiting.pop(step)
+                    self._not_before.pop(step, None)
+                    return self._in_flight
+                if now >= deadline:
+                    return None
+                waits = [t - now for t in self._not_before.values() if t > now]
+                self._cond.wait(timeout=min([deadline - now, *waits]))
+            return None
+
+    def close(self) -> None:
+        """Hand out nothing more; a waiting `take` returns None at once."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def done(self, staged: Staged) -> None:
+        """`staged` is committed in S3 (or skipped on purpose): never queue it again."""
+        with self._cond:
+            self._done[staged.step] = staged.committed_at
+            self._release(staged)
+
+    def retry(self, staged: Staged, delay: float) -> None:
+        """`staged` failed: queue it again after `delay` seconds (unless a newer copy came)."""
+        with self._cond:
+            self._release(staged)
+            if staged.step not in self._waiting:
+                self._waiting[staged.step] = staged
+                self._not_before[staged.step] = self._clock() + delay
+            self._cond.notify_all()
+
+    def _release(self, staged: Staged) -> None:
+        if self._in_flight is not None and self._in_flight.step == staged.step:
+            self._in_flight = None
+        self._cond.notify_all()
+
+    def forget(self, step: int) -> None:
+        """Drop a waiting checkpoint whose staged directory disappeared."""
+        with self._cond:
+            self._waiting.pop(step, None)
+            self._not_before.pop(step, None)
+
+    @property
+    def in_flight(self) -> Optional[Staged]:
+        with self._cond:
+            return self._in_flight
+
+    def waiting(self) -> list[Staged]:
+        """Waiting checkpoints, newest first."""
+        with self._cond:
+            return [self._waiting[s] for s in sorted(self._waiting, reverse=True)]
+
+    def pending(self) -> list[Staged]:
+        """Every committed checkpoint not yet in S3: waiting ones and the one in flight."""
+        with self._cond:
+            items = list(self._waiting.values())
+            if self._in_flight is not None:
+                items.append(self._in_flight)
+        return sorted(items, key=lambda s: s.step, reverse=True)
+
+    def __len__(self) -> int:
+        return len(self.pending())
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._waiting and self._in_flight is None
+
+    def lag(self, now: float) -> float:
+        """Age of the newest committed checkpoint not yet in S3 (0 when none)."""
+        pending = self.pending()
+        return max(0.0, now - pending[0].committed_at) if pending else 0.0

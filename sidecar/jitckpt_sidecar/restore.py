@@ -1,0 +1,179 @@
+"""Restore the newest checkpoint committed in S3 into `JITCKPT_DIR/checkpoints/`.
+
+Candidates are tried newest first. One that is not committed in S3 (a node's manifest missing,
+an object missing or short) is skipped after a listing; one whose download fails verification
+(size or checksum, or an object deleted meanwhile) is discarded and the next older one is
+tried. Transport errors are not a reason to fall back: falling back to an older checkpoint on
+a network blip would silently lose progress, so they fail the restore (and the pod retries).
+
+Files are downloaded into `checkpoints/.jitckpt-restore-<step>-<pid>/` (a name the trainer's
+resume never considers), every file named by the manifests (the union; each checked against
+its owner's entry), then every manifest is written, last, and the directory is renamed to
+`checkpoint-<step>`: the trainer sees either nothing or a committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from typing import Any, Callable, Optional
+
+from jitckpt_entrypoint import atomic
+from jitckpt_entrypoint import manifest as m
+from jitckpt_sidecar import checksum, transfers
+from jitckpt_sidecar.config import Config
+from jitckpt_sidecar.errors import SidecarError
+from jitckpt_sidecar.remote import Remote, RemoteCheckpoint, problems
+from jitckpt_sidecar.s3 import error_code
+
+TEMP_PREFIX = ".jitckpt-restore-"
+
+
+class VerificationError(SidecarError):
+    """A downloaded file does not match its manifest entry (or vanished from S3)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+    source: str
+    """'s3' (downloaded), 'local' (a local checkpoint is as new) or 'none' (nothing in S3)."""
+    step: Optional[int] = None
+    files: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class Restorer:
+    def __init__(
+        self,
+        client: Any,
+        remote: Remote,
+        cfg: Config,
+        layout: m.Layout,
+        logger: logging.Logger,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client, self.remote, self.cfg, self.layout, self.log = (
+            client,
+            remote,
+            cfg,
+            layout,
+            logger,
+        )
+        self.monotonic = monotonic
+        self._config = transfers.download_config(cfg)
+
+    def run(self, cancel: Callable[[], Optional[str]] = lambda: None) -> RestoreResult:
+        started = self.monotonic()
+        self.layout.ensure()
+        self._remove_leftovers()
+        local = m.newest_committed(self.layout.checkpoints)
+        for step in reversed(self.remote.steps()):
+            if local is not None and step <= local:
+                break
+            ckpt = self.remote.load(step)
+            found = problems(ckpt)
+            if found:
+                self.log.info(
+                    "skipping %s in S3: not committed (%s)", m.checkpoint_name(step), found[0]
+                )
+                continue
+            try:
+                result = self._download(ckpt, cancel)
+            except VerificationError as exc:
+                self.log.warning(
+                    "discarding %s from S3: %s; trying an older one", m.checkpoint_name(step), exc
+                )
+                continue
+            self.remote.remember(ckpt)
+            return result
+        seconds = self.monotonic() - started
+        if local is not None:
+            self.log.info(
+                "local %s is committed and at least as new as S3's; nothing to download",
+                m.checkpoint_name(local),
+            )
+            return RestoreResult("local", local, seconds=seconds)
+        self.log.info("no committed checkpoint in %s; starting fresh", self.remote.uri)
+        return RestoreResult("none", seconds=seconds)
+
+    def _remove_leftovers(self) -> None:
+        """Temp directories of a restore that was killed."""
+        for name in os.listdir(self.layout.checkpoints):
+            if name.startswith(TEMP_PREFIX):
+                shutil.rmtree(os.path.join(self.layout.checkpoints, name), ignore_errors=True)
+
+    def _download(
+        self, ckpt: RemoteCheckpoint, cancel: Callable[[], Optional[str]]
+    ) -> RestoreResult:
+        started = self.monotonic()
+        name = m.checkpoint_name(ckpt.step)
+        tmp = os.path.join(self.layout.checkpoints, f"{TEMP_PREFIX}{ckpt.step}-{os.getpid()}")
+        files = sorted(ckpt.files().values(), key=lambda e: e.size, reverse=True)
+        total = sum(e.size for e in files)
+        self.log.info(
+            "restoring %s from %s: %d files, %.1f MB",
+            name,
+            self.remote.uri,
+            len(files),
+            total / transfers.MB,
+        )
+        progress = transfers.Progress(f"restoring {name}", total, self.log, clock=self.monotonic)
+        try:
+            os.makedirs(tmp)
+            with transfers.manager(self.client, self._config) as tm:
+                batch = transfers.Batch(progress)
+                for entry in files:
+                    dest = os.path.join(tmp, entry.path)
+                    os.makedirs(os.path.dirname(dest), exist_ok=True)
+                    tm.download(
+                        self.remote.uri.bucket,
+                        self.remote.key(ckpt.step, entry.path),
+                        dest,
+                        subscribers=[batch.subscriber(entry.size, _verifier(dest, entry))],
+                    )
+                try:
+                    batch.wait(cancel)
+                except Exception as exc:
+                    if error_code(exc) in ("404", "NoSuchKey"):
+                        raise VerificationError(
+                            f"an object vanished during the download ({exc})"
+                        ) from None
+                    raise
+            for node in sorted(ckpt.manifests):  # the commit: manifests after every file
+                m.write_manifest(tmp, ckpt.manifests[node])
+            final = self.layout.checkpoint_dir(ckpt.step)
+            if os.path.lexists(final):  # an uncommitted leftover (a committed one is newer)
+                m.remove_checkpoint(final)
+            os.rename(tmp, final)
+            atomic.fsync_dir(self.layout.checkpoints)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        seconds = self.monotonic() - started
+        self.log.info(
+            "restored %s: %d files, %.1f MB in %.1f s (%s)",
+            name,
+            len(files),
+            total / transfers.MB,
+            seconds,
+            transfers.rate(total, seconds),
+        )
+        return RestoreResult("s3", ckpt.step, len(files), total, seconds)
+
+
+def _verifier(path: str, entry: m.FileEntry) -> Callable[[], None]:
+    def verify() -> None:
+        size = os.stat(path).st_size
+        if size != entry.size:
+            raise VerificationError(
+                f"{entry.path} has {size} bytes, its manifest says {entry.size}"
+            )
+        if entry.checksum is None or not checksum.matches(path, entry.checksum):
+            raise VerificationError(f"{entry.path} does not match its checksum {entry.checksum}")
+
+    return verify

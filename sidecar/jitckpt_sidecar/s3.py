@@ -1,0 +1,234 @@
+"""The S3 client, the start-up access probe, and one-line descriptions of S3 failures.
+
+Credentials, region and CA bundle follow boto3's own chain (AWS_ACCESS_KEY_ID /
+AWS_SECRET_ACCESS_KEY, IRSA / web identity, AWS_DEFAULT_REGION, AWS_CA_BUNDLE); the endpoint
+comes from the config (which already fell back to AWS_ENDPOINT_URL* or AWS_S3_ENDPOINT).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import secrets
+import socket
+import warnings
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+
+from jitckpt_entrypoint.config import S3Uri
+from jitckpt_sidecar import __version__
+from jitckpt_sidecar.config import Config
+from jitckpt_sidecar.errors import StorageAccessError
+
+log = logging.getLogger("jitckpt.jitckpt-sidecar.s3")
+
+PROBE_ATTEMPTS = 2
+"""The start-up probe fails fast: a wrong endpoint should not take a minute to report."""
+_PERMISSION = {
+    "ListObjectsV2": "s3:ListBucket",
+    "PutObject": "s3:PutObject",
+    "GetObject": "s3:GetObject",
+    "DeleteObject": "s3:DeleteObject",
+    "DeleteObjects": "s3:DeleteObject",
+    "HeadObject": "s3:GetObject",
+    "CreateMultipartUpload": "s3:PutObject",
+    "UploadPart": "s3:PutObject",
+    "CompleteMultipartUpload": "s3:PutObject",
+    "ListMultipartUploads": "s3:ListBucketMultipartUploads",
+    "AbortMultipartUpload": "s3:AbortMultipartUpload",
+}
+
+
+_CHECKSUM_REFUSALS = (
+    "XAmzContentSHA256Mismatch",
+    "InvalidArgument",
+    "NotImplemented",
+    "InvalidRequest",
+    "BadDigest",
+    "InvalidDigest",
+)
+"""What S3-compatible stores without flexible-checksum support answer to CRC32 trailers."""
+
+
+def endpoint_of(cfg: Config) -> str:
+    """The endpoint in words, for messages (no credentials: any user:password@ is dropped)."""
+    if not cfg.s3_endpoint:
+        return "AWS S3"
+    return re.sub(r"//[^/@]*@", "//", cfg.s3_endpoint)
+
+
+def new_session() -> Any:
+    """A boto3 session: the credential chain and the loaded service models, shared by clients."""
+    import boto3
+
+    return boto3.session.Session()
+
+
+def make_client(
+    cfg: Config,
+    session: Any,
+    *,
+    attempts: Optional[int] = None,
+    pool: int = 10,
+) -> Any:
+    """A boto3 S3 client for `cfg`; each request is tried `attempts` (default
+    cfg.s3_max_attempts) times in botocore's standard mode (exponential backoff with full
+    jitter, capped at 20 s, on throttling, 5xx and connection errors)."""
+    from botocore.config import Config as BotoConfig
+
+    addressing = cfg.s3_addressing
+    if addressing == "auto":
+        # MinIO, Ceph RGW and ODF endpoints rarely have wildcard DNS for virtual-host buckets.
+        addressing = "path" if cfg.s3_endpoint else "auto"
+    # botocore's flexible checksums stay at boto3's default (CRC32 on every upload request, so
+    # S3 rejects bytes damaged in transit; measured faster on moto too, which otherwise builds a
+    # full-object checksum itself). Stores that predate them are told apart by the start-up
+    # probe, whose error names AWS_REQUEST_CHECKSUM_CALCULATION=when_required, boto3's switch.
+    boto_cfg = BotoConfig(
+        retries={"mode": "standard", "total_max_attempts": attempts or cfg.s3_max_attempts},
+        max_pool_connections=max(pool, 10),
+        connect_timeout=10,
+        read_timeout=120,
+        tcp_keepalive=True,
+        s3={"addressing_style": addressing},
+        user_agent_extra=f"jitckpt-sidecar/{__version__}",
+    )
+    verify: Optional[bool] = None  # None: verify, with AWS_CA_BUNDLE when set
+    if not cfg.s3_verify_tls:
+        verify = False
+        warnings.filterwarnings("ignore", message="Unverified HTTPS request")
+    return session.client(
+        "s3", endpoint_url=cfg.s3_endpoint or None, verify=verify, config=boto_cfg
+    )
+
+
+def count_retries(client: Any, on_retry: Callable[[], None]) -> None:
+    """Call `on_retry` once for every request `client` sends again (a retry by botocore)."""
+
+    def hook(request: Any, **_: Any) -> None:
+        # botocore numbers the attempts of one operation in the request context.
+        if request.context.get("retries", {}).get("attempt", 1) > 1:
+            on_retry()
+
+    client.meta.events.register("request-created.s3", hook)
+
+
+def probe(client: Any, cfg: Config) -> None:
+    """Prove that the bucket exists and that we may list, write, read and delete under the
+    prefix; raise a one-line StorageAccessError that names the fix otherwise."""
+    uri = cfg.uri
+    key = uri.key(f".jitckpt-probe-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+    body = b"jitckpt sidecar access probe\n"
+    with translate(cfg, "ListObjectsV2", str(uri)):
+        client.list_objects_v2(Bucket=uri.bucket, Prefix=uri.key(""), MaxKeys=1)
+    where = f"s3://{uri.bucket}/{key}"
+    with translate(cfg, "PutObject", where):
+        client.put_object(Bucket=uri.bucket, Key=key, Body=body)
+    with translate(cfg, "GetObject", where):
+        got = client.get_object(Bucket=uri.bucket, Key=key)["Body"].read()
+    with translate(cfg, "DeleteObject", where):
+        client.delete_object(Bucket=uri.bucket, Key=key)
+    if got != body:
+        raise StorageAccessError(
+            f"{where} read back different bytes than were written; "
+            f"check the S3 endpoint {endpoint_of(cfg)} (a proxy or gateway rewriting objects?)"
+        )
+
+
+@contextlib.contextmanager
+def translate(cfg: Config, operation: str, where: str) -> Iterator[None]:
+    """Turn a boto3/botocore failure inside the block into a one-line StorageAccessError."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_storage_error(exc):
+            raise
+        raise StorageAccessError(describe(exc, cfg, operation, where)) from None
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    """Whether `exc` came from boto3/botocore/s3transfer (a failed S3 interaction)."""
+    module = type(exc).__module__ or ""
+    return module.split(".")[0] in ("botocore", "boto3", "s3transfer", "urllib3")
+
+
+def error_code(exc: BaseException) -> str:
+    """The S3 error code ('NoSuchKey', 'SlowDown', '404', ...) of a ClientError, else ''."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return ""
+    code = response.get("Error", {}).get("Code")
+    if code:
+        return str(code)
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return str(status) if status else ""
+
+
+def describe(exc: BaseException, cfg: Config, operation: str, where: str) -> str:  # noqa: PLR0911 - one return per failure kind reads better than a table of lambdas
+    """One line that says what failed and what to fix; never a secret."""
+    endpoint = endpoint_of(cfg)
+    name = type(exc).__name__
+    code = error_code(exc)
+    bucket = cfg.uri.bucket
+    if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+        return (
+            f"no usable S3 credentials ({name}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "(e.g. from a data connection secret) or configure IRSA / web identity"
+        )
+    if name == "SSLError" or "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return (
+            f"TLS verification of {endpoint} failed; set AWS_CA_BUNDLE to the CA bundle that "
+            "signed it (or JITCKPT_S3_VERIFY_TLS=0 to skip verification, insecure)"
+        )
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError"):
+        return (
+            f"cannot connect to the S3 endpoint {endpoint} ({name}); check AWS_ENDPOINT_URL "
+            "(or AWS_S3_ENDPOINT / JITCKPT_S3_ENDPOINT) and that the pod may reach it"
+        )
+    if name == "ReadTimeoutError":
+        return f"the S3 endpoint {endpoint} did not answer {operation} in time; check its health"
+    if code == "NoSuchBucket" or (code == "404" and operation == "ListObjectsV2"):
+        return (
+            f"bucket {bucket!r} does not exist at {endpoint}; create it or fix "
+            "JITCKPT_STORAGE_URI (or AWS_S3_BUCKET)"
+        )
+    if code == "InvalidAccessKeyId":
+        return (
+            f"{endpoint} does not know the access key (InvalidAccessKeyId); check AWS_ACCESS_KEY_ID"
+        )
+    if code == "SignatureDoesNotMatch":
+        return (
+            f"{endpoint} rejected the request signature (SignatureDoesNotMatch); "
+            "check AWS_SECRET_ACCESS_KEY"
+        )
+    if code in ("ExpiredToken", "InvalidToken", "TokenRefreshRequired"):
+        return f"the S3 session token was refused ({code}); refresh the credentials"
+    if code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraint"):
+        return (
+            f"bucket {bucket!r} is in another region ({code}); set AWS_DEFAULT_REGION to the "
+            "bucket's region"
+        )
+    if code in ("AccessDenied", "403", "AllAccessDisabled"):
+        permission = _PERMISSION.get(operation, operation)
+        return (
+            f"access denied: {operation} on {where} ({code}); grant the credentials "
+            f"{permission} there"
+        )
+    detail = _one_line(str(exc))
+    if code in _CHECKSUM_REFUSALS and not os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION"):
+        return (
+            f"{operation} on {where} at {endpoint} failed ({code}): the store may predate S3's "
+            "flexible checksums; set AWS_REQUEST_CHECKSUM_CALCULATION=when_required"
+        )
+    return f"{operation} on {where} at {endpoint} failed: {detail}"
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def object_key(uri: S3Uri, checkpoint: str, relpath: str) -> str:
+    return uri.key(checkpoint, relpath)

@@ -1,0 +1,378 @@
+"""The long-running sidecar: restore, then watch, upload, prune and serve; drain on SIGTERM.
+
+Threads: the main loop (scans staging/ and status/, relieves disk pressure, decides when to
+exit), one upload worker (one checkpoint at a time, newest first, its parallelism inside the
+TransferManager), the watchdog observer (only wakes the main loop) and the HTTP server.
+
+Drain: after SIGTERM the sidecar keeps uploading until the trainer has exited
+(status/trainer.json has exited_at) and nothing is left to upload, or until the grace period
+minus a small margin has passed. The JIT checkpoint is the newest, so it goes next; during the
+drain a newer checkpoint also preempts an older upload in flight (its finished files stay in
+S3 and are not sent again). Exit 0 when everything staged is committed in S3, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from prometheus_client import CollectorRegistry
+
+from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint import status
+from jitckpt_sidecar import memory, s3, staging, transfers
+from jitckpt_sidecar.backlog import Backlog
+from jitckpt_sidecar.config import Config
+from jitckpt_sidecar.metrics import Metrics
+from jitckpt_sidecar.pressure import Pruner, Storage
+from jitckpt_sidecar.readiness import Readiness
+from jitckpt_sidecar.remote import Remote
+from jitckpt_sidecar.restore import Restorer, RestoreResult
+from jitckpt_sidecar.retention import Retention
+from jitckpt_sidecar.server import MetricsServer
+from jitckpt_sidecar.staging import Staged
+from jitckpt_sidecar.status_feed import StatusFeed
+from jitckpt_sidecar.uploader import Uploader, superseded
+from jitckpt_sidecar.watcher import Watcher
+
+DRAIN_POLL = 0.5
+"""Seconds between drain checks (trainer.json is also watched; this is the safety net)."""
+WORKER_POLL = 5.0
+"""The idle worker's wake-up interval; new work and stopping wake it at once."""
+MAX_BACKOFF = 60.0
+DRAIN_MAX_BACKOFF = 1.0
+
+
+class Service:
+    def __init__(
+        self,
+        cfg: Config,
+        layout: m.Layout,
+        *,
+        client: Any,
+        registry: CollectorRegistry,
+        server: MetricsServer,
+        logger: logging.Logger,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg, self.layout, self.client, self.log = cfg, layout, client, logger
+        self.clock, self.monotonic = clock, monotonic
+        self.remote = Remote(client, cfg.uri)
+        self.backlog = Backlog(monotonic)
+        self.storage = Storage(layout.root, cfg.storage_capacity)
+        self.metrics = Metrics(
+            registry,
+            self.storage,
+            queue_length=lambda: len(self.backlog),
+            lag_seconds=lambda: self.backlog.lag(self.clock()),
+        )
+        s3.count_retries(client, self.metrics.uploads.retries.inc)
+        self.feed = StatusFeed(layout.status, self.metrics.checkpoints)
+        self.readiness = Readiness(layout.status, clock)
+        self.uploader = Uploader(client, self.remote, cfg, logger, monotonic=monotonic)
+        self.retention = Retention(
+            self.remote,
+            cfg.s3_keep,
+            logger,
+            on_deleted=lambda _: self.metrics.uploads.s3_deleted.inc(),
+        )
+        self.pruner = Pruner(
+            layout,
+            self.storage,
+            threshold=cfg.disk_pressure_threshold,
+            in_s3=self._in_s3,
+            logger=logger,
+            on_pruned=lambda _: self.metrics.storage.pruned.inc(),
+        )
+        self.watcher = Watcher(layout, self.wake, logger)
+        self.server = server
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._sigterm_at: Optional[float] = None
+        self._preempt_for: Optional[int] = None
+        self._failures: dict[int, int] = {}
+        self._heartbeat: Optional[float] = None
+        self._said_staying = False
+        self._said_draining = False
+
+    # -- signals and wake-ups (called from signal handlers and other threads: flags only) --
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def sigterm(self) -> None:
+        if self._sigterm_at is None:
+            self._sigterm_at = self.monotonic()
+        self._wake.set()
+
+    # -- the whole life --
+
+    def run(self) -> int:
+        self.readiness.reset()
+        self.server.serve(ready=lambda: self.readiness.ready, healthy=self._healthy)
+        result = self.restore()
+        if result is None:
+            return 1
+        memory.trim()
+        self.readiness.set(result.source, result.step, result.seconds)
+        self.metrics.restore.ready.set(1)
+        self.log.info(
+            "ready (restore: %s%s); watching %s",
+            result.source,
+            "" if result.step is None else f" {m.checkpoint_name(result.step)}",
+            self.layout.staging,
+        )
+        worker = threading.Thread(target=self._work, name="jitckpt-upload", daemon=True)
+        try:
+            self.watcher.start()
+            worker.start()
+            return self._loop()
+        finally:
+            self._stop.set()
+            self.backlog.close()
+            self.watcher.stop()
+            self.server.stop()
+            if worker.is_alive():  # it stops at its next check; never past the grace period
+                worker.join(timeout=0.2 if self._sigterm_at is not None else 10.0)
+
+    def restore(self) -> Optional[RestoreResult]:
+        """The start-up restore with its metrics; None when SIGTERM interrupted it."""
+        started = self.monotonic()
+        restorer = Restorer(
+            self.client, self.remote, self.cfg, self.layout, self.log, monotonic=self.monotonic
+        )
+        try:
+            result = restorer.run(cancel=self._restore_cancel)
+        except transfers.TransferCancelledError:
+            self.metrics.restore.finished("failure", self.monotonic() - started)
+            self.log.warning("SIGTERM during the restore: stopped it; nothing to upload yet")
+            return None
+        except BaseException:
+            self.metrics.restore.finished("failure", self.monotonic() - started)
+            raise
+        self.metrics.restore.finished(
+            "success" if result.source == "s3" else "none", self.monotonic() - started
+        )
+        return result
+
+    def _restore_cancel(self) -> Optional[str]:
+        return "SIGTERM" if self._sigterm_at is not None else None
+
+    # -- the main loop --
+
+    def _loop(self) -> int:
+        next_rescan = 0.0
+        while True:
+            now = self.monotonic()
+            self._heartbeat = now
+            if now >= next_rescan:
+                next_rescan = now + self.cfg.rescan_seconds
+            # Read trainer.json before scanning: whatever the trainer staged before it exited
+            # is then in this scan, so "exited and nothing pending" is never premature.
+            trainer = self.feed.trainer()
+            self._tick()
+            code = self._exit_code(trainer)
+            if code is not None:
+                return code
+            timeout = next_rescan - self.monotonic()
+            if self._sigterm_at is not None:
+                timeout = min(timeout, DRAIN_POLL)
+            self._wake.wait(max(0.0, timeout))
+            self._wake.clear()
+
+    def _tick(self) -> None:
+        ready = staging.scan(self.layout)
+        for staged in ready.values():
+            if self.backlog.offer(staged):
+                self.log.debug("queued %s (%d bytes)", staged.name, staged.owned_bytes)
+        for staged in self.backlog.waiting():
+            if staged.step not in ready:
+                self.backlog.forget(staged.step)
+        self.feed.poll()
+        try:
+            self.pruner.relieve()
+        except Exception as exc:  # noqa: BLE001 - relief is retried at the next tick; the loop must go on
+            self.log.warning("disk-pressure relief failed: %s", self._describe(exc, "prune"))
+
+    def _exit_code(self, trainer: Optional[status.TrainerStatus]) -> Optional[int]:
+        trainer_known = trainer is not None
+        trainer_exited = trainer is not None and trainer.exited_at is not None
+        if self._sigterm_at is not None:
+            if not self._said_draining:
+                self._said_draining = True
+                self.log.info(
+                    "SIGTERM: draining; uploading until the trainer has exited and nothing is "
+                    "left, at most %.1f s (JITCKPT_GRACE_SECONDS=%d minus a margin)",
+                    self.cfg.drain_seconds,
+                    self.cfg.grace_seconds,
+                )
+            if (trainer_exited or not trainer_known) and self.backlog.idle():
+                self.log.info(
+                    "drained: the trainer %s and every staged checkpoint is committed in S3; "
+                    "exiting 0",
+                    "exited" if trainer_known else "never started",
+                )
+                return 0
+            elapsed = self.monotonic() - self._sigterm_at
+            if trainer is not None and trainer.sigterm_at is not None:
+                # The pod's grace period began when the trainer got SIGTERM; a native sidecar
+                # gets its own SIGTERM only after the trainer has exited.
+                elapsed = max(elapsed, self.clock() - trainer.sigterm_at)
+            if elapsed >= self.cfg.drain_seconds:
+                pending = ", ".join(s.name for s in self.backlog.pending())
+                left = f"not committed in S3: {pending}" if pending else "nothing left to upload"
+                if trainer_known and not trainer_exited:
+                    left += ", but the trainer has not exited (its JIT checkpoint may be missing)"
+                self.log.error(
+                    "drain deadline reached %.1f s after SIGTERM (JITCKPT_GRACE_SECONDS=%d): %s; "
+                    "exiting 1",
+                    elapsed,
+                    self.cfg.grace_seconds,
+                    left,
+                )
+                return 1
+            in_flight, waiting = self.backlog.in_flight, self.backlog.waiting()
+            newest = waiting[0].step if waiting else None
+            if in_flight is not None and newest is not None and newest > in_flight.step:
+                if self._preempt_for != newest:
+                    self.log.info(
+                        "drain: %s is newer than %s in flight; pausing that upload to send it "
+                        "first",
+                        m.checkpoint_name(newest),
+                        in_flight.name,
+                    )
+                self._preempt_for = newest
+            return None
+        if trainer_exited and self.backlog.idle():
+            if self.cfg.exit_with_trainer:
+                self.log.info(
+                    "the trainer exited and everything is committed in S3; exiting 0 "
+                    "(JITCKPT_EXIT_WITH_TRAINER=1)"
+                )
+                return 0
+            if not self._said_staying:
+                self._said_staying = True
+                self.log.info(
+                    "the trainer exited and everything is committed in S3; staying up until "
+                    "SIGTERM (a restarted trainer container needs us; JITCKPT_EXIT_WITH_TRAINER=1 "
+                    "exits here)"
+                )
+        elif not trainer_exited:
+            self._said_staying = False
+        return None
+
+    def _healthy(self) -> bool:
+        """Alive unless the main loop has not come round for far longer than a rescan."""
+        beat = self._heartbeat
+        limit = max(120.0, 4 * self.cfg.rescan_seconds)
+        return beat is None or self.monotonic() - beat < limit
+
+    # -- the upload worker --
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            staged = self.backlog.take(timeout=WORKER_POLL)
+            if staged is not None:
+                self._upload(staged)
+
+    def _upload(self, staged: Staged) -> None:
+        if staging.read(staged.path) is None:  # removed or re-staged since it was queued
+            self.backlog.retry(staged, self.cfg.rescan_seconds)
+            return
+        try:
+            newer = superseded(self.remote, staged.step, self.cfg.s3_keep)
+        except Exception as exc:  # noqa: BLE001 - an unknown answer means upload it
+            self.log.debug("cannot tell whether %s is superseded: %s", staged.name, exc)
+            newer = None
+        if newer:
+            self.log.info(
+                "skipping %s: %s newer and committed in S3, so JITCKPT_S3_KEEP=%d would delete it",
+                staged.name,
+                ", ".join(m.checkpoint_name(s) for s in newer),
+                self.cfg.s3_keep,
+            )
+            self.metrics.uploads.skipped()
+            staging.remove(staged)
+            self.backlog.done(staged)
+            return
+        try:
+            report = self.uploader.upload(staged, cancel=lambda: self._cancel_reason(staged))
+        except transfers.TransferCancelledError as exc:
+            self.log.info("paused the upload of %s: %s", staged.name, exc)
+            if self._preempt_for is not None and self._preempt_for > staged.step:
+                self._preempt_for = None
+            self.backlog.retry(staged, 0.0)
+            return
+        except Exception as exc:  # noqa: BLE001 - the worker must survive any failure; logged, counted, retried
+            attempt = self._failures.get(staged.step, 0) + 1
+            self._failures[staged.step] = attempt
+            delay = self._backoff(attempt)
+            self.metrics.uploads.failed(0)
+            self.metrics.uploads.retries.inc()
+            self.log.error(
+                "upload of %s failed (attempt %d): %s; retrying in %.1f s",
+                staged.name,
+                attempt,
+                self._describe(exc, "upload"),
+                delay,
+            )
+            self.backlog.retry(staged, delay)
+            return
+        self._failures.pop(staged.step, None)
+        self.metrics.uploads.uploaded(report.step, report.seconds, report.bytes_sent)
+        self.log.info(
+            "uploaded %s (node %d) to %s: %d files (%d already there), %.1f MB in %.1f s (%s)",
+            staged.name,
+            report.node,
+            self.remote.uri,
+            report.files,
+            report.files - report.files_sent,
+            report.bytes_total / transfers.MB,
+            report.seconds,
+            transfers.rate(report.bytes_sent, report.seconds),
+        )
+        staging.remove(staged)
+        self.backlog.done(staged)
+        try:
+            self.retention.apply()
+        except Exception as exc:  # noqa: BLE001 - retention is retried after the next upload
+            self.log.warning(
+                "retention failed (retried after the next upload): %s",
+                self._describe(exc, "retention"),
+            )
+        memory.trim()
+        self.wake()  # pressure relief may now delete what just became safe to delete
+
+    def _cancel_reason(self, staged: Staged) -> Optional[str]:
+        if self._stop.is_set():
+            return "the sidecar is stopping"
+        newer = self._preempt_for
+        if newer is not None and newer > staged.step:
+            return f"{m.checkpoint_name(newer)} is newer and goes first during the drain"
+        return None
+
+    def _backoff(self, attempt: int) -> float:
+        cap = DRAIN_MAX_BACKOFF if self._sigterm_at is not None else MAX_BACKOFF
+        return min(cap, 2.0 ** min(attempt, 10)) * random.uniform(0.5, 1.0)  # noqa: S311 - jitter
+
+    # -- helpers --
+
+    def _in_s3(self, step: int) -> bool:
+        """Asked before deleting a local copy: look again rather than trust the cache (another
+        node's retention may have deleted it since)."""
+        try:
+            return self.remote.committed(step, refresh=True) is not None
+        except Exception as exc:  # noqa: BLE001 - unknown means no: never delete what S3 may not hold
+            self.log.debug("cannot tell whether %s is in S3: %s", m.checkpoint_name(step), exc)
+            return False
+
+    def _describe(self, exc: BaseException, operation: str) -> str:
+        if s3.is_storage_error(exc):
+            return s3.describe(exc, self.cfg, operation, str(self.cfg.uri))
+        if isinstance(exc, OSError):
+            return f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")
+        return " ".join(str(exc).split()) or type(exc).__name__

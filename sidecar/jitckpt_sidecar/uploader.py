@@ -1,0 +1,175 @@
+"""Upload one staged checkpoint: this node's owned files, then its manifest, last.
+
+Idempotent across restarts: each object carries its checksum in its metadata
+(`x-amz-meta-jitckpt-checksum`), and an object already in S3 with the same size and checksum
+is not sent again (one listing per checkpoint, a HEAD only where sizes match). Multipart
+uploads left behind by a killed sidecar on our keys are aborted first. The S3 copy of the
+manifest adds each owned file's checksum; it is written after every file, so a reader that
+sees it sees the whole of this node's part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Optional
+
+from jitckpt_entrypoint import manifest as m
+from jitckpt_sidecar import checksum, transfers
+from jitckpt_sidecar.config import Config
+from jitckpt_sidecar.remote import Remote
+from jitckpt_sidecar.s3 import error_code
+from jitckpt_sidecar.staging import Staged
+
+CHECKSUM_META = "jitckpt-checksum"
+"""User metadata key (x-amz-meta-jitckpt-checksum) holding '<algorithm>:<hex>'."""
+_HASHERS = 2
+"""Files checksummed at once; hashing runs at GB/s, so two keep ahead of the network."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadReport:
+    step: int
+    node: int
+    files: int
+    files_sent: int
+    bytes_total: int
+    bytes_sent: int
+    seconds: float
+
+
+class Uploader:
+    def __init__(
+        self,
+        client: Any,
+        remote: Remote,
+        cfg: Config,
+        logger: logging.Logger,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client, self.remote, self.cfg, self.log = client, remote, cfg, logger
+        self.monotonic = monotonic
+        self._config = transfers.upload_config(cfg)
+
+    def upload(self, staged: Staged, cancel: Callable[[], Optional[str]]) -> UploadReport:
+        """Upload `staged`; raises TransferCancelledError once `cancel` gives a reason."""
+        started = self.monotonic()
+        own = staged.manifest
+        entries = sorted(own.owned, key=lambda e: e.size, reverse=True)  # big files start first
+        existing = self.remote.objects(staged.step)
+        self._abort_stale_multipart(staged, {e.path for e in entries})
+        progress = transfers.Progress(
+            f"uploading {staged.name}",
+            staged.owned_bytes,
+            self.log,
+            clock=self.monotonic,
+        )
+        checksums: dict[str, str] = {}
+        sent = 0
+        with contextlib.ExitStack() as stack:
+            tm = stack.enter_context(transfers.manager(self.client, self._config))
+            hashers = stack.enter_context(
+                ThreadPoolExecutor(_HASHERS, thread_name_prefix="jitckpt-hash")
+            )
+            batch = transfers.Batch(progress)
+            prepared: set[Future[tuple[m.FileEntry, str, bool]]] = {
+                hashers.submit(self._prepare, staged, e, existing.get(e.path)) for e in entries
+            }
+            while prepared:
+                finished, prepared = wait(prepared, timeout=0.2, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    entry, digest, present = future.result()
+                    checksums[entry.path] = digest
+                    if present:
+                        continue
+                    sent += 1
+                    tm.upload(
+                        staged.file(entry),
+                        self.remote.uri.bucket,
+                        self.remote.key(staged.step, entry.path),
+                        extra_args={"Metadata": {CHECKSUM_META: digest}},
+                        subscribers=[batch.subscriber()],
+                    )
+                reason = cancel()
+                if reason:
+                    for future in prepared:
+                        future.cancel()
+                    raise transfers.TransferCancelledError(reason)
+            batch.wait(cancel)
+        files = tuple(
+            dataclasses.replace(e, checksum=checksums[e.path]) if e.owner == own.node else e
+            for e in own.files
+        )
+        # The commit of this node's part: after every file, never before.
+        self.client.put_object(
+            Bucket=self.remote.uri.bucket,
+            Key=self.remote.key(staged.step, m.manifest_name(own.node)),
+            Body=own.with_files(files).to_bytes(),
+            ContentType="application/json",
+        )
+        return UploadReport(
+            step=staged.step,
+            node=own.node,
+            files=len(entries),
+            files_sent=sent,
+            bytes_total=staged.owned_bytes,
+            bytes_sent=progress.moved,
+            seconds=self.monotonic() - started,
+        )
+
+    def _prepare(
+        self, staged: Staged, entry: m.FileEntry, remote_size: Optional[int]
+    ) -> tuple[m.FileEntry, str, bool]:
+        """(entry, its checksum, whether S3 already holds exactly this file)."""
+        path = staged.file(entry)
+        digest = checksum.file_checksum(path)
+        if remote_size != entry.size:
+            return entry, digest, False
+        try:
+            head = self.client.head_object(
+                Bucket=self.remote.uri.bucket, Key=self.remote.key(staged.step, entry.path)
+            )
+        except Exception as exc:
+            if error_code(exc) in ("404", "NoSuchKey"):
+                return entry, digest, False
+            raise
+        return entry, digest, head.get("Metadata", {}).get(CHECKSUM_META) == digest
+
+    def _abort_stale_multipart(self, staged: Staged, paths: set[str]) -> None:
+        """Abort multipart uploads of our keys left by an earlier (killed) sidecar."""
+        prefix = self.remote.key(staged.step) + "/"
+        try:
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.remote.uri.bucket, Prefix=prefix
+            )
+            stale = [
+                (u["Key"], u["UploadId"])
+                for page in pages
+                for u in page.get("Uploads", [])
+                if u["Key"][len(prefix) :] in paths
+            ]
+        except Exception as exc:  # noqa: BLE001 - some S3-compatible stores lack the call; only a leftover
+            self.log.debug("cannot list multipart uploads under %s: %s", prefix, exc)
+            return
+        for key, upload_id in stale:
+            try:
+                self.client.abort_multipart_upload(
+                    Bucket=self.remote.uri.bucket, Key=key, UploadId=upload_id
+                )
+                self.log.info("aborted a stale multipart upload of %s", key)
+            except Exception as exc:  # noqa: BLE001 - a leftover costs storage, not correctness
+                self.log.warning("cannot abort the stale multipart upload of %s: %s", key, exc)
+
+
+def superseded(remote: Remote, step: int, keep: int) -> Optional[list[int]]:
+    """The newer committed checkpoints when retention would delete checkpoint-<step> right
+    after its upload (keep > 0 and at least `keep` newer ones are committed in S3), else None."""
+    if keep <= 0:
+        return None
+    newer = [s for s in remote.steps() if s > step]
+    committed = [s for s in reversed(newer) if remote.committed(s) is not None][:keep]
+    return sorted(committed) if len(committed) >= keep else None

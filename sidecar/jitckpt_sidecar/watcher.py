@@ -1,0 +1,78 @@
+"""inotify (watchdog) on staging/, status/ and checkpoints/: the handler only wakes the loop.
+
+Events are a fast path, not the source of truth: the service rescans on start, on every wake
+and periodically, because events can be missed (a sidecar restart, an overflowed inotify
+queue, a filesystem without inotify). When watches cannot be set up at all (the inotify
+limit), the rescan alone carries on and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+from watchdog.events import (
+    DirCreatedEvent,
+    DirDeletedEvent,
+    DirMovedEvent,
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileDeletedEvent,
+    FileMovedEvent,
+    FileSystemEvent,
+    FileSystemEventHandler,
+)
+from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
+
+from jitckpt_entrypoint.manifest import Layout
+
+# What changes readiness: links and manifests appearing (create, rename of an atomic write),
+# staged copies going away, a file finished. Not opens/reads: our own uploads read staging/.
+_EVENTS: list[type[FileSystemEvent]] = [
+    FileCreatedEvent,
+    DirCreatedEvent,
+    FileMovedEvent,
+    DirMovedEvent,
+    FileDeletedEvent,
+    DirDeletedEvent,
+    FileClosedEvent,
+]
+
+
+class _Wake(FileSystemEventHandler):
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self.wake = wake
+
+    def on_any_event(self, event: FileSystemEvent) -> None:  # noqa: ARG002 - any event wakes
+        self.wake()
+
+
+class Watcher:
+    def __init__(self, layout: Layout, wake: Callable[[], None], logger: logging.Logger) -> None:
+        self.layout, self.wake, self.log = layout, wake, logger
+        self._observer: Optional[BaseObserver] = None
+
+    def start(self) -> None:
+        handler = _Wake(self.wake)
+        observer = Observer()
+        try:
+            observer.schedule(handler, self.layout.staging, recursive=True, event_filter=_EVENTS)
+            observer.schedule(handler, self.layout.status, recursive=False, event_filter=_EVENTS)
+            observer.schedule(
+                handler, self.layout.checkpoints, recursive=False, event_filter=_EVENTS
+            )
+            observer.start()
+        except OSError as exc:
+            self.log.warning(
+                "cannot watch %s (%s); relying on the periodic rescan (JITCKPT_RESCAN_SECONDS)",
+                self.layout.root,
+                exc,
+            )
+            return
+        self._observer = observer
+
+    def stop(self) -> None:
+        if self._observer is not None:  # its threads are daemons: no need to wait for them
+            self._observer.stop()
+            self._observer = None

@@ -1,0 +1,251 @@
+"""A loopback HTTP proxy in front of the S3 server: records every request, injects faults.
+
+The sidecar under test talks to the proxy (AWS_ENDPOINT_URL) and the proxy to moto. It
+records method, key, S3 operation, status and times of every request (to prove write order),
+and rules can answer with an error status, drop the connection, or hold a request until the
+test releases it (to stop an upload at a known point).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import re
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
+
+_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade"}
+
+
+class _QuietServer(ThreadingHTTPServer):
+    """Clients that vanish (a SIGKILLed sidecar, a dropped held request) are expected here."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    method: str
+    bucket: str
+    key: str
+    query: dict[str, str]
+    status: int
+    started: float
+    ended: float
+    deleted: tuple[str, ...] = ()
+    """Keys named by a DeleteObjects request, in order."""
+
+    @property
+    def operation(self) -> str:
+        """The S3 operation in words: put, part, complete, create-mpu, get, head, ..."""
+        q = self.query
+        if self.method == "PUT":
+            return "part" if "partNumber" in q else "put"
+        if self.method == "POST":
+            return "complete" if "uploadId" in q else "create-mpu" if "uploads" in q else "post"
+        return self.method.lower()
+
+    @property
+    def writes_object(self) -> bool:
+        """Whether this request made an object visible (a PUT or a multipart completion)."""
+        return self.operation in ("put", "complete") and 200 <= self.status < 300
+
+
+@dataclasses.dataclass
+class Hold:
+    """Requests matching `match` wait (after their body arrived) until `release`."""
+
+    match: Callable[[str, str, dict[str, str]], bool]
+    times: Optional[int] = None
+    held: int = 0
+    gate: threading.Event = dataclasses.field(default_factory=threading.Event)
+    forward: bool = True
+
+    def release(self, forward: bool = True) -> None:
+        self.forward = forward
+        self.gate.set()
+
+
+@dataclasses.dataclass
+class Fault:
+    """Requests matching `match` get `status` (or a dropped connection when status is 0)."""
+
+    match: Callable[[str, str, dict[str, str]], bool]
+    status: int = 503
+    times: Optional[int] = 1
+    hits: int = 0
+
+
+class S3Proxy:
+    def __init__(self, upstream: str) -> None:
+        parsed = urllib.parse.urlsplit(upstream)
+        self.upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
+        self.requests: list[Request] = []
+        self.holds: list[Hold] = []
+        self.faults: list[Fault] = []
+        self._lock = threading.Lock()
+        self._server = _QuietServer(("127.0.0.1", 0), self._handler())
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def start(self) -> S3Proxy:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        for hold in self.holds:
+            hold.release(forward=False)
+        self._server.shutdown()
+        self._server.server_close()
+
+    def hold(
+        self, match: Callable[[str, str, dict[str, str]], bool], times: Optional[int] = 1
+    ) -> Hold:
+        hold = Hold(match, times)
+        with self._lock:
+            self.holds.append(hold)
+        return hold
+
+    def fail(
+        self,
+        match: Callable[[str, str, dict[str, str]], bool],
+        status: int = 503,
+        times: Optional[int] = 1,
+    ) -> Fault:
+        fault = Fault(match, status, times)
+        with self._lock:
+            self.faults.append(fault)
+        return fault
+
+    def log(self) -> list[Request]:
+        with self._lock:
+            return list(self.requests)
+
+    def _record(self, request: Request) -> None:
+        with self._lock:
+            self.requests.append(request)
+
+    def _pick_hold(self, method: str, key: str, query: dict[str, str]) -> Optional[Hold]:
+        with self._lock:
+            for hold in self.holds:
+                if (hold.times is None or hold.held < hold.times) and hold.match(
+                    method, key, query
+                ):
+                    hold.held += 1
+                    return hold
+        return None
+
+    def _pick_fault(self, method: str, key: str, query: dict[str, str]) -> Optional[Fault]:
+        with self._lock:
+            for fault in self.faults:
+                if (fault.times is None or fault.hits < fault.times) and fault.match(
+                    method, key, query
+                ):
+                    fault.hits += 1
+                    return fault
+        return None
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def _relay(self) -> None:
+                started = time.monotonic()
+                url = urllib.parse.urlsplit(self.path)
+                bucket, _, key = url.path.lstrip("/").partition("/")
+                key = urllib.parse.unquote(key)
+                query = dict(urllib.parse.parse_qsl(url.query, keep_blank_values=True))
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                method = self.command
+                hold = proxy._pick_hold(method, key, query)
+                if hold is not None:
+                    hold.gate.wait(timeout=120)
+                    if not hold.forward:
+                        self.close_connection = True
+                        return
+                fault = proxy._pick_fault(method, key, query)
+                if fault is not None:
+                    if fault.status == 0:
+                        self.close_connection = True
+                        return
+                    payload = (
+                        b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>"
+                        + (b"SlowDown" if fault.status == 503 else b"InternalError")
+                        + b"</Code><Message>injected by the test proxy</Message></Error>"
+                    )
+                    self.send_response(fault.status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    if method != "HEAD":
+                        self.wfile.write(payload)
+                    proxy._record(
+                        Request(method, bucket, key, query, fault.status, started, time.monotonic())
+                    )
+                    return
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+                conn = http.client.HTTPConnection(*proxy.upstream, timeout=120)
+                try:
+                    conn.request(method, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    self.send_response(resp.status, resp.reason)
+                    for name, value in resp.getheaders():
+                        if name.lower() not in _HOP and name.lower() != "content-length":
+                            self.send_header(name, value)
+                    length_out = resp.getheader("Content-Length")
+                    self.send_header(
+                        "Content-Length",
+                        length_out if method == "HEAD" and length_out else str(len(data)),
+                    )
+                    self.end_headers()
+                    if method != "HEAD":
+                        self.wfile.write(data)
+                    deleted: tuple[str, ...] = ()
+                    if method == "POST" and "delete" in query:
+                        deleted = tuple(
+                            re.findall(r"<Key>([^<]*)</Key>", body.decode(errors="replace"))
+                        )
+                    proxy._record(
+                        Request(
+                            method,
+                            bucket,
+                            key,
+                            query,
+                            resp.status,
+                            started,
+                            time.monotonic(),
+                            deleted,
+                        )
+                    )
+                finally:
+                    conn.close()
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _relay  # noqa: N815
+
+        return Handler
+
+
+def is_key(suffix: str, *methods: str) -> Callable[[str, str, dict[str, str]], bool]:
+    """A matcher: the key ends with `suffix` (and the method is one of `methods`, if given)."""
+
+    def match(method: str, key: str, query: dict[str, str]) -> bool:
+        return key.endswith(suffix) and (not methods or method in methods)
+
+    return match

@@ -1,0 +1,192 @@
+"""SIGTERM and trainer exit: the drain uploads the JIT checkpoint, the deadline ends it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from harness.checkpoints import (
+    SIDECAR,
+    commit,
+    hf_files,
+    log_line,
+    metrics_port,
+    scrape,
+    sidecar_env,
+    write_trainer,
+)
+from harness.procs import wait_for
+from harness.s3 import Bucket
+from harness.s3proxy import S3Proxy, is_key
+from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint import status
+from jitckpt_entrypoint.config import parse_s3_uri
+from jitckpt_sidecar.remote import Remote
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
+    proxy = S3Proxy(s3_bucket.server.endpoint).start()
+    yield proxy
+    proxy.stop()
+
+
+def env_for(base_env, s3_bucket, root, endpoint=None, **extra):
+    env = s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}, endpoint=endpoint)
+    return sidecar_env(env, **extra)
+
+
+def committed_in_s3(s3_bucket: Bucket) -> list[int]:
+    return Remote(s3_bucket.client, parse_s3_uri(s3_bucket.uri)).committed_steps()
+
+
+def write_jit(root, step: int, trigger_to_commit: float) -> None:
+    now = time.time()
+    status.write_jit(
+        os.path.join(root, "status"),
+        status.JitRecord("run", step, m.checkpoint_name(step), now, now - trigger_to_commit, 1.0),
+    )
+
+
+def test_drain_uploads_the_jit_checkpoint_committed_after_sigterm_then_exits_0(
+    spawn, base_env, s3_bucket, tmp_path
+):
+    """SIGTERM reaches the sidecar before the trainer's JIT save: it waits, uploads the JIT
+    checkpoint once committed and staged, and exits 0 after the trainer exited."""
+    root = tmp_path / "node"
+    commit([root], 10, [hf_files(10)])
+    write_trainer(root)
+    proc = spawn(SIDECAR, env=env_for(base_env, s3_bucket, root, JITCKPT_GRACE_SECONDS="60"))
+    log_line(proc, r"uploaded checkpoint-10 ")
+    proc.send(signal.SIGTERM)
+    write_trainer(root, sigterm=True)
+    log_line(proc, r"draining")
+    commit([root], 17, [hf_files(17)], kind="jit")
+    write_jit(root, 17, 2.0)
+    write_trainer(root, exited=True)
+    assert proc.wait(60) == 0, proc.output()
+    assert committed_in_s3(s3_bucket) == [10, 17]
+    log_line(proc, r"uploaded checkpoint-17 ")
+    log_line(proc, r"drained: the trainer exited and every staged checkpoint is committed")
+
+
+def test_during_the_drain_the_jit_checkpoint_preempts_an_older_upload(
+    spawn, base_env, s3_bucket, proxy, tmp_path
+):
+    """An older upload in flight at SIGTERM is paused when the JIT checkpoint arrives: the JIT
+    manifest is written first, then the older checkpoint finishes (its sent files kept)."""
+    root = tmp_path / "node"
+    commit([root], 10, [hf_files(10)])
+    write_trainer(root)
+    hold = proxy.hold(is_key("checkpoint-10/model.safetensors", "PUT"))
+    proc = spawn(
+        SIDECAR,
+        env=env_for(
+            base_env,
+            s3_bucket,
+            root,
+            proxy.url,
+            JITCKPT_UPLOAD_CONCURRENCY="1",
+            JITCKPT_GRACE_SECONDS="60",
+        ),
+    )
+    wait_for(lambda: hold.held == 1, timeout=30, what="the upload of checkpoint-10")
+    proc.send(signal.SIGTERM)
+    log_line(proc, r"draining")
+    commit([root], 12, [hf_files(12)], kind="jit")
+    write_trainer(root, exited=True)
+    log_line(proc, r"drain: checkpoint-12 is newer than checkpoint-10 in flight; pausing")
+    hold.release()
+    assert proc.wait(60) == 0, proc.output()
+    log_line(proc, r"paused the upload of checkpoint-10: checkpoint-12 is newer")
+    manifests = [
+        m.step_of(r.key.split("/")[1])
+        for r in proxy.log()
+        if r.writes_object and "/checkpoint-" in r.key and m.is_manifest_name(r.key.split("/")[-1])
+    ]
+    assert manifests == [12, 10]
+    model_puts = [r for r in proxy.log() if r.key.endswith("checkpoint-10/model.safetensors")]
+    assert [r.operation for r in model_puts].count("put") == 1  # finished file not sent again
+    assert committed_in_s3(s3_bucket) == [10, 12]
+
+
+def test_the_drain_deadline_ends_a_stuck_upload_with_exit_1(
+    spawn, base_env, s3_bucket, proxy, tmp_path
+):
+    """When S3 never answers the JIT upload, the sidecar exits 1 before the grace period ends
+    and names the checkpoint that is not in S3."""
+    root = tmp_path / "node"
+    write_trainer(root)
+    proxy.hold(is_key("model.safetensors", "PUT"), times=None)
+    proc = spawn(
+        SIDECAR, env=env_for(base_env, s3_bucket, root, proxy.url, JITCKPT_GRACE_SECONDS="4")
+    )
+    metrics_port(proc)
+    commit([root], 20, [hf_files(20)], kind="jit")
+    wait_for(lambda: proxy.holds[0].held >= 1, timeout=30, what="the JIT upload to hang")
+    started = time.monotonic()
+    proc.send(signal.SIGTERM)
+    write_trainer(root, exited=True)
+    assert proc.wait(30) == 1, proc.output()
+    assert time.monotonic() - started < 4.0
+    log_line(
+        proc, r"drain deadline reached [\d.]+ s after SIGTERM .*not committed in S3: checkpoint-20"
+    )
+
+
+def test_by_default_the_sidecar_outlives_the_trainer(spawn, base_env, s3_bucket, tmp_path):
+    """After the trainer exits and everything is uploaded the sidecar stays up (a restarted
+    trainer container needs it) until SIGTERM, then exits 0 at once."""
+    root = tmp_path / "node"
+    commit([root], 10, [hf_files(10)], kind="final")
+    write_trainer(root, exited=True)
+    proc = spawn(SIDECAR, env=env_for(base_env, s3_bucket, root))
+    port = metrics_port(proc)
+    log_line(proc, r"the trainer exited and everything is committed in S3; staying up")
+    assert proc.popen.poll() is None
+    assert scrape(port)[("jitckpt_last_uploaded_step", ())] == 10
+    proc.send(signal.SIGTERM)
+    assert proc.wait(30) == 0, proc.output()
+
+
+def test_exit_with_trainer_leaves_once_the_final_checkpoint_is_uploaded(
+    spawn, base_env, s3_bucket, tmp_path
+):
+    """With JITCKPT_EXIT_WITH_TRAINER=1 (a plain container beside the trainer), the sidecar
+    uploads the final checkpoint staged at the end of training and exits 0 without SIGTERM."""
+    root = tmp_path / "node"
+    write_trainer(root)
+    proc = spawn(SIDECAR, env=env_for(base_env, s3_bucket, root, JITCKPT_EXIT_WITH_TRAINER="1"))
+    metrics_port(proc)
+    commit([root], 99, [hf_files(99)], kind="final")
+    write_trainer(root, exited=True)
+    assert proc.wait(60) == 0, proc.output()
+    assert committed_in_s3(s3_bucket) == [99]
+
+
+def test_the_drain_deadline_counts_from_the_trainers_sigterm_when_that_came_first(
+    spawn, base_env, s3_bucket, proxy, tmp_path
+):
+    """A native sidecar gets SIGTERM after the trainer exited; the pod's grace period began at
+    the trainer's SIGTERM (trainer.json), so the sidecar gives up by then, not later."""
+    root = tmp_path / "node"
+    write_trainer(root)
+    proxy.hold(is_key("model.safetensors", "PUT"), times=None)
+    proc = spawn(
+        SIDECAR, env=env_for(base_env, s3_bucket, root, proxy.url, JITCKPT_GRACE_SECONDS="30")
+    )
+    metrics_port(proc)
+    commit([root], 20, [hf_files(20)], kind="jit")
+    wait_for(lambda: proxy.holds[0].held >= 1, timeout=30, what="the JIT upload to hang")
+    write_trainer(root, exited=True, sigterm=True, sigterm_ago=26.0)  # 30 s grace - 3 s margin
+    started = time.monotonic()
+    proc.send(signal.SIGTERM)
+    assert proc.wait(30) == 1, proc.output()
+    assert time.monotonic() - started < 5.0
+    log_line(proc, r"drain deadline reached 2[6-9]\.\d s after SIGTERM")

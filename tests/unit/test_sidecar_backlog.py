@@ -1,0 +1,81 @@
+"""The upload backlog: newest first, retries after a backoff, done stays done."""
+
+from __future__ import annotations
+
+from jitckpt_entrypoint import manifest as m
+from jitckpt_sidecar.backlog import Backlog
+from jitckpt_sidecar.staging import Staged
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def staged(step: int, created_at: float = 500.0) -> Staged:
+    manifest = m.Manifest(step, "periodic", 0, 1, 1, (m.FileEntry("a", 1),), created_at)
+    return Staged(f"/x/staging/checkpoint-{step}", manifest)
+
+
+def test_the_newest_waiting_checkpoint_is_taken_first():
+    """Offered 10, 30, 20: taken 30, then 20, then 10."""
+    backlog = Backlog(FakeClock())
+    for step in (10, 30, 20):
+        assert backlog.offer(staged(step))
+    order = []
+    while (item := backlog.take(timeout=0)) is not None:
+        order.append(item.step)
+        backlog.done(item)
+    assert order == [30, 20, 10]
+
+
+def test_a_checkpoint_offered_during_an_upload_goes_next():
+    """While 20 is in flight, 40 arrives: after 20 comes 40, then the older 10."""
+    backlog = Backlog(FakeClock())
+    backlog.offer(staged(10))
+    backlog.offer(staged(20))
+    first = backlog.take(timeout=0)
+    assert first is not None
+    backlog.offer(staged(40))
+    backlog.done(first)
+    assert [backlog.take(timeout=0).step, backlog.waiting()[0].step] == [40, 10]
+
+
+def test_offers_of_queued_in_flight_or_done_checkpoints_are_ignored():
+    """The same staged checkpoint is never queued twice nor again after its upload."""
+    backlog = Backlog(FakeClock())
+    assert backlog.offer(staged(10))
+    assert not backlog.offer(staged(10))
+    item = backlog.take(timeout=0)
+    assert not backlog.offer(staged(10))
+    backlog.done(item)
+    assert not backlog.offer(staged(10))
+    assert backlog.offer(staged(10, created_at=999.0))  # re-staged by a new commit
+
+
+def test_a_failed_checkpoint_waits_out_its_backoff_while_others_go():
+    """A retry after 5 s is not handed out before then; an older one goes meanwhile."""
+    clock = FakeClock()
+    backlog = Backlog(clock)
+    backlog.offer(staged(10))
+    backlog.offer(staged(20))
+    failed = backlog.take(timeout=0)
+    backlog.retry(failed, 5.0)
+    assert backlog.take(timeout=0).step == 10
+    backlog.done(staged(10))
+    assert backlog.take(timeout=0) is None
+    clock.now += 5.0
+    assert backlog.take(timeout=0).step == 20
+
+
+def test_queue_length_and_lag_count_waiting_and_in_flight():
+    """Length counts every checkpoint not yet in S3; lag is the newest one's age, 0 when none."""
+    backlog = Backlog(FakeClock())
+    assert (len(backlog), backlog.lag(now=600.0), backlog.idle()) == (0, 0.0, True)
+    backlog.offer(staged(10, created_at=500.0))
+    backlog.offer(staged(20, created_at=550.0))
+    backlog.take(timeout=0)
+    assert (len(backlog), backlog.lag(now=600.0), backlog.idle()) == (2, 50.0, False)
