@@ -37,8 +37,8 @@ def test_an_unknown_command_is_one_line_and_exit_2(capsys):
     assert cli.main(["uplaod"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     expected = (
-        "jitckpt-sidecar: error: unknown command 'uplaod'; use one of run, restore, check "
-        "(usage: jitckpt-sidecar [run|restore|check] [OPTIONS])"
+        "jitckpt-sidecar: error: unknown command 'uplaod'; use one of run, restore, check, "
+        "install, inject (usage: jitckpt-sidecar [run|restore|check|install|inject] [OPTIONS])"
     )
     assert err == [expected]
 
