@@ -234,7 +234,7 @@ def _restore(cfg: Config, logger: logging.Logger) -> int:
     readiness.reset()
     restorer = Restorer(client, Remote(client, cfg.uri), cfg, layout, logger)
     result = restorer.run(cancel=lambda: stop[0] if stop else None)
-    readiness.set(result.source, result.step, result.seconds)
+    readiness.set(result.source, result.step, result.seconds, result.bytes)
     return 0
 
 

@@ -26,18 +26,20 @@ class Readiness:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    def set(self, source: str, step: Optional[int], seconds: float) -> None:
-        atomic.write_json(
-            self.path,
-            {
-                "ready_at": self.clock(),
-                "pid": os.getpid(),
-                "restore": source,
-                "step": step,
-                "restore_seconds": round(seconds, 3),
-            },
-            durable=True,
-        )
+    def set(self, source: str, step: Optional[int], seconds: float, nbytes: int = 0) -> None:
+        """`restore_bytes_per_second` (S3 restores only) is what the entrypoint's grace-period
+        estimate uses as the upload throughput."""
+        record: dict[str, object] = {
+            "ready_at": self.clock(),
+            "pid": os.getpid(),
+            "restore": source,
+            "step": step,
+            "restore_seconds": round(seconds, 3),
+            "restore_bytes": nbytes,
+        }
+        if source == "s3" and nbytes > 0 and seconds > 0:
+            record["restore_bytes_per_second"] = round(nbytes / seconds)
+        atomic.write_json(self.path, record, durable=True)
         self._ready.set()
 
     @property

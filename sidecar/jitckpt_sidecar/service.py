@@ -118,7 +118,7 @@ class Service:
         if result is None:
             return 1
         memory.trim()
-        self.readiness.set(result.source, result.step, result.seconds)
+        self.readiness.set(result.source, result.step, result.seconds, result.bytes)
         self.metrics.restore.ready.set(1)
         self.log.info(
             "ready (restore: %s%s); watching %s",

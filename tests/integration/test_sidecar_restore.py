@@ -66,6 +66,9 @@ def test_restore_picks_the_newest_committed_checkpoint_and_passes_over_broken_on
             assert (root / "checkpoints" / "checkpoint-10" / rel).read_bytes() == content, rel
     ready = json.loads((root / "status" / "sidecar-ready.json").read_text())
     assert (ready["restore"], ready["step"]) == ("s3", 10)
+    sizes = {f.path: f.size for man in manifests.values() for f in man.files}
+    assert ready["restore_bytes"] == sum(sizes.values())
+    assert ready["restore_bytes_per_second"] > 0  # the entrypoint's grace estimate reads it
     log_line(proc, r"skipping checkpoint-50 in S3: not committed \(no manifest\)")
     log_line(proc, r"skipping checkpoint-40 in S3: not committed \(manifest of node 1 missing\)")
     log_line(proc, r"skipping checkpoint-30 in S3: not committed \(optimizer.pt: object has 5")
@@ -81,6 +84,7 @@ def test_restore_with_nothing_in_s3_is_ready_at_once(spawn, base_env, s3_bucket,
     assert os.listdir(root / "checkpoints") == []
     ready = json.loads((root / "status" / "sidecar-ready.json").read_text())
     assert (ready["restore"], ready["step"]) == ("none", None)
+    assert "restore_bytes_per_second" not in ready
 
 
 def test_restore_keeps_a_local_checkpoint_that_is_as_new_as_s3(
