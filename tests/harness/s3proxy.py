@@ -2,8 +2,9 @@
 
 The sidecar under test talks to the proxy (AWS_ENDPOINT_URL) and the proxy to moto. It
 records method, key, S3 operation, status and times of every request (to prove write order),
-and rules can answer with an error status, drop the connection, or hold a request until the
-test releases it (to stop an upload at a known point).
+and rules can answer with an error status (500 InternalError, 503 SlowDown), reset the
+connection (status 0: RST, no response), delay a request, or hold it until the test releases
+it (to stop an upload at a known point).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import re
+import socket
+import struct
 import threading
 import time
 import urllib.parse
@@ -75,12 +78,14 @@ class Hold:
 
 @dataclasses.dataclass
 class Fault:
-    """Requests matching `match` get `status` (or a dropped connection when status is 0)."""
+    """Requests matching `match` get `status` (a reset connection when status is 0), or, with
+    `delay`, are forwarded that many seconds late."""
 
     match: Callable[[str, str, dict[str, str]], bool]
     status: int = 503
     times: Optional[int] = 1
     hits: int = 0
+    delay: float = 0.0
 
 
 class S3Proxy:
@@ -123,6 +128,18 @@ class S3Proxy:
         times: Optional[int] = 1,
     ) -> Fault:
         fault = Fault(match, status, times)
+        with self._lock:
+            self.faults.append(fault)
+        return fault
+
+    def delay(
+        self,
+        match: Callable[[str, str, dict[str, str]], bool],
+        seconds: float,
+        times: Optional[int] = 1,
+    ) -> Fault:
+        """Requests matching `match` are forwarded `seconds` late (latency, not an error)."""
+        fault = Fault(match, 0, times, delay=seconds)
         with self._lock:
             self.faults.append(fault)
         return fault
@@ -180,9 +197,18 @@ class S3Proxy:
                         self.close_connection = True
                         return
                 fault = proxy._pick_fault(method, key, query)
+                if fault is not None and fault.delay:
+                    time.sleep(fault.delay)
+                    fault = None
                 if fault is not None:
-                    if fault.status == 0:
+                    if fault.status == 0:  # SO_LINGER 0: close() sends RST, like a dropped link
+                        self.connection.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
                         self.close_connection = True
+                        proxy._record(
+                            Request(method, bucket, key, query, 0, started, time.monotonic())
+                        )
                         return
                     payload = (
                         b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>"

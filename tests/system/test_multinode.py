@@ -1,0 +1,57 @@
+"""A two-node job (two pods, torchrun --nnodes 2 on 127.0.0.1) drained one node at a time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.pod import Node, Pod, resumed_from
+from harness.procs import free_port
+
+pytestmark = pytest.mark.integration
+
+ARGS = ["--max-steps", "3000", "--save-steps", "1000"]
+
+
+def job(pods, args: list[str]) -> list[Pod]:
+    port = free_port()
+    members = [pods(args, node=Node(rank, 2, port)) for rank in (0, 1)]
+    for pod in members:
+        pod.start_sidecar()
+    for pod in members:
+        pod.wait_ready()
+    for pod in members:
+        pod.start_trainer()
+    return members
+
+
+def test_draining_one_node_stops_both_at_one_step_and_the_new_job_resumes_from_s3(pods, s3_bucket):
+    node0, node1 = job(pods, ARGS)
+    node0.wait_step(6)
+    drained = node1.terminate()  # kubectl drain: only node 1's pod is evicted
+    assert (drained.trainer, drained.sidecar, drained.sigkilled) == (143, 0, False), node1.output()
+    assert node0.trainer is not None
+    assert node0.trainer.wait(timeout=120) == 143, node0.output()
+    steps = {
+        json.loads((p.jdir / "status" / "jit.json").read_text())["step"] for p in (node0, node1)
+    }
+    assert len(steps) == 1, f"the nodes stopped at different steps: {steps}"
+    step = steps.pop()
+    rest = node0.terminate()  # the Job controller replaces the whole group
+    assert (rest.sidecar, rest.sigkilled) == (0, False), node0.output()
+
+    name = f"checkpoint-{step}"
+    keys = s3_bucket.keys(name)
+    assert {f"{name}/jitckpt-manifest.node-0.json", f"{name}/jitckpt-manifest.node-1.json"} <= set(
+        keys
+    ), sorted(keys)
+
+    total = step + 4
+    again = job(pods, ["--max-steps", str(total), "--save-steps", "1000"])
+    assert resumed_from(again[0]) == step
+    for pod in again:
+        assert pod.finish().trainer == 0, pod.output()
+    for pod in again:
+        ready = json.loads((pod.jdir / "status" / "sidecar-ready.json").read_text())
+        assert (ready["restore"], ready["step"]) == ("s3", step)

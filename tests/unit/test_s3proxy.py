@@ -1,0 +1,82 @@
+"""The test S3 proxy itself: relays keep-alive HTTP, injects exactly the armed faults."""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import threading
+import time
+
+import pytest
+
+from harness.s3proxy import S3Proxy, is_key
+
+
+class Upstream(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self._reply(b"hello")
+
+    def do_PUT(self) -> None:
+        self._reply(self.rfile.read(int(self.headers["Content-Length"]))[::-1])
+
+    def _reply(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return None
+
+
+@pytest.fixture
+def proxy():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    p = S3Proxy(f"http://127.0.0.1:{server.server_address[1]}").start()
+    yield p
+    p.stop()
+    server.shutdown()
+    server.server_close()
+
+
+def connect(proxy: S3Proxy) -> http.client.HTTPConnection:
+    return http.client.HTTPConnection(proxy.url.removeprefix("http://"), timeout=5)
+
+
+def request(conn: http.client.HTTPConnection, method: str, path: str, body: bytes = b""):
+    conn.request(method, path, body=body or None)
+    response = conn.getresponse()
+    return response.status, response.read()
+
+
+def test_requests_pass_through_on_one_keep_alive_connection(proxy):
+    conn = connect(proxy)
+    assert request(conn, "GET", "/bucket/a") == (200, b"hello")
+    assert request(conn, "PUT", "/bucket/b", b"abc") == (200, b"cba")
+    assert [(r.method, r.key, r.status) for r in proxy.log()] == [
+        ("GET", "a", 200),
+        ("PUT", "b", 200),
+    ]
+
+
+def test_an_armed_slowdown_hits_only_the_next_matching_requests(proxy):
+    proxy.fail(is_key("x", "PUT"), 503, times=2)
+    conn = connect(proxy)
+    assert request(conn, "GET", "/bucket/x")[0] == 200
+    status, body = request(conn, "PUT", "/bucket/x", b"1")
+    assert (status, b"<Code>SlowDown</Code>" in body) == (503, True)
+    assert request(conn, "PUT", "/bucket/x", b"1")[0] == 503
+    assert request(conn, "PUT", "/bucket/x", b"12") == (200, b"21")
+
+
+def test_a_reset_ends_the_connection_without_a_reply_and_a_delay_answers_late(proxy):
+    proxy.fail(is_key("r"), 0)
+    with pytest.raises((ConnectionResetError, http.client.RemoteDisconnected)):
+        request(connect(proxy), "GET", "/bucket/r")
+    proxy.delay(is_key("slow"), 0.3)
+    started = time.monotonic()
+    assert request(connect(proxy), "GET", "/bucket/slow") == (200, b"hello")
+    assert time.monotonic() - started >= 0.3
