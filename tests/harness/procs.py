@@ -123,6 +123,8 @@ class Proc:
         self.stderr: list[str] = []
         self.stamped: list[tuple[float, str]] = []
         """(time.monotonic() when read, line) for every stdout line."""
+        self.stamped_err: list[tuple[float, str]] = []
+        """(time.monotonic() when read, line) for every stderr line."""
         self._readers = [
             threading.Thread(
                 target=self._pump, args=(self.popen.stdout, self.stdout, True), daemon=True
@@ -141,6 +143,8 @@ class Proc:
             if to_queue:
                 self.stamped.append((time.monotonic(), line))
                 self.lines.put(line)
+            else:
+                self.stamped_err.append((time.monotonic(), line))
 
     def expect(self, pattern: str, timeout: float = 20.0) -> re.Match[str]:
         """Read stdout lines until one matches `pattern`."""
