@@ -28,6 +28,8 @@ _BOOL_FIELDS = ("jit", "resume")
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
+        # argparse quotes unknown arguments verbatim; one with a newline must not split the line.
+        message = message.replace("\r", "\\r").replace("\n", "\\n")
         raise JitckptError(f"{message}; usage: {USAGE}")
 
 

@@ -8,6 +8,7 @@ the training processes reads the same variables back with `from_env`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
 from typing import Optional
@@ -20,6 +21,12 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 # S3 bucket naming rules (3-63 chars, lowercase, digits, dots, hyphens; starts/ends alnum).
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+_USERINFO = re.compile(r"//[^/@]*@")
+
+
+def redact_userinfo(url: str) -> str:
+    """`url` with the user:password@ of its authority (a secret, maybe) replaced by ***@."""
+    return _USERINFO.sub("//***@", url)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +104,11 @@ class S3Uri:
 
 def parse_s3_uri(value: str, name: str = "JITCKPT_STORAGE_URI") -> S3Uri:
     """Parse `s3://bucket[/prefix]`, or raise a one-line error that names `name`."""
+    if _USERINFO.search(value):  # s3a://KEY:SECRET@bucket (old Hadoop style): never echo it
+        raise JitckptError(
+            f"{name}={redact_userinfo(value)!r} carries credentials; use "
+            "s3://bucket/prefix and put them in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+        )
     if not value.startswith("s3://"):
         raise JitckptError(f"{name}={value!r} is not an S3 URI; use s3://bucket/prefix")
     bucket, _, prefix = value[len("s3://") :].partition("/")
@@ -151,7 +163,7 @@ class Config:
     """text or json log lines on stderr."""
 
     def __post_init__(self) -> None:
-        if not self.dir:
+        if not os.path.isabs(self.dir):  # a relative one lands in the container's own layer
             _bad("dir", self.dir, "an absolute path to the shared volume, e.g. /mnt/jitckpt")
         if self.storage_uri:
             parse_s3_uri(self.storage_uri)

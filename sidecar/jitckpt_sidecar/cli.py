@@ -83,6 +83,8 @@ def _error(message: str) -> None:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
+        # argparse quotes unknown arguments verbatim; one with a newline must not split the line.
+        message = message.replace("\r", "\\r").replace("\n", "\\n")
         raise ConfigError(f"{message}; usage: {self.usage}")
 
 
@@ -180,7 +182,16 @@ def _clients(cfg: Config, logger: logging.Logger) -> object:
             "TLS verification of %s is OFF (JITCKPT_S3_VERIFY_TLS=0)", s3.endpoint_of(cfg)
         )
     attempts = min(s3.PROBE_ATTEMPTS, cfg.s3_max_attempts)
-    s3.probe(s3.make_client(cfg, session, attempts=attempts), cfg)
+    try:
+        probe_client = s3.make_client(cfg, session, attempts=attempts)
+    except Exception as exc:
+        if type(exc).__name__ != "InvalidRegionError":
+            raise
+        raise ConfigError(
+            f"the S3 region {session.region_name!r} is not a region name; set AWS_DEFAULT_REGION "
+            "(or AWS_REGION) to the bucket's region, e.g. us-east-1"
+        ) from None
+    s3.probe(probe_client, cfg)
     pool = max(cfg.upload_concurrency, cfg.download_concurrency) + 4
     return s3.make_client(cfg, session, pool=pool)
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
+import ipaddress
+import os
 import re
+import urllib.parse
 from collections.abc import Mapping
 from typing import Callable, Optional
 
-from jitckpt_entrypoint.config import Option, S3Uri, parse_s3_uri
+from jitckpt_entrypoint.config import Option, S3Uri, parse_s3_uri, redact_userinfo
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_sidecar.errors import ConfigError
 
@@ -201,10 +204,17 @@ class Config:
                 else (f"s3://bucket/prefix (or set {_BUCKET_FALLBACK} from a data connection)")
             )
             raise InvalidOptionError("storage_uri", self.storage_uri, accepted) from None
-        endpoint_ok = not self.s3_endpoint or re.match(r"^https?://[^/\s]+", self.s3_endpoint)
         checks: list[tuple[object, str, str]] = [
-            (self.dir, "dir", "an absolute path to the shared volume, e.g. /mnt/jitckpt"),
-            (endpoint_ok, "s3_endpoint", "an http:// or https:// URL"),
+            (
+                os.path.isabs(self.dir),  # a relative one is not the volume shared with the trainer
+                "dir",
+                "an absolute path to the shared volume, e.g. /mnt/jitckpt",
+            ),
+            (
+                not self.s3_endpoint or _endpoint_ok(self.s3_endpoint),
+                "s3_endpoint",
+                "an http:// or https:// URL with a valid host name and port",
+            ),
             (
                 self.s3_addressing in ADDRESSING_STYLES,
                 "s3_addressing",
@@ -246,7 +256,10 @@ class Config:
         ]
         for ok, field, accepted in checks:
             if not ok:
-                raise InvalidOptionError(field, getattr(self, field), accepted)
+                value = getattr(self, field)
+                if field == "s3_endpoint":  # user:password@ may carry a secret
+                    value = redact_userinfo(value)
+                raise InvalidOptionError(field, value, accepted)
 
     @property
     def uri(self) -> S3Uri:
@@ -286,6 +299,29 @@ class Config:
             return cls(**kwargs)  # type: ignore[arg-type]
         except InvalidOptionError as exc:
             raise ConfigError(exc.describe(sources.get(exc.field))) from None
+
+
+_HOST_LABEL = re.compile(r"^(?!-)[a-z\d-]{1,63}(?<!-)$", re.IGNORECASE)
+
+
+def _endpoint_ok(url: str) -> bool:
+    """Whether botocore accepts `url` as an endpoint: http(s), a DNS name or IP, a valid port."""
+    if any(c.isspace() for c in url):
+        return False
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not 0-65535
+    except ValueError:
+        return False
+    host = parts.hostname or ""
+    if parts.scheme not in ("http", "https") or not host:
+        return False
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        labels = host.removesuffix(".").split(".")
+        return len(host) <= 255 and all(_HOST_LABEL.match(label) for label in labels)
+    return True
 
 
 def _fallback(name: str, env: Mapping[str, str]) -> Optional[tuple[str, str]]:
