@@ -25,3 +25,5 @@ class StorageAccessError(SidecarError):
     """S3 is unreachable, the bucket is missing or the credentials are refused."""
 
     exit_code = 3
+    transient = False
+    """Set when retrying may cure it (5xx, throttling, a reset): the probe retries those."""

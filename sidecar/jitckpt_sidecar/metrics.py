@@ -120,7 +120,7 @@ class UploadMetrics:
         self.lag.set_function(lag_seconds)
         self.retries = Counter(
             "jitckpt_upload_retries",
-            "S3 requests retried (throttling, 5xx, connection errors) and uploads retried.",
+            "S3 requests retried (throttling, 5xx, resets), uploads and restores retried.",
             registry=registry,
         )
         self.s3_deleted = Counter(

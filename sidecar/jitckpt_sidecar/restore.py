@@ -4,7 +4,9 @@ Candidates are tried newest first. One that is not committed in S3 (a node's man
 an object missing or short) is skipped after a listing; one whose download fails verification
 (size or checksum, or an object deleted meanwhile) is discarded and the next older one is
 tried. Transport errors are not a reason to fall back: falling back to an older checkpoint on
-a network blip would silently lose progress, so they fail the restore (and the pod retries).
+a network blip would silently lose progress. Transient ones (5xx, throttling, resets, timeouts
+that outlast botocore's own retries) restart the restore after a backoff, for up to
+RESTORE_PATIENCE seconds; others, and transient ones past that, fail it.
 
 Files are downloaded into `checkpoints/.jitckpt-restore-<step>-<pid>/` (a name the trainer's
 resume never considers), every file named by the manifests (the union; each checked against
@@ -27,9 +29,11 @@ from jitckpt_sidecar import checksum, transfers
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.errors import SidecarError
 from jitckpt_sidecar.remote import Remote, RemoteCheckpoint, problems
-from jitckpt_sidecar.s3 import error_code
+from jitckpt_sidecar.s3 import describe, error_code, is_storage_error, is_transient
 
 TEMP_PREFIX = ".jitckpt-restore-"
+RESTORE_PATIENCE = 120.0
+"""Seconds of transient S3 failures a restore rides out before it fails."""
 
 
 class VerificationError(SidecarError):
@@ -56,7 +60,10 @@ class Restorer:
         logger: logging.Logger,
         *,
         monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        on_retry: Callable[[], None] = lambda: None,
     ) -> None:
+        self.sleep, self.on_retry = sleep, on_retry
         self.client, self.remote, self.cfg, self.layout, self.log = (
             client,
             remote,
@@ -68,6 +75,34 @@ class Restorer:
         self._config = transfers.download_config(cfg)
 
     def run(self, cancel: Callable[[], Optional[str]] = lambda: None) -> RestoreResult:
+        deadline = self.monotonic() + RESTORE_PATIENCE
+        delay = 1.0
+        while True:
+            try:
+                return self._run_once(cancel)
+            except Exception as exc:
+                if not (is_storage_error(exc) and is_transient(exc)):
+                    raise
+                if self.monotonic() + delay > deadline:
+                    raise
+                self.log.warning(
+                    "restore interrupted: %s; starting it again in %.0f s",
+                    describe(exc, self.cfg, "the restore", str(self.remote.uri)),
+                    delay,
+                )
+                self._pause(delay, cancel)
+                self.on_retry()
+                delay = min(delay * 2, 15.0)
+
+    def _pause(self, seconds: float, cancel: Callable[[], Optional[str]]) -> None:
+        end = self.monotonic() + seconds
+        while self.monotonic() < end:
+            reason = cancel()
+            if reason:
+                raise transfers.TransferCancelledError(reason)
+            self.sleep(min(0.1, max(0.0, end - self.monotonic())))
+
+    def _run_once(self, cancel: Callable[[], Optional[str]]) -> RestoreResult:
         started = self.monotonic()
         self.layout.ensure()
         self._remove_leftovers()

@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import socket
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
@@ -26,6 +27,17 @@ log = logging.getLogger("jitckpt.jitckpt-sidecar.s3")
 
 PROBE_ATTEMPTS = 2
 """The start-up probe fails fast: a wrong endpoint should not take a minute to report."""
+PROBE_PATIENCE = 60.0
+"""Seconds of transient failures (5xx, throttling, resets, timeouts) the probe rides out."""
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "InternalError",
+    "ServiceUnavailable",
+    "RequestLimitExceeded",
+}
 _PERMISSION = {
     "ListObjectsV2": "s3:ListBucket",
     "PutObject": "s3:PutObject",
@@ -115,9 +127,31 @@ def count_retries(client: Any, on_retry: Callable[[], None]) -> None:
     client.meta.events.register("request-created.s3", hook)
 
 
-def probe(client: Any, cfg: Config) -> None:
+def probe(
+    client: Any,
+    cfg: Config,
+    sleep: Callable[[float], None] = time.sleep,
+    monotonic: Callable[[], float] = time.monotonic,
+) -> None:
     """Prove that the bucket exists and that we may list, write, read and delete under the
-    prefix; raise a one-line StorageAccessError that names the fix otherwise."""
+    prefix; raise a one-line StorageAccessError that names the fix otherwise. Transient
+    failures are retried for PROBE_PATIENCE seconds: a 5xx burst must not crash-loop the pod."""
+    deadline = monotonic() + PROBE_PATIENCE
+    delay = 0.5
+    while True:
+        try:
+            _probe_once(client, cfg)
+        except StorageAccessError as exc:
+            if not exc.transient or monotonic() + delay > deadline:
+                raise
+            log.warning("S3 access probe: %s; retrying in %.1f s", exc, delay)
+            sleep(delay)
+            delay = min(delay * 2, 8.0)
+        else:
+            return
+
+
+def _probe_once(client: Any, cfg: Config) -> None:
     uri = cfg.uri
     key = uri.key(f".jitckpt-probe-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
     body = b"jitckpt sidecar access probe\n"
@@ -145,7 +179,18 @@ def translate(cfg: Config, operation: str, where: str) -> Iterator[None]:
     except Exception as exc:
         if not is_storage_error(exc):
             raise
-        raise StorageAccessError(describe(exc, cfg, operation, where)) from None
+        error = StorageAccessError(describe(exc, cfg, operation, where))
+        error.transient = is_transient(exc)
+        raise error from None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A failure that retrying later may cure: 5xx, throttling, a reset or timed-out request.
+    A refused connection is not: that is a wrong endpoint, reported at once."""
+    if type(exc).__name__ in ("ConnectionClosedError", "ReadTimeoutError"):
+        return True
+    code = error_code(exc)
+    return code in _TRANSIENT_CODES or (code.isdigit() and code.startswith("5"))
 
 
 def is_storage_error(exc: BaseException) -> bool:
@@ -182,7 +227,9 @@ def describe(exc: BaseException, cfg: Config, operation: str, where: str) -> str
             f"TLS verification of {endpoint} failed; set AWS_CA_BUNDLE to the CA bundle that "
             "signed it (or JITCKPT_S3_VERIFY_TLS=0 to skip verification, insecure)"
         )
-    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError"):
+    if name == "ConnectionClosedError":
+        return f"the S3 endpoint {endpoint} closed the connection during {operation} ({name})"
+    if name in ("EndpointConnectionError", "ConnectTimeoutError"):
         return (
             f"cannot connect to the S3 endpoint {endpoint} ({name}); check AWS_ENDPOINT_URL "
             "(or AWS_S3_ENDPOINT / JITCKPT_S3_ENDPOINT) and that the pod may reach it"

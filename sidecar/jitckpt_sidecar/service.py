@@ -143,7 +143,13 @@ class Service:
         """The start-up restore with its metrics; None when SIGTERM interrupted it."""
         started = self.monotonic()
         restorer = Restorer(
-            self.client, self.remote, self.cfg, self.layout, self.log, monotonic=self.monotonic
+            self.client,
+            self.remote,
+            self.cfg,
+            self.layout,
+            self.log,
+            monotonic=self.monotonic,
+            on_retry=self.metrics.uploads.retries.inc,
         )
         try:
             result = restorer.run(cancel=self._restore_cancel)

@@ -64,3 +64,58 @@ def test_translate_turns_storage_errors_into_exit_code_3_and_leaves_others_alone
     assert info.value.exit_code == 3
     with pytest.raises(KeyError), s3.translate(CFG, "PutObject", "s3://b/k"):
         raise KeyError("x")
+
+
+class FlakyBucket:
+    """A client whose first `failures` list calls raise `error`; the rest of the probe works."""
+
+    def __init__(self, error: Exception, failures: int) -> None:
+        self.error, self.failures, self.lists = error, failures, 0
+        self.body = b""
+
+    def list_objects_v2(self, **_: object) -> dict:
+        self.lists += 1
+        if self.lists <= self.failures:
+            raise self.error
+        return {}
+
+    def put_object(self, Body: bytes, **_: object) -> None:  # noqa: N803 - boto3's name
+        self.body = Body
+
+    def get_object(self, **_: object) -> dict:
+        import io
+
+        return {"Body": io.BytesIO(self.body)}
+
+    def delete_object(self, **_: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "error",
+    [client_error("SlowDown", 503), client_error("InternalError", 500), client_error("502", 502)],
+)
+def test_the_start_up_probe_rides_out_transient_failures(error):
+    """A 5xx burst or throttling at start-up is retried with backoff, not a crash loop."""
+    client, naps = FlakyBucket(error, failures=3), []
+    s3.probe(client, CFG, sleep=naps.append, monotonic=lambda: sum(naps))
+    assert client.lists == 4
+    assert naps == [0.5, 1.0, 2.0]
+
+
+def test_the_start_up_probe_gives_up_on_lasting_or_permanent_failures():
+    """Permanent errors fail at once; transient ones after PROBE_PATIENCE seconds."""
+    from jitckpt_sidecar.errors import StorageAccessError
+
+    denied, naps = FlakyBucket(client_error("AccessDenied", 403), failures=99), []
+    with pytest.raises(StorageAccessError):
+        s3.probe(denied, CFG, sleep=naps.append, monotonic=lambda: sum(naps))
+    assert (denied.lists, naps) == (1, [])
+    down = FlakyBucket(client_error("ServiceUnavailable", 503), failures=99)
+    with pytest.raises(StorageAccessError):
+        s3.probe(down, CFG, sleep=naps.append, monotonic=lambda: sum(naps))
+    assert sum(naps) <= s3.PROBE_PATIENCE
+    refused = FlakyBucket(EndpointConnectionError(endpoint_url="https://x"), failures=99)
+    with pytest.raises(StorageAccessError):
+        s3.probe(refused, CFG, sleep=naps.append, monotonic=lambda: 0.0)
+    assert refused.lists == 1
