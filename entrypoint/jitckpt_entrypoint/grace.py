@@ -59,13 +59,14 @@ def _upload_rate(layout: m.Layout) -> Optional[float]:
 def warning(est: Estimate, grace_seconds: int, shutdown_timeout: int) -> Optional[str]:
     """One line naming the fix when the estimate does not fit, else None."""
     mb = est.bytes / 1e6
+    size = f"{mb:.1f}" if mb < 10 else f"{mb:.0f}"
     upload = (
         "" if est.upload_seconds is None else f" and uploading it about {est.upload_seconds:.1f} s"
     )
     if est.save_seconds >= shutdown_timeout or est.needed >= grace_seconds:
         enough = math.ceil(max(est.save_seconds * 4 / 3, est.needed) * 1.25) + 5
         return (
-            f"the grace period may be too short: saving {est.checkpoint} ({mb:.0f} MB) took "
+            f"the grace period may be too short: saving {est.checkpoint} ({size} MB) took "
             f"{est.save_seconds:.1f} s{upload}, but torchrun kills workers {shutdown_timeout} s "
             f"and Kubernetes kills the pod {grace_seconds} s after SIGTERM; set "
             f"terminationGracePeriodSeconds and JITCKPT_GRACE_SECONDS to at least {enough}"

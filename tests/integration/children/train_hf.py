@@ -4,7 +4,7 @@ Builds a 2-layer Llama from a config (no hub), trains on random tokens, and prin
 optimizer step so tests can act at a given step. Test-only knobs (never in user scripts):
 --hold-save-at N makes the save at step N wait, after the Trainer wrote its files and before
 jitckpt commits them, until --release-file exists; --wait-after-train waits the same way after
-train() returns.
+train() returns; --slow-save S makes every save (periodic or JIT) take S seconds longer.
 """
 
 from __future__ import annotations
@@ -50,6 +50,17 @@ class Progress(TrainerCallback):
                 time.sleep(0.01)
 
 
+class SlowSaveTrainer(Trainer):
+    """A model so big that writing it takes `slow_save` seconds more (grace-period tests)."""
+
+    slow_save = 0.0
+
+    def save_model(self, *args, **kwargs):
+        say(f"slow save rank={os.environ.get('RANK', '0')}")
+        time.sleep(self.slow_save)
+        return super().save_model(*args, **kwargs)
+
+
 def build_args(opts: argparse.Namespace, cls: type = TrainingArguments) -> TrainingArguments:
     return cls(
         output_dir=opts.output_dir,
@@ -90,6 +101,7 @@ def main() -> None:
     parser.add_argument(
         "--wait-after-train", action="store_true", help="until --release-file exists"
     )
+    parser.add_argument("--slow-save", type=float, default=0.0, help="seconds added to saves")
     opts = parser.parse_args()
 
     torch.manual_seed(0)
@@ -107,12 +119,13 @@ def main() -> None:
     if opts.trainer == "sft":
         trainer = sft_trainer(opts, model, callbacks)
     else:
-        trainer = Trainer(
+        trainer = (SlowSaveTrainer if opts.slow_save else Trainer)(
             model=model,
             args=build_args(opts),
             train_dataset=RandomTokens(opts.samples, 16, config.vocab_size),
             callbacks=callbacks,
         )
+    trainer.slow_save = opts.slow_save
     result = trainer.train()
     say(f"done step={result.global_step} rank={os.environ.get('RANK', '0')}")
     if opts.wait_after_train:  # stands for evaluation, export, push_to_hub after training
