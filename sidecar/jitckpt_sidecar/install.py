@@ -107,14 +107,20 @@ def install(target: Path, source: Path | None = None) -> Path:
 
 def main(argv: list[str]) -> int:
     """`install DIR`: print the launcher's path on success; one-line error and exit 2 on failure."""
-    if len(argv) != 1 or argv[0] in ("-h", "--help") or not argv[0]:
-        print(f"usage: {PROG} DIR", file=sys.stderr)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"usage: {PROG} DIR")
         print(
             "Copy the stdlib-only jitckpt-entrypoint bundle into DIR (a volume shared with the "
-            "training container), which then runs: python3 DIR/jitckpt-entrypoint -- COMMAND",
+            "training container), which then runs: python3 DIR/jitckpt-entrypoint -- COMMAND"
+        )
+        return 0
+    if len(argv) != 1 or not argv[0]:
+        print(
+            f"{PROG}: error: give exactly one DIR, the volume shared with the training "
+            f"container (usage: {PROG} DIR)",
             file=sys.stderr,
         )
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        return 2
     try:
         launcher = install(Path(argv[0]))
     except InstallError as exc:

@@ -189,6 +189,10 @@ CASES = [
         id="sidecar-unknown-command",
     ),
     pytest.param(
+        sc(("install",), {}, "give exactly one DIR", "install DIR"),
+        id="sidecar-install-without-a-directory",
+    ),
+    pytest.param(
         sc(
             ("run", "--upload-concurency", "4"),
             {},
