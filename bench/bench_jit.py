@@ -12,6 +12,7 @@ directory, as torch.save and safetensors write) plus one optimizer step.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import statistics
@@ -145,6 +146,12 @@ def write_bandwidth(nbytes: int, directory: Path, durable: bool) -> float:
     return statistics.median(rates)
 
 
+def _median_seen(values: list[float]) -> float:
+    """The median over the trials where it happened (nan: a JIT checkpoint never appeared)."""
+    seen = [v for v in values if not math.isnan(v)]
+    return statistics.median(seen) if seen else float("nan")
+
+
 def summarize(label: str, ours: list[dict[str, float]], hf: list[dict[str, float]]) -> dict:
     med = {
         k: statistics.median(r[k] for r in ours)
@@ -157,7 +164,8 @@ def summarize(label: str, ours: list[dict[str, float]], hf: list[dict[str, float
     return {
         "label": label,
         **med,
-        "hf_commit": statistics.median(r["commit"] for r in hf),
+        "hf_commit": _median_seen([r["commit"] for r in hf]),
+        "hf_committed": sum(not math.isnan(r["commit"]) for r in hf),
         "hf_exit": statistics.median(r["exit"] for r in hf),
         "disk": disk,
         "cache": cache,
@@ -220,7 +228,8 @@ def main() -> None:
         print(
             f"  {row['label']}: disk {row['disk'] / 1e9:.2f} GB/s (page cache {row['cache'] / 1e9:.2f}),"
             f" the Trainer's own save {row['save']:.3f} s ({row['bytes'] / row['save'] / 1e9:.2f} GB/s),"
-            f" exit codes ours/HF {row['rc']}"
+            f" exit codes ours/HF {row['rc']},"
+            f" HF's JIT checkpoint appeared in {row['hf_committed']} of {trials} trials"
         )
 
 

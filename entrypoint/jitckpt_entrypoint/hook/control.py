@@ -3,14 +3,29 @@
 A separate group keeps our tiny messages off the training communicator (NCCL or gloo), so they
 never reorder or block gradient all-reduces. Every method is collective: all ranks must call
 the same methods in the same order. With one process (no torch.distributed) they are local.
+
+The stop agreement costs about half a millisecond of CPU per round on a busy host (gloo's
+thread must be scheduled beside the training threads): 1% of a 50 ms step, but 6% of a 9 ms
+one. So short steps share a round: after CALIBRATION_CALLS steps every rank contributes its
+median step time to one blocking round, and from then on a round runs every `every` steps, as
+many as fill ROUND_SECONDS. All ranks agree on `every`, so they still start and read the same
+rounds at the same steps; a stop waits at most about ROUND_SECONDS longer.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import statistics
+import time
 from typing import Any, Optional
 
 log = logging.getLogger("jitckpt.hook")
+
+ROUND_SECONDS = 0.05
+"""Training time per agreement round once steps are known to be short."""
+CALIBRATION_CALLS = 8
+"""Steps (with a round each) whose durations decide how many steps share a round."""
 
 
 class ControlGroup:
@@ -19,6 +34,12 @@ class ControlGroup:
         self._group: Any = None
         self._buffer: Any = None
         self._pending: Any = None
+        self._calls: list[float] = []
+        """Times of the first calls of stop_requested (until calibrated)."""
+        self.every = 1
+        """Steps per agreement round (1 until calibrated)."""
+        self._calibrated = False
+        self._count = 0
         self.world_size = 1
         try:
             import torch.distributed as dist
@@ -42,6 +63,13 @@ class ControlGroup:
         """
         if not self.distributed:
             return local
+        self._count += 1
+        if not self._calibrated:
+            self._calls.append(time.monotonic())
+            if len(self._calls) >= CALIBRATION_CALLS:
+                return self._calibrate(local)
+        elif self._count % self.every:
+            return False
         agreed = self._collect()
         if not agreed:
             self._buffer = self._flag(local)
@@ -49,6 +77,26 @@ class ControlGroup:
                 self._buffer, op=self._dist.ReduceOp.MAX, group=self._group, async_op=True
             )
         return agreed
+
+    def _calibrate(self, local: bool) -> bool:
+        """One blocking round that carries the stop flag and every rank's median step time."""
+        import torch
+
+        if self._collect():
+            return True
+        times = self._calls
+        step = statistics.median(b - a for a, b in zip(times, times[1:]))
+        both = torch.tensor([1 if local else 0, int(step * 1e6)], dtype=torch.int64)
+        self._dist.all_reduce(both, op=self._dist.ReduceOp.MAX, group=self._group)
+        self._calibrated, self._calls = True, []
+        step_us = max(1, int(both[1].item()))
+        self.every = max(1, math.ceil(ROUND_SECONDS * 1e6 / step_us))
+        self._count = 0
+        if self._dist.get_rank() == 0 and self.every > 1:
+            log.info(
+                "stop agreement every %d steps (a step takes %.1f ms)", self.every, step_us / 1e3
+            )
+        return bool(both[0].item())
 
     def any_now(self, local: bool) -> bool:
         """Blocking agreement at a point where all ranks are in step anyway (after a save)."""
