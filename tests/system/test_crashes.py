@@ -10,7 +10,7 @@ import pytest
 
 from harness.pod import committed_in_s3, final_weights, resumed_from
 from harness.procs import wait_for
-from harness.s3proxy import S3Proxy, is_key
+from harness.s3proxy import is_key
 
 pytestmark = pytest.mark.integration
 
@@ -32,13 +32,6 @@ def put_from(bucket, step: int):
         return int(key[len(prefix) :].split("/", maxsplit=1)[0]) >= step
 
     return match
-
-
-@pytest.fixture
-def proxy(s3_bucket):
-    p = S3Proxy(s3_bucket.server.endpoint).start()
-    yield p
-    p.stop()
 
 
 def test_ten_sigkills_at_random_points_resume_from_the_newest_committed_checkpoint(

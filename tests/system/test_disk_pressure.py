@@ -11,7 +11,7 @@ import pytest
 from harness.checkpoints import scrape
 from harness.pod import committed_in_s3
 from harness.procs import wait_for
-from harness.s3proxy import S3Proxy, is_key
+from harness.s3proxy import is_key
 from harness.training import checkpoint_steps
 
 pytestmark = pytest.mark.integration
@@ -19,13 +19,6 @@ pytestmark = pytest.mark.integration
 # 7.6 MB per checkpoint; 40 MB holds five, and pressure starts at 0.85 of it.
 ARGS = ["--max-steps", "3000", "--save-steps", "5", "--hidden", "128", "--layers", "4"]
 CAPACITY = 40_000_000
-
-
-@pytest.fixture
-def proxy(s3_bucket):
-    p = S3Proxy(s3_bucket.server.endpoint).start()
-    yield p
-    p.stop()
 
 
 def test_pressure_prunes_uploaded_checkpoints_and_keeps_the_newest_and_the_unuploaded(

@@ -44,13 +44,6 @@ def retries(pod: Pod) -> float:
     return scrape(pod.metrics_port)[(RETRIES, ())]
 
 
-@pytest.fixture
-def proxy(s3_bucket):
-    p = S3Proxy(s3_bucket.server.endpoint).start()
-    yield p
-    p.stop()
-
-
 def test_uploads_and_a_restore_through_errors_resets_and_latency(pods, s3_bucket, proxy):
     env = s3_bucket.env({}, endpoint=proxy.url)
     errors = storm(proxy, "PUT")
