@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import NoReturn, Optional
 
 from jitckpt_entrypoint import __version__, grace, log, status, supervisor
-from jitckpt_entrypoint.config import OPTIONS, Config
+from jitckpt_entrypoint.config import OPTIONS, Config, add_arguments
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.manifest import Layout
 
@@ -44,22 +44,7 @@ def _parser() -> _Parser:
         ),
         allow_abbrev=False,
     )
-    for option in OPTIONS:
-        if option.field in _BOOL_FIELDS:
-            parser.add_argument(
-                option.flag,
-                dest=option.field,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=f"{option.help} [{option.env}]",
-            )
-        else:
-            parser.add_argument(
-                option.flag,
-                dest=option.field,
-                metavar="VALUE",
-                help=f"{option.help} [{option.env}]",
-            )
+    add_arguments(parser, OPTIONS, _BOOL_FIELDS)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     return parser

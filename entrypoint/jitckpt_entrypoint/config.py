@@ -7,6 +7,7 @@ the training processes reads the same variables back with `from_env`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -35,6 +36,24 @@ class Option:
     env: str
     flag: str
     help: str
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, options: tuple[Option, ...], bool_fields: tuple[str, ...]
+) -> None:
+    """One flag per option (--x/--no-x for booleans), each help naming its variable."""
+    for option in options:
+        text = f"{option.help} [{option.env}]"
+        if option.field in bool_fields:
+            parser.add_argument(
+                option.flag,
+                dest=option.field,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=text,
+            )
+        else:
+            parser.add_argument(option.flag, dest=option.field, metavar="VALUE", help=text)
 
 
 OPTIONS = (

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Callable, NoReturn, Optional
 
 from jitckpt_entrypoint import log
+from jitckpt_entrypoint.config import add_arguments
 from jitckpt_entrypoint.manifest import Layout
 from jitckpt_sidecar import __version__, s3
 from jitckpt_sidecar.config import BOOL_FIELDS, OPTIONS, Config
@@ -97,22 +98,7 @@ def parse(command: str, argv: Sequence[str]) -> tuple[Config, bool]:
         "variable; a flag wins.",
         allow_abbrev=False,
     )
-    for option in OPTIONS:
-        if option.field in BOOL_FIELDS:
-            parser.add_argument(
-                option.flag,
-                dest=option.field,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=f"{option.help} [{option.env}]",
-            )
-        else:
-            parser.add_argument(
-                option.flag,
-                dest=option.field,
-                metavar="VALUE",
-                help=f"{option.help} [{option.env}]",
-            )
+    add_arguments(parser, OPTIONS, BOOL_FIELDS)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
     parsed = vars(parser.parse_args(list(argv)))
     verbose = bool(parsed.pop("verbose"))
