@@ -171,9 +171,9 @@ def test_two_sigterms_and_resumes_end_with_the_weights_of_an_uninterrupted_run(
         ("gradient accumulation", ("--grad-accum", "4", "--max-steps", "300"), 6, 300),
         (
             "epoch strategy",
-            ("--epochs", "3", "--samples", "64", "--save-strategy", "epoch"),
+            ("--epochs", "3", "--samples", "256", "--save-strategy", "epoch"),
             11,
-            24,
+            96,
         ),
         ("TRL SFTTrainer", ("--trainer", "sft", "--max-steps", "300"), 6, 300),
         ("DataLoader workers", ("--num-workers", "2", "--max-steps", "300"), 6, 300),
