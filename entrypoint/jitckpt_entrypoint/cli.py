@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import logging
 import os
 import shutil
@@ -84,18 +83,7 @@ def resolve_command(name: str, env: Mapping[str, str]) -> str:
 def prepare_dir(cfg: Config) -> Layout:
     """Create checkpoints/, staging/ and status/ and prove we can write there."""
     layout = Layout(cfg.dir)
-    try:
-        layout.ensure()
-        probe = os.path.join(layout.status, f".write-probe.{os.getpid()}.tmp")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.unlink(probe)
-    except OSError as exc:
-        reason = exc.strerror or errno.errorcode.get(exc.errno or 0, str(exc))
-        raise JitckptError(
-            f"JITCKPT_DIR={cfg.dir!r} is not writable by uid {os.getuid()} ({reason}); "
-            "mount a writable volume (the shared emptyDir) there or set JITCKPT_DIR"
-        ) from None
+    layout.prepare()
     return layout
 
 

@@ -16,6 +16,7 @@ checkpoint:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ import time
 from typing import Any, Optional
 
 from jitckpt_entrypoint import atomic
+from jitckpt_entrypoint.errors import JitckptError
 
 FORMAT_VERSION = 1
 KINDS = ("periodic", "jit", "final")
@@ -60,6 +62,21 @@ class Layout:
     def ensure(self) -> None:
         for path in (self.checkpoints, self.staging, self.status):
             os.makedirs(path, exist_ok=True)
+
+    def prepare(self) -> None:
+        """ensure(), then prove this process can write there (a one-line error naming the fix)."""
+        try:
+            self.ensure()
+            probe = os.path.join(self.status, f".write-probe.{os.getpid()}.tmp")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.unlink(probe)
+        except OSError as exc:
+            reason = exc.strerror or errno.errorcode.get(exc.errno or 0, str(exc))
+            raise JitckptError(
+                f"JITCKPT_DIR={self.root!r} is not writable by uid {os.getuid()} ({reason}); "
+                "mount the shared emptyDir there (writable for the pod's UID) or set JITCKPT_DIR"
+            ) from None
 
 
 def checkpoint_name(step: int) -> str:

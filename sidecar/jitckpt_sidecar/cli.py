@@ -9,7 +9,6 @@ checkpoints not committed in S3, a restore failed); 2 a usage or configuration e
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
 import logging
 import os
@@ -21,6 +20,7 @@ from typing import Callable, NoReturn, Optional
 
 from jitckpt_entrypoint import log
 from jitckpt_entrypoint.config import add_arguments
+from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.manifest import Layout
 from jitckpt_sidecar import __version__, s3
 from jitckpt_sidecar.config import BOOL_FIELDS, OPTIONS, Config
@@ -143,20 +143,12 @@ def _command(
 
 
 def prepare_dir(cfg: Config) -> Layout:
-    """Create checkpoints/, staging/ and status/ and prove we can write there."""
+    """Create checkpoints/, staging/ and status/ and prove we can write there (exit 2 if not)."""
     layout = Layout(cfg.dir)
     try:
-        layout.ensure()
-        probe = os.path.join(layout.status, f".sidecar-write-probe.{os.getpid()}.tmp")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.unlink(probe)
-    except OSError as exc:
-        reason = exc.strerror or errno.errorcode.get(exc.errno or 0, str(exc))
-        raise ConfigError(
-            f"JITCKPT_DIR={cfg.dir!r} is not writable by uid {os.getuid()} ({reason}); "
-            "mount the shared emptyDir there (writable for the pod's UID) or set JITCKPT_DIR"
-        ) from None
+        layout.prepare()
+    except JitckptError as exc:
+        raise ConfigError(str(exc)) from None
     return layout
 
 
