@@ -95,6 +95,10 @@ class Service:
         self._sigterm_at: Optional[float] = None
         self._preempt_for: Optional[int] = None
         self._failures: dict[int, int] = {}
+        self._store_failures = 0
+        """Uploads failed by the store since the last success (its backoff, and preemption)."""
+        self.failure: Optional[str] = None
+        """Why the sidecar could not do its job: the container's termination message."""
         self._heartbeat: Optional[float] = None
         self._said_staying = False
         self._said_draining = False
@@ -210,6 +214,7 @@ class Service:
         if self._sigterm_at is not None:
             if not self._said_draining:
                 self._said_draining = True
+                self.backlog.hurry(DRAIN_MAX_BACKOFF)
                 self.log.info(
                     "SIGTERM: draining; uploading until the trainer has exited and nothing is "
                     "left, at most %.1f s (JITCKPT_GRACE_SECONDS=%d minus a margin)",
@@ -316,19 +321,29 @@ class Service:
         except Exception as exc:  # noqa: BLE001 - the worker must survive any failure; logged, counted, retried
             attempt = self._failures.get(staged.step, 0) + 1
             self._failures[staged.step] = attempt
-            delay = self._backoff(attempt)
+            store = s3.is_store_failure(exc)
+            if store:
+                self._store_failures += 1
+            delay = self._backoff(self._store_failures if store else attempt)
             self.metrics.uploads.failed(0)
             self.metrics.uploads.retries.inc()
             self.log.error(
-                "upload of %s failed (attempt %d): %s; retrying in %.1f s",
+                "upload of %s failed (attempt %d): %s; retrying in %.1f s%s",
                 staged.name,
                 attempt,
                 self._describe(exc, "upload"),
                 delay,
+                " (S3 is failing: every upload waits, then the newest goes first)" if store else "",
             )
-            self.backlog.retry(staged, delay)
+            # A failing store pauses every upload, so that the newest goes first once it is
+            # back; backing off each checkpoint on its own would send them in the order their
+            # backoffs happen to end.
+            self.backlog.retry(staged, 0.0 if store else delay)
+            if store:
+                self.backlog.pause(delay)
             return
         self._failures.pop(staged.step, None)
+        self._store_failures = 0
         self.metrics.uploads.uploaded(report.step, report.seconds, report.bytes_sent)
         self.log.info(
             "uploaded %s (node %d) to %s: %d files (%d already there), %.1f MB in %.1f s (%s)",
@@ -359,6 +374,10 @@ class Service:
         newer = self._preempt_for
         if newer is not None and newer > staged.step:
             return f"{m.checkpoint_name(newer)} is newer and goes first during the drain"
+        if self._store_failures:
+            waiting = self.backlog.waiting()
+            if waiting and waiting[0].step > staged.step:
+                return f"S3 is failing and {waiting[0].name} is newer: it goes first"
         return None
 
     def _backoff(self, attempt: int) -> float:
@@ -378,6 +397,8 @@ class Service:
 
     def _describe(self, exc: BaseException, operation: str) -> str:
         if s3.is_storage_error(exc):
+            # A ClientError names the request that failed (GetObject, ...): say that one.
+            operation = getattr(exc, "operation_name", None) or operation
             return s3.describe(exc, self.cfg, operation, str(self.cfg.uri))
         if isinstance(exc, OSError):
             return f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")
