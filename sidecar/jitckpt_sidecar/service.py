@@ -69,6 +69,8 @@ class Service:
             self.storage,
             queue_length=lambda: len(self.backlog),
             lag_seconds=lambda: self.backlog.lag(self.clock()),
+            oldest_pending_seconds=lambda: self.backlog.oldest_age(self.clock()),
+            pressure_threshold=cfg.disk_pressure_threshold,
         )
         s3.count_retries(client, self.metrics.uploads.retries.inc)
         self.feed = StatusFeed(layout.status, self.metrics.checkpoints)
@@ -124,6 +126,10 @@ class Service:
         memory.trim()
         self.readiness.set(result.source, result.step, result.seconds, result.bytes)
         self.metrics.restore.ready.set(1)
+        if result.step is not None:
+            self.metrics.checkpoints.on_volume(result.step)
+            if result.source == "s3":
+                self.metrics.uploads.in_s3(result.step)
         self.log.info(
             "ready (restore: %s%s); watching %s",
             result.source,
