@@ -1,5 +1,10 @@
 """The long-running sidecar: restore, then watch, upload, prune and serve; drain on SIGTERM.
 
+A failed restore does not end the process: the sidecar stays up, not ready (the trainer
+waits), serving /metrics with the failure counted, and tries again with a backoff until a
+restore succeeds or SIGTERM (the kubelet's startupProbe, a deleted pod) ends it with exit 1 and
+the error as the container's termination message.
+
 Threads: the main loop (scans staging/ and status/, relieves disk pressure, decides when to
 exit), one upload worker (one checkpoint at a time, newest first, its parallelism inside the
 TransferManager), the watchdog observer (only wakes the main loop) and the HTTP server.
@@ -44,6 +49,8 @@ WORKER_POLL = 5.0
 """The idle worker's wake-up interval; new work and stopping wake it at once."""
 MAX_BACKOFF = 60.0
 DRAIN_MAX_BACKOFF = 1.0
+RESTORE_RETRY = (10.0, 300.0)
+"""First and longest wait before a failed restore is tried again (doubling, with jitter)."""
 
 
 class Service:
@@ -150,8 +157,8 @@ class Service:
                 worker.join(timeout=0.2 if self._sigterm_at is not None else 10.0)
 
     def restore(self) -> Optional[RestoreResult]:
-        """The start-up restore with its metrics; None when SIGTERM interrupted it."""
-        started = self.monotonic()
+        """The start-up restore with its metrics, tried again after each failure (not ready
+        meanwhile); None when SIGTERM ended it."""
         restorer = Restorer(
             self.client,
             self.remote,
@@ -161,19 +168,44 @@ class Service:
             monotonic=self.monotonic,
             on_retry=self.metrics.uploads.retries.inc,
         )
-        try:
-            result = restorer.run(cancel=self._restore_cancel)
-        except transfers.TransferCancelledError:
-            self.metrics.restore.finished("failure", self.monotonic() - started)
-            self.log.warning("SIGTERM during the restore: stopped it; nothing to upload yet")
-            return None
-        except BaseException:
-            self.metrics.restore.finished("failure", self.monotonic() - started)
-            raise
-        self.metrics.restore.finished(
-            "success" if result.source == "s3" else "none", self.monotonic() - started
-        )
-        return result
+        failures = 0
+        while True:
+            started = self.monotonic()
+            try:
+                result = restorer.run(cancel=self._restore_cancel)
+            except transfers.TransferCancelledError:
+                self.log.warning("SIGTERM during the restore: stopped it; nothing to upload yet")
+                return None
+            except Exception as exc:  # noqa: BLE001 - reported, counted and tried again; only SIGTERM ends it
+                failures += 1
+                self.metrics.restore.finished("failure", self.monotonic() - started)
+                self.failure = f"restore failed: {self._describe(exc, 'the restore')}"
+                delay = min(RESTORE_RETRY[1], RESTORE_RETRY[0] * 2 ** (failures - 1))
+                delay *= random.uniform(0.8, 1.0)  # noqa: S311 - jitter
+                self.log.error(
+                    "%s (attempt %d); not ready, so the trainer waits; trying again in %.0f s "
+                    "(SIGTERM ends it)",
+                    self.failure,
+                    failures,
+                    delay,
+                )
+                if self._sleep_unless_sigterm(delay):
+                    self.log.error("SIGTERM: exiting 1 without a restore (%s)", self.failure)
+                    return None
+                continue
+            self.metrics.restore.finished(
+                "success" if result.source == "s3" else "none", self.monotonic() - started
+            )
+            self.failure = None
+            return result
+
+    def _sleep_unless_sigterm(self, seconds: float) -> bool:
+        """Wait `seconds`; True as soon as SIGTERM has arrived."""
+        end = self.monotonic() + seconds
+        while self._sigterm_at is None and self.monotonic() < end:
+            self._wake.wait(max(0.0, min(1.0, end - self.monotonic())))
+            self._wake.clear()
+        return self._sigterm_at is not None
 
     def _restore_cancel(self) -> Optional[str]:
         return "SIGTERM" if self._sigterm_at is not None else None

@@ -103,7 +103,9 @@ class Pod:
     # -- lifecycle, as the kubelet drives it -------------------------------------------------
 
     def start_sidecar(self) -> Proc:
-        self.sidecar = Proc(SIDECAR, env=self.env)
+        # Each container has its own /dev/termination-log.
+        env = {**self.env, "JITCKPT_TERMINATION_LOG": str(self.dir / "sidecar-termination-log")}
+        self.sidecar = Proc(SIDECAR, env=env)
         return self.sidecar
 
     def wait_ready(self, timeout: float = 120) -> None:
