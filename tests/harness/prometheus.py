@@ -86,9 +86,12 @@ def rule_file(path: Path, **kwargs: Any) -> Path:
     return path
 
 
-def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+def promtool(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[str]:
     assert PROMTOOL is not None
-    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([PROMTOOL, *args], input=stdin, capture_output=True, timeout=120)
+    return subprocess.CompletedProcess(
+        out.args, out.returncode, out.stdout.decode(), out.stderr.decode()
+    )
 
 
 class Prometheus:

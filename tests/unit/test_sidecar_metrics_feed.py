@@ -7,6 +7,7 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from harness.prometheus import needs_promtool, promtool
 from jitckpt_entrypoint import status
 from jitckpt_sidecar.metric_names import ABSENT_UNTIL_KNOWN, METRICS, series_names
 from jitckpt_sidecar.metrics import Metrics
@@ -122,3 +123,19 @@ def test_save_events_and_the_jit_record_are_counted_once(tmp_path):
     assert value("jitckpt_jit_trigger_to_commit_seconds") == 1.25
     assert not os.path.exists(os.path.join(tmp_path, "trainer.json"))
     assert feed.trainer() is None
+
+
+@needs_promtool
+def test_promtool_finds_nothing_to_lint_in_a_full_scrape(tmp_path):
+    """With every metric holding a value, `promtool check metrics` (names, units, HELP,
+    counters' _total) reports nothing, and a scrape stays small (bounded labels)."""
+    registry, metrics = build(tmp_path)
+    metrics.checkpoints.on_volume(10)
+    metrics.uploads.in_s3(10)
+    metrics.restore.finished("success", 1.0)
+    metrics.checkpoints.jit(status.JitRecord("r", 7, "checkpoint-7", 10.0, 8.0, 1.0))
+    text = generate_latest(registry)
+    out = promtool("check", "metrics", stdin=text)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+    samples = [line for line in text.decode().splitlines() if not line.startswith("#")]
+    assert len(samples) < 150
