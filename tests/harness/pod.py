@@ -62,6 +62,7 @@ class Pod:
         node: Optional[Node] = None,
         env: Optional[Mapping[str, str]] = None,
         script: Path = TRAIN_HF,
+        command: Optional[Sequence[str]] = None,
     ) -> None:
         self.name = name
         self.dir = root / name
@@ -81,7 +82,7 @@ class Pod:
             JITCKPT_TERMINATION_LOG=str(self.dir / "termination-log"),
         )
         self.env.update(env or {})
-        self.command = self._torchrun(script, train_args)
+        self.command = list(command) if command else self._torchrun(script, train_args)
         self.sidecar: Optional[Proc] = None
         self.trainer: Optional[Proc] = None
         self.trainer_pid1: Optional[int] = None
