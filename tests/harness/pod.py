@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from harness.procs import ENTRYPOINT, UNSHARE_PID, Proc, children_of, free_port, wait_for
 from harness.s3 import Bucket
 from harness.training import TORCHRUN, TRAIN_HF, steps_seen
+from jitckpt_entrypoint import manifest as m
 
 SIDECAR = [str(Path(sys.executable).parent / "jitckpt-sidecar")]
 
@@ -251,5 +252,7 @@ def committed_in_s3(bucket: Bucket) -> list[int]:
         if len(manifests) == first["nodes"] and all(
             keys.get(f"{name}/{f['path']}") == f["size"] for man in manifests for f in man["files"]
         ):
-            steps.append(int(name.split("-")[1]))
+            step = m.step_of(name)
+            if step is not None:  # final/ (the final model) is not a checkpoint
+                steps.append(step)
     return sorted(steps)
