@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from harness import sft
+from harness.launchers import BIN, BY_LABEL, MATRIX, PY, TRAIN
 from harness.procs import (
     ENTRYPOINT,
     UNSHARE_PID,
@@ -32,46 +31,20 @@ from harness.procs import (
 )
 from harness.training import (
     CHILDREN,
-    TRAIN_HF,
     checkpoint_steps,
     entrypoint,
     hook_lines,
     jit_record,
     manifest,
     steps_seen,
-    torchrun,
     wait_for_step,
 )
 
 pytestmark = pytest.mark.integration
 JIT_EXIT = 143
-PY = sys.executable
-BIN = Path(sys.executable).parent
-TRAIN = [str(TRAIN_HF), "--max-steps", "3000", "--save-steps", "100000"]
 SIGTERM_AT = 10
 COMMIT_WITHIN = 20.0
 """Seconds from SIGTERM to the committed JIT checkpoint (a few steps, one save; CI is slow)."""
-
-LAUNCHERS = {
-    "accelerate launch --cpu (1 process)": (
-        [str(BIN / "accelerate"), "launch", "--cpu", "--num_processes", "1", *TRAIN],
-        1,
-    ),
-    "accelerate launch --cpu --num_processes 2": (
-        [str(BIN / "accelerate"), "launch", "--cpu", "--num_processes", "2", *TRAIN],
-        1,  # accelerate's simple launcher starts one process on CPU
-    ),
-    "accelerate launch --multi_gpu (torch elastic on CPU)": (
-        [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", *TRAIN],
-        2,
-    ),
-    "sh -c without exec": (["sh", "-c", f"{shlex.join([PY, *TRAIN])}; exit $?"], 1),
-    "python -m accelerate.commands.launch": (
-        [PY, "-m", "accelerate.commands.launch", "--cpu", *TRAIN],
-        1,
-    ),
-    "torchrun": (torchrun(TRAIN_HF, *TRAIN[1:]), 2),
-}
 
 
 def sigterm_and_wait(proc: Proc, target: int, jdir: Path) -> tuple[int, float, float]:
@@ -103,24 +76,24 @@ def sigterm_line(proc: Proc) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("label", list(LAUNCHERS))
+@pytest.mark.parametrize("label", [x.label for x in MATRIX if x.label != "python train.py"])
 def test_every_launcher_gets_its_jit_checkpoint(spawn, base_env, jdir, label):
     """SIGTERM to the entrypoint mid-training: the training processes commit the step they
     were at, whatever the launcher does with the signal; exit 143; the SIGTERM line names the
     real shutdown path (torchrun's worker timeout only where torchrun runs)."""
-    command, ranks = LAUNCHERS[label]
-    proc = spawn(entrypoint(command), env=base_env)
+    launcher = BY_LABEL[label]
+    proc = spawn(entrypoint(launcher.command), env=base_env)
     code, commit_s, _ = sigterm_and_wait(proc, proc.pid, jdir)
     assert code == JIT_EXIT, proc.output()
     assert commit_s < COMMIT_WITHIN
-    assert_one_jit_checkpoint_at_the_last_step(proc, jdir, ranks)
+    assert_one_jit_checkpoint_at_the_last_step(proc, jdir, launcher.ranks)
     assert (jdir / "termination-log").read_text().startswith("JIT checkpoint checkpoint-")
 
     line = sigterm_line(proc)
     assert "Kubernetes SIGKILLs the pod 30 s after SIGTERM" in line
-    elastic = "torchrun" in label or "multi_gpu" in label
-    assert bool(re.search(r"torchrun \(pid \d+\) SIGKILLs its workers 22 s after", line)) == elastic
-    if not elastic:  # the launcher passes nothing on: the entrypoint sent it to the trainer
+    torchrun_said = re.search(r"torchrun \(pid \d+\) SIGKILLs its workers 22 s after", line)
+    assert bool(torchrun_said) == launcher.elastic
+    if not launcher.elastic:  # the launcher passes nothing on: the entrypoint sent it
         assert re.search(r"sent to its training processes \d+;", line), line
     assert "exiting 143" in proc.stderr[-1]
 
