@@ -87,6 +87,15 @@ class Shutdown:
 
     def done(self, child: Optional[ChildExit]) -> bool:
         if self.sigterm_at is None:
+            if child is not None:
+                orphans = self._alive(registry.TRAINER)
+                if orphans:  # a launcher that crashed under its workers: they end with us
+                    self.log.warning(
+                        "the training command %s while training processes %s still run; "
+                        "they end with this container",
+                        child.describe(),
+                        _pids(orphans),
+                    )
             return child is not None
         self._signal_trainers()  # late registrants: they were still loading at SIGTERM
         training = self._alive(registry.TRAINER)
