@@ -47,6 +47,7 @@ def output_files(output_dir: str, layout: m.Layout) -> dict[str, int]:
             for d in dirnames
             if os.path.realpath(os.path.join(dirpath, d)) not in ours
             and not (rel_dir == "." and m.step_of(d) is not None)
+            and not d.startswith(".jitckpt")  # a restore's temp directory, and the like
         )
         for name in sorted(filenames):
             if m.is_manifest_name(name) or atomic.is_temp_name(name):

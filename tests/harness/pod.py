@@ -69,6 +69,7 @@ class Pod:
         self.dir = root / name
         self.jdir = self.dir / "emptydir"
         self.jdir.mkdir(parents=True)
+        (self.dir / "tmp").mkdir()
         self.grace = grace
         self.node = node
         self.metrics_port = free_port()
@@ -81,6 +82,9 @@ class Pod:
             JITCKPT_METRICS_PORT=str(self.metrics_port),
             JITCKPT_METRICS_HOST="127.0.0.1",
             JITCKPT_TERMINATION_LOG=str(self.dir / "termination-log"),
+            # The pod's own /tmp: train_hf.py's default output_dir (the final model in S3
+            # mode) must not be shared with other pods' runs.
+            TMPDIR=str(self.dir / "tmp"),
         )
         self.env.update(env or {})
         self.command = list(command) if command else self._torchrun(script, train_args)

@@ -278,7 +278,10 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
             output = status.OutputRecord(
                 session.run_id, os.path.abspath(args.output_dir), step, time.time()
             )
-            status.write_output(session.layout.status, output)
+            try:
+                status.write_output(session.layout.status, output)
+            except OSError as exc:  # the model is still saved; only its upload is lost
+                session.log.warning("cannot record output_dir for the final model: %s", exc)
         session.training_ended()
         return control
 
