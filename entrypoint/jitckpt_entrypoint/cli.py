@@ -124,11 +124,8 @@ def outcome(
         started = sigterm_at if sigterm_at is not None else jit.sigterm_at
         when = "" if started is None else f" {jit.committed_at - started:.1f} s after SIGTERM"
         return cfg.exit_code, f"JIT checkpoint {jit.checkpoint} committed{when}"
-    if child is None:
-        return 128 + signal.SIGTERM, (
-            "SIGTERM received, no JIT checkpoint committed; the training command was still "
-            "running at the end of the grace period"
-        )
+    if child is None:  # not reached: supervision ends before the child only after a commit
+        return 128 + signal.SIGTERM, "SIGTERM received, no JIT checkpoint committed"
     summary = f"training command {child.describe()}"
     if child.signal is not None:
         summary += f" (exit {child.status})"

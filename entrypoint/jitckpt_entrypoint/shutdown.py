@@ -7,9 +7,10 @@ under launchers that die of SIGTERM without passing it on (accelerate's simple l
 were still loading) get it as soon as they do.
 
 After the child has exited, supervision goes on while registered training processes still run
-(they are saving and committing their JIT checkpoint), until the end of the grace period. And
-once every training process is gone with a JIT checkpoint committed, a launcher that ignores
-SIGTERM gets LINGER_SECONDS to exit before the entrypoint stops waiting for it.
+(they are saving and committing their JIT checkpoint), until KILL_MARGIN before the end of the
+grace period (time to write the termination message). And once every training process is gone
+with a JIT checkpoint committed, a launcher that ignores SIGTERM gets LINGER_SECONDS to exit
+before the entrypoint stops waiting for it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ class Shutdown:
         self.child_pid: Optional[int] = None
         self.sigterm_at: Optional[float] = None
         """Unix time of the first SIGTERM."""
-        self.lingered: bool = False
         """Supervision ended while the child still ran (it ignored SIGTERM)."""
         self._deadline = 0.0
         self._signalled: set[tuple[int, int]] = set()
@@ -101,16 +101,11 @@ class Shutdown:
         training = self._alive(registry.TRAINER)
         if child is not None:
             return self._child_gone(child, training)
+        # The child still runs. Without a committed JIT checkpoint that is its business (torchrun
+        # is still shutting its workers down): wait, as before, until it exits or the pod's
+        # SIGKILL. With one, and every training process gone, only a launcher that ignores
+        # SIGTERM is left: it gets LINGER_SECONDS.
         now = self.monotonic()
-        if now >= self._deadline:
-            self.lingered = True
-            self.log.warning(
-                "the grace period (JITCKPT_GRACE_SECONDS=%d) is ending with the training command "
-                "(pid %s) still running; exiting before Kubernetes SIGKILLs the pod",
-                self.cfg.grace_seconds,
-                self.child_pid,
-            )
-            return True
         if training or status.read_jit(self.status_dir, self.run_id) is None:
             self._idle_since = None
             return False
@@ -118,7 +113,6 @@ class Shutdown:
             self._idle_since = now
         if now - self._idle_since < self.linger:
             return False
-        self.lingered = True
         self.log.warning(
             "the training command (pid %s) still runs %.0f s after every training process "
             "committed its JIT checkpoint and exited (it ignores SIGTERM); not waiting for it",
