@@ -54,7 +54,6 @@ class Shutdown:
         self.child_pid: Optional[int] = None
         self.sigterm_at: Optional[float] = None
         """Unix time of the first SIGTERM."""
-        """Supervision ended while the child still ran (it ignored SIGTERM)."""
         self._deadline = 0.0
         self._signalled: set[tuple[int, int]] = set()
         self._idle_since: Optional[float] = None
@@ -91,8 +90,8 @@ class Shutdown:
                 orphans = self._alive(registry.TRAINER)
                 if orphans:  # a launcher that crashed under its workers: they end with us
                     self.log.warning(
-                        "the training command %s while training processes %s still run; "
-                        "they end with this container",
+                        "the training command ended (%s) while training processes %s still "
+                        "run; they end with this container",
                         child.describe(),
                         _pids(orphans),
                     )
