@@ -61,8 +61,9 @@ def test_two_nodes_on_one_shared_directory_commit_resume_and_rotate(spawn, base_
     assert max(steps_seen(node0, 0)) == max(steps_seen(node1, 2)) == step
     ckpt = shared / "checkpoints" / m.checkpoint_name(step)
     assert m.committed(str(ckpt)) is not None
-    kind = "periodic" if step % 4 == 0 else "jit"  # a step already committed is not saved again
-    assert {manifest(shared, step, n)["kind"] for n in (0, 1)} == {kind}
+    kinds = {manifest(shared, step, n)["kind"] for n in (0, 1)}
+    # At a periodic step the one save is the JIT one, unless the periodic commit came first.
+    assert kinds == {"jit"} or (kinds == {"periodic"} and step % 4 == 0), kinds
     files = {f["path"] for f in manifest(shared, step, 1)["files"]}
     assert {"model.safetensors", "rng_state_0.pth", "rng_state_3.pth"} <= files
     saved = sorted({*range(4, step + 1, 4), step})
