@@ -31,6 +31,7 @@ from jitckpt_entrypoint import status
 from jitckpt_sidecar import memory, s3, staging, transfers
 from jitckpt_sidecar.backlog import Backlog
 from jitckpt_sidecar.config import Config
+from jitckpt_sidecar.final import FinalModel, FinalUploader
 from jitckpt_sidecar.metrics import Metrics
 from jitckpt_sidecar.pressure import Pruner, Storage
 from jitckpt_sidecar.readiness import Readiness
@@ -97,6 +98,14 @@ class Service:
             logger=logger,
             on_pruned=lambda _: self.metrics.storage.pruned.inc(),
         )
+        self.final = FinalModel(
+            layout,
+            FinalUploader(client, self.remote, self.uploader, cfg, logger),
+            logger,
+            checkpoints_idle=self.backlog.idle,
+            describe=lambda exc: self._describe(exc, "final model upload"),
+            monotonic=monotonic,
+        )
         self.watcher = Watcher(layout, self.wake, logger)
         self.server = server
         self._wake = threading.Event()
@@ -150,6 +159,7 @@ class Service:
             return self._loop()
         finally:
             self._stop.set()
+            self.final.stop()
             self.backlog.close()
             self.watcher.stop()
             self.server.stop()
@@ -240,6 +250,7 @@ class Service:
         for staged in self.backlog.waiting():
             if staged.step not in ready:
                 self.backlog.forget(staged.step)
+        self.final.tick()
         self.feed.poll()
         try:
             self.pruner.relieve()
@@ -259,11 +270,12 @@ class Service:
                     self.cfg.drain_seconds,
                     self.cfg.grace_seconds,
                 )
-            if (trainer_exited or not trainer_known) and self.backlog.idle():
+            if (trainer_exited or not trainer_known) and self._all_uploaded():
                 self.log.info(
-                    "drained: the trainer %s and every staged checkpoint is committed in S3; "
+                    "drained: the trainer %s and every staged checkpoint is committed in S3%s; "
                     "exiting 0",
                     "exited" if trainer_known else "never started",
+                    self._model_location(),
                 )
                 return 0
             elapsed = self.monotonic() - self._sigterm_at
@@ -272,7 +284,10 @@ class Service:
                 # gets its own SIGTERM only after the trainer has exited.
                 elapsed = max(elapsed, self.clock() - trainer.sigterm_at)
             if elapsed >= self.cfg.drain_seconds:
-                pending = ", ".join(s.name for s in self.backlog.pending())
+                pending = ", ".join(
+                    [s.name for s in self.backlog.pending()]
+                    + ([f"the final model ({m.FINAL_NAME}/)"] if self.final.pending() else [])
+                )
                 left = f"not committed in S3: {pending}" if pending else "nothing left to upload"
                 if trainer_known and not trainer_exited:
                     left += ", but the trainer has not exited (its JIT checkpoint may be missing)"
@@ -296,23 +311,32 @@ class Service:
                     )
                 self._preempt_for = newest
             return None
-        if trainer_exited and self.backlog.idle():
+        if trainer_exited and self._all_uploaded():
             if self.cfg.exit_with_trainer:
                 self.log.info(
-                    "the trainer exited and everything is committed in S3; exiting 0 "
-                    "(JITCKPT_EXIT_WITH_TRAINER=1)"
+                    "the trainer exited and everything is committed in S3%s; exiting 0 "
+                    "(JITCKPT_EXIT_WITH_TRAINER=1)",
+                    self._model_location(),
                 )
                 return 0
             if not self._said_staying:
                 self._said_staying = True
                 self.log.info(
-                    "the trainer exited and everything is committed in S3; staying up until "
+                    "the trainer exited and everything is committed in S3%s; staying up until "
                     "SIGTERM (a restarted trainer container needs us; JITCKPT_EXIT_WITH_TRAINER=1 "
-                    "exits here)"
+                    "exits here)",
+                    self._model_location(),
                 )
         elif not trainer_exited:
             self._said_staying = False
         return None
+
+    def _all_uploaded(self) -> bool:
+        return self.backlog.idle() and not self.final.pending()
+
+    def _model_location(self) -> str:
+        where = self.final.location
+        return "" if where is None else f"; the final model is in {where}"
 
     def _healthy(self) -> bool:
         """Alive unless the main loop has not come round for far longer than a rescan."""
