@@ -330,14 +330,24 @@ def newest_committed(checkpoints_dir: str, node: Optional[int] = None) -> Option
 
 
 def remove_checkpoint(ckpt_dir: str) -> None:
-    """Delete a checkpoint directory, manifests first, so a half-deleted one is never committed."""
+    """Delete a checkpoint directory, manifests first, so a half-deleted one is never committed.
+
+    Another process may delete it at the same time (HF's rotation on process 0): what is
+    already gone is not an error.
+    """
     removed = False
     for name in _listdir(ckpt_dir):
         if is_manifest_name(name):
-            os.unlink(os.path.join(ckpt_dir, name))
+            try:
+                os.unlink(os.path.join(ckpt_dir, name))
+            except FileNotFoundError:
+                continue
             removed = True
     if removed:
-        atomic.fsync_dir(ckpt_dir)
+        try:
+            atomic.fsync_dir(ckpt_dir)
+        except FileNotFoundError:
+            return
     shutil.rmtree(ckpt_dir, ignore_errors=True)
 
 

@@ -24,6 +24,7 @@ from transformers.trainer_callback import TrainerCallback
 from jitckpt_entrypoint.hook import resume
 from jitckpt_entrypoint.hook.commit import commit, finish_jit
 from jitckpt_entrypoint.hook.session import Session, current
+from jitckpt_entrypoint.manifest import step_of
 
 _logged_overrides = False
 
@@ -56,9 +57,11 @@ def patch(module: ModuleType) -> None:
             # Never write into a committed directory: a crash mid-overwrite would leave a
             # manifest in front of torn files. (Epoch-end saves repeat the final step.)
             return None
+        started = time.time()
+        session.save_started(step, started)
         callback = _callback_of(self)
         if callback is not None:
-            callback.save_started = time.time()
+            callback.save_started = started
         return original_save(self, *args, **kwargs)
 
     trainer_cls.__init__ = __init__
@@ -136,6 +139,10 @@ def apply_overrides(session: Session, training_args: Any) -> list[str]:
     return changes
 
 
+def _step_of(checkpoint: Optional[str]) -> Optional[int]:
+    return step_of(os.path.basename(os.path.normpath(checkpoint))) if checkpoint else None
+
+
 def _plain(value: Any) -> Any:
     return getattr(value, "value", value)
 
@@ -188,6 +195,8 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.session.control  # noqa: B018 - collective: create the group while every rank is here
         _warm_save_path()
+        self.session.save_total_limit = args.save_total_limit
+        self.session.announce()
         self.session.training_started()
         if os.path.abspath(args.output_dir) != os.path.abspath(self.session.layout.checkpoints):
             self.session.log.warning(
@@ -218,6 +227,7 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         session, step = self.session, state.global_step
         save_seconds = 0.0
+        session.best_step = _step_of(state.best_model_checkpoint)
         if step not in session.committed_steps:
             started = self.save_started or time.time()
             kind = self.pending_kind or "periodic"
