@@ -141,7 +141,7 @@ class Pruner:
             keep.add(node.best_step)
         pruned = self._rotate(committed, keep, node)
         left = [s for s in committed if s not in pruned]
-        return pruned + self._relieve(left, keep, mine)
+        return pruned + self._relieve(left, keep, node)
 
     def _deletable(self, step: int, node: Optional[int]) -> bool:
         if step in self._not_in_s3:
@@ -151,12 +151,14 @@ class Pruner:
         self._not_in_s3.add(step)
         return False
 
-    def _delete(self, step: int) -> tuple[Sample, Sample]:
-        """Delete checkpoint-<step>; the samples before and after."""
-        before = self.storage.sample()
+    def _delete(self, step: int) -> tuple[int, Sample]:
+        """Delete checkpoint-<step>; the bytes freed (the trainer may write meanwhile) and the
+        sample after."""
+        before = self.storage.sample().used
         m.remove_checkpoint(self.layout.checkpoint_dir(step))
         self.on_pruned(step)
-        return before, self.storage.sample()
+        after = self.storage.sample()
+        return max(0, before - after.used), after
 
     def _rotate(
         self, committed: list[int], keep: set[int], node: Optional[status.NodeStatus]
@@ -169,36 +171,39 @@ class Pruner:
         for step in committed:
             if step in keep or not self._deletable(step, node.node):
                 continue
-            before, after = self._delete(step)
+            freed, _ = self._delete(step)
             pruned.append(step)
             self.log.info(
                 "retention: deleted local %s (save_total_limit=%d on node %d, %s), %.1f MB freed",
                 m.checkpoint_name(step),
                 limit,
                 node.node,
-                "its part is in S3" if node.nodes > 1 else "committed in S3",
-                max(0, before.used - after.used) / 1e6,
+                _why(node),
+                freed / 1e6,
             )
         return pruned
 
-    def _relieve(self, committed: list[int], keep: set[int], node: Optional[int]) -> list[int]:
+    def _relieve(
+        self, committed: list[int], keep: set[int], node: Optional[status.NodeStatus]
+    ) -> list[int]:
         sample = self.storage.sample()
         if sample.ratio < self.threshold:
             self._stuck_logged = False
             return []
         pruned: list[int] = []
         for step in committed:  # oldest first
-            if step in keep or not self._deletable(step, node):
+            if step in keep or not self._deletable(step, None if node is None else node.node):
                 continue
-            before, sample = self._delete(step)
+            ratio = sample.ratio
+            freed, sample = self._delete(step)
             pruned.append(step)
             self.log.info(
-                "disk pressure %.2f >= %.2f: deleted local %s (committed in S3), "
-                "%.1f MB freed, now %.2f",
-                before.ratio,
+                "disk pressure %.2f >= %.2f: deleted local %s (%s), %.1f MB freed, now %.2f",
+                ratio,
                 self.threshold,
                 m.checkpoint_name(step),
-                max(0, before.used - sample.used) / 1e6,
+                _why(node),
+                freed / 1e6,
                 sample.ratio,
             )
             if sample.ratio < self.threshold:
@@ -239,3 +244,7 @@ class Pruner:
             + (f" to at least {size} (the storage sizing estimate)" if size else "")
         )
         return f"{'; '.join(held) or 'no committed checkpoint here'}; {'; '.join(fixes)}"
+
+
+def _why(node: Optional[status.NodeStatus]) -> str:
+    return "its part is in S3" if node is not None and node.nodes > 1 else "committed in S3"
