@@ -4,8 +4,9 @@ A save writes a whole new checkpoint before HF's rotation deletes the oldest one
 at the end of the save), and some strategies write extra bytes while they do (ZeRO-3 gathers the
 16-bit weights into model.safetensors, FSDP FULL_STATE_DICT consolidates the model on rank 0).
 The hook writes status/saving.json when a save starts; from then until that step's save event
-the sampler measures used bytes every SAMPLE_SECONDS. The save peak is the highest usage during
-the save over the usage when it began.
+the sampler measures used bytes every SAMPLE_SECONDS (less often when one walk of the volume
+takes longer than half of that: at most a third of a core). The save peak is the highest usage
+during the save over the usage when it began.
 
 Per pod the volume must hold:
 
@@ -25,6 +26,7 @@ import math
 import os
 import re
 import threading
+import time
 from typing import Optional
 
 from jitckpt_entrypoint import manifest as m
@@ -32,8 +34,7 @@ from jitckpt_entrypoint import status
 from jitckpt_sidecar.pressure import Storage
 
 SAMPLE_SECONDS = 0.05
-"""Between samples during a save: a walk of the volume costs about a millisecond per hundred
-files, and a consolidation step of a real model lasts seconds."""
+"""Between samples during a save: a consolidation step of a real model lasts seconds."""
 POLL_SECONDS = 1.0
 """saving.json is watched through inotify; this is the safety net."""
 BUFFER = 0.10
@@ -81,8 +82,11 @@ class SavePeaks:
 
     def _measure(self, started: status.SaveStart) -> None:
         base = peak = self.storage.sample().used
-        while not self._stop.wait(SAMPLE_SECONDS):
+        pause = SAMPLE_SECONDS
+        while not self._stop.wait(pause):
+            began = time.monotonic()
             peak = max(peak, self.storage.sample().used)
+            pause = max(SAMPLE_SECONDS, 2 * (time.monotonic() - began))
             if self._finished(started):
                 break
         self.last = peak - base
