@@ -6,7 +6,9 @@ at the end of the save), and some strategies write extra bytes while they do (Ze
 The hook writes status/saving.json when a save starts; from then until that step's save event
 the sampler measures used bytes every SAMPLE_SECONDS (less often when one walk of the volume
 takes longer than half of that: at most a third of a core). The save peak is the highest usage
-during the save over the usage when it began.
+during the save over the usage before it began: the lower of the last sample after the volume
+last changed (inotify wakes the sampler; a fast save writes much before the sampler sees
+saving.json) and the first sample of the save.
 
 Per pod the volume must hold:
 
@@ -37,6 +39,8 @@ SAMPLE_SECONDS = 0.05
 """Between samples during a save: a consolidation step of a real model lasts seconds."""
 POLL_SECONDS = 1.0
 """saving.json is watched through inotify; this is the safety net."""
+SETTLE_SECONDS = 0.2
+"""Between samples of the volume at rest (changes come in bursts: a staged copy removed)."""
 BUFFER = 0.10
 _MODEL_FILE = re.compile(r"^(adapter_)?(model|pytorch_model)([-._]|$)")
 """Top-level names of HF's model files: model.safetensors, model-00001-of-00002.safetensors,
@@ -57,6 +61,10 @@ class SavePeaks:
         self._stop = threading.Event()
         self._seen: Optional[status.SaveStart] = None
         self._thread: Optional[threading.Thread] = None
+        self._at_rest: Optional[int] = None
+        """Used bytes after the last change of the volume outside a save."""
+        self._rest_sampled = 0.0
+        self._changed = True
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="jitckpt-save-peak", daemon=True)
@@ -71,17 +79,24 @@ class SavePeaks:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(POLL_SECONDS)
+            if self._wake.wait(POLL_SECONDS):
+                self._changed = True
             self._wake.clear()
             started = status.read_save_start(self.dir)
             if started is None or started == self._seen:
+                now = time.monotonic()
+                if self._changed and now - self._rest_sampled >= SETTLE_SECONDS:
+                    self._at_rest, self._rest_sampled = self.storage.sample().used, now
+                    self._changed = False
                 continue
             self._seen = started
             if not self._finished(started):  # else: seen too late (this sidecar restarted)
                 self._measure(started)
+            self._changed = True
 
     def _measure(self, started: status.SaveStart) -> None:
-        base = peak = self.storage.sample().used
+        peak = self.storage.sample().used
+        base = peak if self._at_rest is None else min(peak, self._at_rest)
         pause = SAMPLE_SECONDS
         while not self._stop.wait(pause):
             began = time.monotonic()
@@ -92,7 +107,7 @@ class SavePeaks:
         self.last = peak - base
         self.highest = max(self.highest, self.last)
         self.log.debug(
-            "save of %s: peak %.1f MB over the %.1f MB used when it began",
+            "save of %s: peak %.1f MB over the %.1f MB used before it",
             m.checkpoint_name(started.step),
             self.last / 1e6,
             base / 1e6,

@@ -102,3 +102,29 @@ def test_a_save_seen_after_its_commit_is_not_measured(tmp_path: Path):
     peaks.stop()
     assert not measured.is_set()
     assert peaks.last == 0
+
+
+def test_bytes_a_save_wrote_before_the_sampler_saw_it_still_count(tmp_path: Path):
+    """A fast save writes much before inotify wakes the sampler: the baseline is the volume at
+    rest before the save, not the first sample after saving.json appeared."""
+    layout = m.Layout(str(tmp_path))
+    layout.ensure()
+    peaks = sizing.SavePeaks(Storage(str(tmp_path), None), layout.status, logging.getLogger("t"))
+    peaks.start()
+    try:
+        peaks.wake()
+        wait_for(lambda: peaks._at_rest is not None, 10, "a sample at rest")
+        ckpt = Path(layout.checkpoint_dir(9))
+        ckpt.mkdir()
+        (ckpt / "model.safetensors").write_bytes(os.urandom(3 * MB))  # before saving.json is seen
+        status.write_save_start(layout.status, status.SaveStart("run", 9, time.time()))
+        peaks.wake()
+        time.sleep(0.2)
+        status.write_save_event(
+            layout.status, status.SaveEvent("periodic", 9, 0.0, time.time(), 3 * MB, "run")
+        )
+        peaks.wake()
+        wait_for(lambda: peaks.last > 0, 10, "the save peak")
+    finally:
+        peaks.stop()
+    assert 3 * MB <= peaks.last < 4 * MB
