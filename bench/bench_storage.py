@@ -30,6 +30,7 @@ from harness.checkpoints import scrape
 from harness.pod import Node, Pod
 from harness.procs import free_port, wait_for
 from harness.s3 import Bucket, MotoServer
+from harness.training import strategy_env
 
 STRATEGIES = ("ddp", "fsdp2-sharded", "fsdp2-full", "fsdp1-sharded", "zero2", "zero3")
 STEPS, SAVE_STEPS = 10, 5
@@ -53,6 +54,7 @@ def run(strategy: str, model: list[str], server: MotoServer, root: Path) -> list
             bucket.env({}),
             bucket.uri,
             node=Node(rank, 2, port),
+            env=strategy_env(strategy),
         )
         for rank in (0, 1)
     ]

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from harness.checkpoints import scrape
 from harness.pod import Node, Pod, committed_in_s3, resumed_from
 from harness.procs import Proc, free_port, wait_for
-from harness.training import TRAIN_HF, torchrun
+from harness.training import TRAIN_HF, strategy_env, torchrun
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -96,14 +96,15 @@ def jit_step(pod: Pod) -> int:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_jit_restore_resume_matches_an_uninterrupted_run(pods, s3_bucket, tmp_path, strategy):
-    straight = pods(args(strategy), storage_uri=f"s3://{s3_bucket.name}/straight").start()
+    env = strategy_env(strategy)
+    straight = pods(args(strategy), storage_uri=f"s3://{s3_bucket.name}/straight", env=env).start()
     assert straight.finish().trainer == 0, straight.output()
     final = straight.jdir / "checkpoints" / f"checkpoint-{TOTAL}"
     assert (final / LAYOUT[strategy].format(step=TOTAL)).exists(), sorted(final.rglob("*"))
     expected = losses(straight)
     assert sorted(expected) == list(range(1, TOTAL + 1))
 
-    pod = pods(args(strategy)).start()
+    pod = pods(args(strategy), env=env).start()
     pod.wait_step(STOP_AT)
     out = pod.terminate()
     assert (out.trainer, out.sidecar, out.sigkilled) == (143, 0, False), pod.output()
@@ -111,7 +112,7 @@ def test_jit_restore_resume_matches_an_uninterrupted_run(pods, s3_bucket, tmp_pa
     assert STOP_AT <= step < TOTAL
     assert committed_in_s3(s3_bucket) == [step]
 
-    resumed = pods(args(strategy)).start()
+    resumed = pods(args(strategy), env=env).start()
     assert resumed_from(resumed) == step
     assert resumed.finish().trainer == 0, resumed.output()
     got = losses(resumed)
@@ -163,7 +164,7 @@ def test_draining_one_of_two_nodes_stops_both_at_one_step_and_fresh_pods_resume(
     pods, s3_bucket, strategy
 ):
     """(FSDP2 SHARDED's two-node drain is the retention test below.)"""
-    node0, node1 = job(pods, args(strategy, 1000))
+    node0, node1 = job(pods, args(strategy, 1000), strategy_env(strategy))
     node0.wait_step(3)
     drained = node1.terminate()  # kubectl drain: only node 1's pod is evicted
     assert (drained.trainer, drained.sidecar, drained.sigkilled) == (143, 0, False), node1.output()
@@ -177,7 +178,7 @@ def test_draining_one_of_two_nodes_stops_both_at_one_step_and_fresh_pods_resume(
     assert committed_in_s3(s3_bucket) == [step]
     assert NODE1_FILE[strategy].format(step=step) in node_part_files(s3_bucket, step, 1)
 
-    again = job(pods, args(strategy, step + 2))
+    again = job(pods, args(strategy, step + 2), strategy_env(strategy))
     assert resumed_from(again[0]) == step
     for pod in again:
         assert pod.finish().trainer == 0, pod.output()

@@ -64,6 +64,10 @@ def strategy_args(strategy: str) -> dict[str, Any]:
             },
         }
     if strategy.startswith("zero"):
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            sys.exit(f"--strategy {strategy}: no deepspeed; put .venv/deepspeed on PYTHONPATH")
         # use_cpu=False: accelerate ignores DeepSpeed when use_cpu=True.
         return {
             "use_cpu": False,
