@@ -65,11 +65,12 @@ def used_bytes(root: str) -> int:
             if stat.S_ISDIR(st.st_mode):
                 todo.append(entry.path)
                 continue
-            if st.st_nlink > 1:
-                key = (st.st_dev, st.st_ino)
-                if key in seen:
-                    continue
-                seen.add(key)
+            # Every inode, not only those linked twice when we see them: the trainer may stage
+            # (hard-link) a file between our visits of its two paths.
+            key = (st.st_dev, st.st_ino)
+            if key in seen:
+                continue
+            seen.add(key)
             total += st.st_blocks * 512
     return total
 

@@ -49,6 +49,29 @@ def test_used_bytes_counts_hard_links_once_and_agrees_with_du(tmp_path):
     assert after >= MiB
 
 
+def test_a_file_linked_while_the_volume_is_walked_is_counted_once(tmp_path, monkeypatch):
+    """The hook hard-links a checkpoint file into staging/ between our visits of its two paths
+    (seen with one link, then with two): still one file's bytes."""
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "staging").mkdir()
+    (tmp_path / "checkpoint" / "model.bin").write_bytes(os.urandom(MiB))
+    before = used_bytes(str(tmp_path))
+    real_scandir = os.scandir
+
+    def scandir(path):
+        entries = list(real_scandir(path))
+        if path == str(tmp_path):  # walk checkpoint/ first (the walk is a stack)
+            entries.sort(key=lambda e: e.name != "staging")
+        if path.endswith("checkpoint"):
+            for entry in entries:
+                entry.stat(follow_symlinks=False)  # seen with one link...
+            os.link(entry.path, tmp_path / "staging" / "model.bin")  # ...then staged
+        return iter(entries)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert used_bytes(str(tmp_path)) - before < MiB
+
+
 def pruner(
     layout: m.Layout,
     capacity: int,
