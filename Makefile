@@ -7,11 +7,13 @@ PYTEST_ARGS ?=
 
 .PHONY: test unit integration lint fmt demo bench image image-test k8s-check clean
 
-$(STAMP): requirements-dev.txt pyproject.toml
+$(STAMP): requirements-dev.txt requirements-deepspeed.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; set PYTHON=/path/to/python3.11" >&2; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet --upgrade --no-deps \
+	  --target $(VENV)/deepspeed -r requirements-deepspeed.txt
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 

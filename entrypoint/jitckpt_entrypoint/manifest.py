@@ -354,7 +354,11 @@ def newest_committed(checkpoints_dir: str, node: Optional[int] = None) -> Option
 
 
 def remove_checkpoint(ckpt_dir: str) -> None:
-    """Delete a checkpoint directory, manifests first, so a half-deleted one is never committed."""
+    """Delete a checkpoint directory, manifests first, so a half-deleted one is never committed.
+
+    Another process may delete it at the same time (HF's rotation on process 0): what is
+    already gone is not an error.
+    """
     removed = False
     for name in _listdir(ckpt_dir):
         if is_manifest_name(name):

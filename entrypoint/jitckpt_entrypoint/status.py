@@ -9,6 +9,11 @@
 - `run-<run id>/output.json` (hook, world rank 0): the output_dir of the Trainer whose training
   ended; after the command exits 0 the entrypoint stages what it holds as the final model.
 - `save-<step>.json` (hook): one per committed save (kind, step, start/end, bytes), for metrics.
+- `saving.json` (hook, one per node): a save of `step` started; the sidecar samples the volume
+  until that step's save event appears (the save's peak usage).
+- `node.json` (hook, one per node): this node's place in the job and what the trainer keeps
+  (save_total_limit, HF's best checkpoint), for the sidecar's per-node retention: HF rotates
+  checkpoints only on process 0, so the other nodes' parts are the sidecar's to delete.
 
 Every file is written atomically (temp file, rename); times are Unix epoch seconds.
 """
@@ -27,6 +32,8 @@ from jitckpt_entrypoint import atomic, registry
 TRAINER = "trainer.json"
 JIT = "jit.json"
 OUTPUT = "output.json"
+SAVING = "saving.json"
+NODE = "node.json"
 SAVE_PREFIX = "save-"
 KEEP_SAVE_EVENTS = 100
 RUN_ID_ENV = "JITCKPT_RUN_ID"
@@ -83,6 +90,25 @@ class SaveEvent:
     @property
     def seconds(self) -> float:
         return self.committed_at - self.started_at
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveStart:
+    run_id: str
+    step: int
+    started_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeStatus:
+    run_id: str
+    node: int
+    """torchrun's GROUP_RANK: which part of each checkpoint this volume holds."""
+    nodes: int
+    save_total_limit: Optional[int]
+    """Checkpoints the trainer keeps (the script's, or JITCKPT_SAVE_TOTAL_LIMIT); None: all."""
+    best_step: Optional[int] = None
+    """HF's best_model_checkpoint, kept beyond the limit (load_best_model_at_end reads it)."""
 
 
 def write_trainer(status_dir: str, status: TrainerStatus) -> None:
@@ -165,8 +191,42 @@ def read_output(status_dir: str, run_id: str) -> Optional[OutputRecord]:
         return None
 
 
+def write_save_start(status_dir: str, start: SaveStart) -> None:
+    atomic.write_json(os.path.join(status_dir, SAVING), dataclasses.asdict(start), durable=False)
+
+
+def read_save_start(status_dir: str) -> Optional[SaveStart]:
+    obj = atomic.read_json(os.path.join(status_dir, SAVING))
+    try:
+        return SaveStart(str(obj["run_id"]), int(obj["step"]), float(obj["started_at"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def write_node(status_dir: str, node: NodeStatus) -> None:
+    atomic.write_json(os.path.join(status_dir, NODE), dataclasses.asdict(node), durable=False)
+
+
+def read_node(status_dir: str) -> Optional[NodeStatus]:
+    obj = atomic.read_json(os.path.join(status_dir, NODE))
+    try:
+        return NodeStatus(
+            run_id=str(obj["run_id"]),
+            node=int(obj["node"]),
+            nodes=int(obj["nodes"]),
+            save_total_limit=_opt_int(obj.get("save_total_limit")),
+            best_step=_opt_int(obj.get("best_step")),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def save_event_name(step: int) -> str:
+    return f"{SAVE_PREFIX}{step:012d}.json"
+
+
 def write_save_event(status_dir: str, event: SaveEvent) -> None:
-    name = f"{SAVE_PREFIX}{event.step:012d}.json"
+    name = save_event_name(event.step)
     atomic.write_json(os.path.join(status_dir, name), dataclasses.asdict(event), durable=False)
     old = sorted(n for n in os.listdir(status_dir) if _is_save_event(n))[:-KEEP_SAVE_EVENTS]
     for stale in old:
@@ -203,3 +263,7 @@ def _is_save_event(name: str) -> bool:
 
 def _opt_float(value: Any) -> Optional[float]:
     return None if value is None else float(value)
+
+
+def _opt_int(value: Any) -> Optional[int]:
+    return None if value is None else int(value)

@@ -30,6 +30,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "jitckpt_upload_retries_total": ("counter", ()),
     "jitckpt_restores_total": ("counter", ("result",)),
     "jitckpt_storage_pruned_total": ("counter", ()),
+    "jitckpt_storage_save_peak_bytes": ("gauge", ()),
     "jitckpt_s3_deleted_total": ("counter", ()),
     "jitckpt_sidecar_ready": ("gauge", ()),
 }

@@ -13,7 +13,8 @@ metrics table):
 - restore: jitckpt_restore_seconds, jitckpt_restores_total{result}, jitckpt_sidecar_ready
 - storage (read from the disk at scrape time): jitckpt_storage_capacity_bytes,
   jitckpt_storage_used_bytes, jitckpt_storage_peak_used_bytes, jitckpt_storage_pressure_ratio,
-  jitckpt_storage_pressure_threshold_ratio, jitckpt_storage_pruned_total
+  jitckpt_storage_pressure_threshold_ratio, jitckpt_storage_pruned_total,
+  jitckpt_storage_save_peak_bytes
 
 Gauges whose value is not known yet (no checkpoint, no JIT save, no restore finished) have no
 sample rather than a 0 that reads as a value (metric_names.ABSENT_UNTIL_KNOWN).
@@ -256,7 +257,14 @@ class StorageMetrics:
         registry.register(StorageCollector(storage, threshold))
         self.pruned = Counter(
             "jitckpt_storage_pruned",
-            "Local checkpoints deleted under disk pressure (already committed in S3).",
+            "Local checkpoints deleted by per-node retention (save_total_limit) or under disk "
+            "pressure, each once S3 held it.",
+            registry=registry,
+        )
+        self.save_peak = Gauge(
+            "jitckpt_storage_save_peak_bytes",
+            "Peak used bytes during the last checkpoint save over the usage when it began (the "
+            "new checkpoint plus what the save wrote and removed again).",
             registry=registry,
         )
 

@@ -72,15 +72,31 @@ def problems(ckpt: RemoteCheckpoint, kinds: tuple[str, ...] = m.KINDS) -> list[s
             owned = ckpt.owner_entry(entry.path, entry.owner)
             if owned is None or owned.size != entry.size:
                 found.append(f"{entry.path}: not listed by its owner node {entry.owner}")
-            elif ckpt.objects.get(owned.path) != owned.size:
-                size = ckpt.objects.get(owned.path)
-                found.append(
-                    f"{owned.path}: object "
-                    + ("missing" if size is None else f"has {size} bytes, not {owned.size}")
-                )
-            elif owned.checksum is None or not checksum.supported(owned.checksum):
-                found.append(f"{owned.path}: no checksum we can verify")
+            else:
+                found += _object_problems(ckpt, owned)
     return found
+
+
+def part_problems(ckpt: RemoteCheckpoint, node: int) -> list[str]:
+    """Why S3 does not hold node `node`'s part of `ckpt`: its manifest and every file it
+    uploads, with a checksum we can verify (empty when it does). The files it holds but another
+    node uploads are that node's part."""
+    manifest = ckpt.manifests.get(node)
+    if manifest is None:
+        return [f"manifest of node {node} missing"]
+    return [p for entry in manifest.owned for p in _object_problems(ckpt, entry)]
+
+
+def _object_problems(ckpt: RemoteCheckpoint, owned: m.FileEntry) -> list[str]:
+    size = ckpt.objects.get(owned.path)
+    if size != owned.size:
+        return [
+            f"{owned.path}: object "
+            + ("missing" if size is None else f"has {size} bytes, not {owned.size}")
+        ]
+    if owned.checksum is None or not checksum.supported(owned.checksum):
+        return [f"{owned.path}: no checksum we can verify"]
+    return []
 
 
 class Remote:
@@ -171,6 +187,17 @@ class Remote:
         with self._lock:
             self._committed[step] = ckpt
         return ckpt
+
+    def holds(self, step: int, node: Optional[int]) -> bool:
+        """Whether S3 holds node `node`'s part of checkpoint-<step> (or all of it), as it is now:
+        asked before a local copy is deleted, so never from the cache (another node's retention
+        may have deleted it since)."""
+        ckpt = self.load(step)
+        if ckpt.committed:
+            with self._lock:
+                self._committed[step] = ckpt
+            return True
+        return node is not None and part_problems(ckpt, node) == []
 
     def committed_steps(self) -> list[int]:
         """Steps committed in S3 now, ascending (one listing plus one look per checkpoint)."""

@@ -5,9 +5,10 @@ waits), serving /metrics with the failure counted, and tries again with a backof
 restore succeeds or SIGTERM (the kubelet's startupProbe, a deleted pod) ends it with exit 1 and
 the error as the container's termination message.
 
-Threads: the main loop (scans staging/ and status/, relieves disk pressure, decides when to
+Threads: the main loop (scans staging/ and status/, prunes local checkpoints, decides when to
 exit), one upload worker (one checkpoint at a time, newest first, its parallelism inside the
-TransferManager), the watchdog observer (only wakes the main loop) and the HTTP server.
+TransferManager), the save-peak sampler (samples the volume while the trainer saves), the
+watchdog observer (only wakes the main loop and the sampler) and the HTTP server.
 
 Drain: after SIGTERM the sidecar keeps uploading until the trainer has exited
 (status/trainer.json has exited_at) and nothing is left to upload, or until the grace period
@@ -28,7 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from jitckpt_entrypoint import manifest as m
 from jitckpt_entrypoint import status
-from jitckpt_sidecar import memory, s3, staging, transfers
+from jitckpt_sidecar import memory, s3, sizing, staging, transfers
 from jitckpt_sidecar.backlog import Backlog
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.final import FinalModel, FinalUploader
@@ -81,6 +82,8 @@ class Service:
             pressure_threshold=cfg.disk_pressure_threshold,
         )
         s3.count_retries(client, self.metrics.uploads.retries.inc)
+        self.save_peaks = sizing.SavePeaks(self.storage, layout.status, logger)
+        self.metrics.storage.save_peak.set_function(lambda: self.save_peaks.last)
         self.feed = StatusFeed(layout.status, self.metrics.checkpoints)
         self.readiness = Readiness(layout.status, clock)
         self.uploader = Uploader(client, self.remote, cfg, logger, monotonic=monotonic)
@@ -95,8 +98,11 @@ class Service:
             self.storage,
             threshold=cfg.disk_pressure_threshold,
             in_s3=self._in_s3,
+            node=lambda: status.read_node(layout.status),
             logger=logger,
             on_pruned=lambda _: self.metrics.storage.pruned.inc(),
+            waiting=lambda: len(self.backlog),
+            size_limit=self._size_limit,
         )
         self.final = FinalModel(
             layout,
@@ -120,11 +126,14 @@ class Service:
         self._heartbeat: Optional[float] = None
         self._said_staying = False
         self._said_draining = False
+        self._restored_bytes = 0
+        self._sized_for: Optional[str] = None
 
     # -- signals and wake-ups (called from signal handlers and other threads: flags only) --
 
     def wake(self) -> None:
         self._wake.set()
+        self.save_peaks.wake()
 
     def sigterm(self) -> None:
         if self._sigterm_at is None:
@@ -140,6 +149,7 @@ class Service:
         if result is None:
             return 1
         memory.trim()
+        self._restored_bytes = result.bytes
         self.readiness.set(result.source, result.step, result.seconds, result.bytes)
         self.metrics.restore.ready.set(1)
         if result.step is not None:
@@ -155,12 +165,14 @@ class Service:
         worker = threading.Thread(target=self._work, name="jitckpt-upload", daemon=True)
         try:
             self.watcher.start()
+            self.save_peaks.start()
             worker.start()
             return self._loop()
         finally:
             self._stop.set()
             self.final.stop()
             self.backlog.close()
+            self.save_peaks.stop()
             self.watcher.stop()
             self.server.stop()
             if worker.is_alive():  # it stops at its next check; never past the grace period
@@ -229,10 +241,12 @@ class Service:
             self._heartbeat = now
             if now >= next_rescan:
                 next_rescan = now + self.cfg.rescan_seconds
+                self.pruner.forget()
             # Read trainer.json before scanning: whatever the trainer staged before it exited
             # is then in this scan, so "exited and nothing pending" is never premature.
             trainer = self.feed.trainer()
             self._tick()
+            self._log_sizing(trainer)
             code = self._exit_code(trainer)
             if code is not None:
                 return code
@@ -253,9 +267,9 @@ class Service:
         self.final.tick()
         self.feed.poll()
         try:
-            self.pruner.relieve()
-        except Exception as exc:  # noqa: BLE001 - relief is retried at the next tick; the loop must go on
-            self.log.warning("disk-pressure relief failed: %s", self._describe(exc, "prune"))
+            self.pruner.prune()
+        except Exception as exc:  # noqa: BLE001 - pruning is retried at the next tick; the loop must go on
+            self.log.warning("pruning local checkpoints failed: %s", self._describe(exc, "prune"))
 
     def _exit_code(self, trainer: Optional[status.TrainerStatus]) -> Optional[int]:
         trainer_known = trainer is not None
@@ -420,6 +434,7 @@ class Service:
         )
         staging.remove(staged)
         self.backlog.done(staged)
+        self.pruner.forget()
         try:
             self.retention.apply()
         except Exception as exc:  # noqa: BLE001 - retention is retried after the next upload
@@ -428,7 +443,7 @@ class Service:
                 self._describe(exc, "retention"),
             )
         memory.trim()
-        self.wake()  # pressure relief may now delete what just became safe to delete
+        self.wake()  # pruning may now delete what just became safe to delete
 
     def _cancel_reason(self, staged: Staged) -> Optional[str]:
         if self._stop.is_set():
@@ -448,14 +463,43 @@ class Service:
 
     # -- helpers --
 
-    def _in_s3(self, step: int) -> bool:
-        """Asked before deleting a local copy: look again rather than trust the cache (another
-        node's retention may have deleted it since)."""
+    def _in_s3(self, step: int, node: Optional[int]) -> bool:
+        """Asked before deleting a local copy: S3 holds this node's part of it now, or
+        JITCKPT_S3_KEEP retention has superseded it there."""
         try:
-            return self.remote.committed(step, refresh=True) is not None
+            return self.remote.holds(step, node) or bool(
+                superseded(self.remote, step, self.cfg.s3_keep)
+            )
         except Exception as exc:  # noqa: BLE001 - unknown means no: never delete what S3 may not hold
             self.log.debug("cannot tell whether %s is in S3: %s", m.checkpoint_name(step), exc)
             return False
+
+    def _estimate(self) -> Optional[sizing.Estimate]:
+        return sizing.estimate(
+            self.layout,
+            status.read_node(self.layout.status),
+            self.save_peaks.highest,
+            self._restored_bytes,
+        )
+
+    def _size_limit(self) -> Optional[str]:
+        estimate = self._estimate()
+        return None if estimate is None else sizing.quantity(estimate.total)
+
+    def _log_sizing(self, trainer: Optional[status.TrainerStatus]) -> None:
+        """Once per trainer run, when it has exited or at SIGTERM: the volume this pod needs."""
+        if trainer is None or (trainer.exited_at is None and self._sigterm_at is None):
+            return
+        if self._sized_for == trainer.run_id:
+            return
+        self._sized_for = trainer.run_id
+        try:
+            estimate = self._estimate()
+        except OSError as exc:  # the volume changed under us; the numbers are a hint only
+            self.log.debug("no storage sizing: %s", exc)
+            return
+        if estimate is not None:
+            self.log.info("%s", estimate.line(self.cfg.storage_capacity))
 
     def _describe(self, exc: BaseException, operation: str) -> str:
         if s3.is_storage_error(exc):

@@ -13,6 +13,15 @@ CHILDREN = Path(__file__).resolve().parents[1] / "integration" / "children"
 TRAIN_HF = CHILDREN / "train_hf.py"
 TRAIN_LOOP = CHILDREN / "train_loop.py"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+DEEPSPEED = str(Path(sys.executable).parent.parent / "deepspeed")
+"""DeepSpeed, apart from the venv's site-packages (make: pip install --target .venv/deepspeed):
+accelerate imports it in every training process that can find it. Put it on PYTHONPATH for the
+ZeRO runs only (`strategy_env`)."""
+
+
+def strategy_env(strategy: str) -> dict[str, str]:
+    """Environment a training run of `strategy` (train_hf.py --strategy) needs."""
+    return {"PYTHONPATH": DEEPSPEED} if strategy.startswith("zero") else {}
 
 
 def torchrun(script: Path, *args: str, nproc: int = 2) -> list[str]:

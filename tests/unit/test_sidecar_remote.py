@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jitckpt_entrypoint import manifest as m
-from jitckpt_sidecar.remote import RemoteCheckpoint, problems
+from jitckpt_sidecar.remote import RemoteCheckpoint, part_problems, problems
 
 CHECKSUM = "xxh128:" + "0" * 32
 
@@ -94,3 +94,17 @@ def test_a_final_model_manifest_is_never_a_committed_checkpoint():
     assert problems(RemoteCheckpoint(10, objects(), manifests))
     assert problems(RemoteCheckpoint(10, objects(), manifests), (m.OUTPUT_KIND,)) == []
     assert problems(RemoteCheckpoint(10, objects(), two_nodes()), (m.OUTPUT_KIND,))
+
+
+def test_a_nodes_part_is_in_s3_before_the_whole_checkpoint_is_committed():
+    """Node 1 uploaded its manifest and the file it owns; node 0 has not: node 1's part is in
+    S3 (its local copy may go), the checkpoint is not committed and node 0's part is not in S3."""
+    manifests = two_nodes()
+    del manifests[0]
+    only_node1 = {"rng_1.pth": 7, m.manifest_name(1): 1}
+    ckpt = RemoteCheckpoint(10, only_node1, manifests)
+    assert part_problems(ckpt, 1) == []
+    assert not ckpt.committed
+    assert part_problems(ckpt, 0) == ["manifest of node 0 missing"]
+    short = RemoteCheckpoint(10, {**only_node1, "rng_1.pth": 6}, manifests)
+    assert part_problems(short, 1) == ["rng_1.pth: object has 6 bytes, not 7"]

@@ -40,3 +40,15 @@ def test_missing_or_torn_files_read_as_none(tmp_path):
     assert status.read_trainer(str(tmp_path)) is None
     (tmp_path / "jit.json").write_text('{"run_id": ')
     assert status.read_jit(str(tmp_path)) is None
+
+
+def test_node_status_and_save_start_round_trip(tmp_path):
+    """node.json and saving.json parse back to what the hook wrote; unset limits stay None."""
+    node = status.NodeStatus("r", 1, 2, None, best_step=40)
+    status.write_node(str(tmp_path), node)
+    assert status.read_node(str(tmp_path)) == node
+    start = status.SaveStart("r", 50, 123.5)
+    status.write_save_start(str(tmp_path), start)
+    assert status.read_save_start(str(tmp_path)) == start
+    (tmp_path / "node.json").write_text('{"run_id": "r", "node": "x"}')
+    assert status.read_node(str(tmp_path)) is None

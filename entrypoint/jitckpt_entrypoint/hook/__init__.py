@@ -88,6 +88,7 @@ def save(state_dict: dict[str, Any], step: int, kind: str = "periodic") -> str:
     seconds = 0.0
     if step not in session.committed_steps:
         started = time.time()
+        session.save_started(step, started)
         dcp.save(state_dict, checkpoint_id=path)
         commit_dir(session, path, step, kind, started)
         seconds = time.time() - started

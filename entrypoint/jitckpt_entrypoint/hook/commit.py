@@ -51,6 +51,7 @@ def commit(session: Session, ckpt_dir: str, step: int, kind: str, started_at: fl
                 kind, step, started_at, committed_at, own.total_bytes, session.run_id, topo.node
             ),
         )
+        session.announce()
         session.log.info(
             "committed %s (%s, %.1f MB, %.2f s)",
             m.checkpoint_name(step),

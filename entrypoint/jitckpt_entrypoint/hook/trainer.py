@@ -31,6 +31,7 @@ from jitckpt_entrypoint import status
 from jitckpt_entrypoint.hook import resume
 from jitckpt_entrypoint.hook.commit import commit, finish_jit
 from jitckpt_entrypoint.hook.session import Session, current
+from jitckpt_entrypoint.manifest import step_of
 
 _logged_overrides = False
 
@@ -70,9 +71,11 @@ def patch(module: ModuleType) -> None:
             # Never write into a committed directory: a crash mid-overwrite would leave a
             # manifest in front of torn files. (Epoch-end saves repeat the final step.)
             return None
+        started = time.time()
+        session.save_started(step, started)
         callback = _callback_of(self)
         if callback is not None:
-            callback.save_started = time.time()
+            callback.save_started = started
         return original_save(self, *args, **kwargs)
 
     trainer_cls.__init__ = __init__
@@ -150,6 +153,10 @@ def apply_overrides(session: Session, training_args: Any) -> list[str]:
     return changes
 
 
+def _step_of(checkpoint: Optional[str]) -> Optional[int]:
+    return step_of(os.path.basename(os.path.normpath(checkpoint))) if checkpoint else None
+
+
 def _plain(value: Any) -> Any:
     return getattr(value, "value", value)
 
@@ -204,6 +211,8 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         session = self.session
         session.control  # noqa: B018 - collective: create the group while every rank is here
         _warm_save_path()
+        session.save_total_limit = args.save_total_limit
+        session.announce()
         session.training_started()
         trainer = self._trainer()
         folder = None if trainer is None else trainer._get_output_dir(None)
@@ -245,6 +254,7 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         session, step = self.session, state.global_step
         save_seconds = 0.0
+        session.best_step = _step_of(state.best_model_checkpoint)
         if step not in session.committed_steps:
             started = self.save_started or time.time()
             kind = self.pending_kind or "periodic"

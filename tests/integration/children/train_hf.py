@@ -7,14 +7,19 @@ jitckpt commits them, until --release-file exists; --wait-after-train waits the 
 train() returns; --slow-save S makes every save (periodic or JIT) take S seconds longer.
 --save-model ends like TRL's scripts: trainer.save_model() into --output-dir (model, config,
 tokenizer with --trainer sft) and a metrics JSON.
+--strategy picks DDP (default), FSDP or DeepSpeed ZeRO (both through the test-only
+`accelerate_on_cpu` shim: accelerate mishandles them on CPU ranks otherwise); --logging-steps 1
+prints every step's loss.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -36,6 +41,53 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.data[i], "labels": self.data[i]}
 
 
+STRATEGIES = ("ddp", "fsdp2-sharded", "fsdp2-full", "fsdp1-sharded", "zero2", "zero3")
+"""FSDP1 FULL_STATE_DICT is left out: torch's FSDP1 state-dict hook segfaults on CPU."""
+
+
+def strategy_args(strategy: str) -> dict[str, Any]:
+    """TrainingArguments for a sharding strategy, the way users configure it."""
+    if strategy == "ddp":
+        return {}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import accelerate_on_cpu
+
+    accelerate_on_cpu.install()
+    if strategy.startswith("fsdp"):
+        version, state_dict = strategy.removeprefix("fsdp").split("-")
+        return {
+            "fsdp": True,
+            "fsdp_config": {
+                "version": int(version),
+                "state_dict_type": f"{state_dict.upper()}_STATE_DICT",
+                "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                # FSDP1 would broadcast rank 0's weights from an accelerator device; every
+                # rank builds the same seeded model anyway.
+                "sync_module_states": False,
+            },
+        }
+    if strategy.startswith("zero"):
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            sys.exit(f"--strategy {strategy}: no deepspeed; put .venv/deepspeed on PYTHONPATH")
+        # use_cpu=False: accelerate ignores DeepSpeed when use_cpu=True.
+        return {
+            "use_cpu": False,
+            "deepspeed": {
+                "zero_optimization": {
+                    "stage": int(strategy[-1]),
+                    "stage3_gather_16bit_weights_on_model_save": True,
+                },
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "zero_force_ds_cpu_optimizer": False,
+            },
+        }
+    raise ValueError(strategy)
+
+
 class Progress(TrainerCallback):
     def __init__(self, hold_at: int, release: str) -> None:
         self.hold_at, self.release = hold_at, release
@@ -45,6 +97,10 @@ class Progress(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         say(f"step {state.global_step} rank={os.environ.get('RANK', '0')}")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs and state.is_world_process_zero:
+            say(f"loss {state.global_step} {float(logs['loss'])!r}")
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.hold_at:
@@ -65,6 +121,7 @@ class SlowSaveTrainer(Trainer):
 
 
 def build_args(opts: argparse.Namespace, cls: type = TrainingArguments) -> TrainingArguments:
+    kwargs: dict[str, Any] = {"use_cpu": True, **strategy_args(opts.strategy)}
     return cls(
         output_dir=opts.output_dir,
         max_steps=opts.max_steps if opts.epochs == 0 else -1,
@@ -72,15 +129,16 @@ def build_args(opts: argparse.Namespace, cls: type = TrainingArguments) -> Train
         per_device_train_batch_size=4,
         gradient_accumulation_steps=opts.grad_accum,
         learning_rate=1e-3,
-        logging_steps=5,
+        logging_steps=opts.logging_steps,
         save_strategy=opts.save_strategy,
         save_steps=opts.save_steps,
+        save_total_limit=opts.save_total_limit,
         report_to="none",
-        use_cpu=True,
         seed=42,
         dataloader_num_workers=opts.num_workers,
         disable_tqdm=True,
         enable_jit_checkpoint=opts.hf_jit,
+        **kwargs,
     )
 
 
@@ -102,6 +160,12 @@ def main() -> None:
         "--output-dir", default=os.path.join(tempfile.gettempdir(), "jitckpt-train_hf-output")
     )
     parser.add_argument("--save-model", action="store_true", help="save_model() after training")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="ddp")
+    parser.add_argument("--logging-steps", type=int, default=5)
+    parser.add_argument("--save-total-limit", type=int, default=None)
+    parser.add_argument(
+        "--resume-from", default=None, help="resume_from_checkpoint, as a plain HF script passes it"
+    )
     parser.add_argument("--hold-save-at", type=int, default=-1)
     parser.add_argument("--release-file", default="")
     parser.add_argument(
@@ -132,7 +196,7 @@ def main() -> None:
             callbacks=callbacks,
         )
     trainer.slow_save = opts.slow_save
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=opts.resume_from)
     say(f"done step={result.global_step} rank={os.environ.get('RANK', '0')}")
     if opts.save_model:
         trainer.save_model(opts.output_dir)
