@@ -151,7 +151,9 @@ def test_sigterm_before_training_reaches_a_trainer_that_registers_later(spawn, b
     assert proc.wait(timeout=120) == 99, proc.output()
     record = jit_record(jdir)
     assert record is not None
-    assert record["step"] <= 10, record
+    # Steps take ~10 ms and PID 1 polls the registry every 0.1 s: a few dozen steps on a
+    # loaded 2-core runner, against the 3000 it would train until the pod's SIGKILL.
+    assert record["step"] <= 100, record
     assert "no process is training yet" in sigterm_line(proc)
 
 
