@@ -146,8 +146,8 @@ class Proc:
             else:
                 self.stamped_err.append((time.monotonic(), line))
 
-    def expect(self, pattern: str, timeout: float = 20.0) -> re.Match[str]:
-        """Read stdout lines until one matches `pattern`."""
+    def expect(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+        """Read stdout lines until one matches `pattern` (torch starts slowly on a busy runner)."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout
         while True:
