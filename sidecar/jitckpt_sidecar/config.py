@@ -234,7 +234,7 @@ class Config:
             (1 <= self.s3_max_attempts <= 50, "s3_max_attempts", "a number from 1 to 50"),
             (self.s3_keep >= 0, "s3_keep", "a whole number >= 0 (0 keeps every checkpoint)"),
             (0 <= self.metrics_port <= 65535, "metrics_port", "a TCP port from 0 to 65535"),
-            (self.metrics_host, "metrics_host", "an address such as 0.0.0.0 or 127.0.0.1"),
+            (self.metrics_host, "metrics_host", "an address such as 0.0.0.0, :: or 127.0.0.1"),
             (
                 self.storage_capacity is None or self.storage_capacity >= 1,
                 "storage_capacity",
