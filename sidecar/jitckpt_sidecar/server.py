@@ -104,7 +104,7 @@ def _server_class(host: str, port: int, logger: logging.Logger) -> type[Threadin
         allow_reuse_address = True
 
         def handle_error(self, request: Any, client_address: Any) -> None:  # noqa: ARG002 - socketserver's signature
-            logger.debug("http: request from %s failed", client_address, exc_info=True)
+            logger.debug("http: request from %s failed", client_address, exc_info=True)  # noqa: LOG014 - socketserver calls this inside its except block
 
     return Server
 
@@ -112,5 +112,5 @@ def _server_class(host: str, port: int, logger: logging.Logger) -> type[Threadin
 class _QuietHandler(WSGIRequestHandler):
     """No access log on stderr: a scrape every few seconds would flood the container's log."""
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's name
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: ARG002 - the stdlib's signature
         return

@@ -4,10 +4,9 @@ the probes, IPv6 binding, and a taken port reported as a one-line configuration 
 from __future__ import annotations
 
 import gzip
+import http.client
 import logging
 import socket
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -34,31 +33,32 @@ def server() -> Iterator[MetricsServer]:
     srv.stop()
 
 
-def get(url: str, **headers: str) -> tuple[int, dict[str, str], bytes]:
-    request = urllib.request.Request(url, headers=headers)
+def get(host: str, port: int, path: str, **headers: str) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection(host, port, timeout=10)
     try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            return resp.status, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers), exc.read()
+        conn.request("GET", path, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
 
 
 def test_metrics_speak_the_text_format_and_openmetrics_on_request(server):
     """Plain scrapes get the Prometheus text format; an OpenMetrics Accept gets OpenMetrics."""
-    base = f"http://127.0.0.1:{server.port}/metrics"
-    code, headers, body = get(base)
+    code, headers, body = get("127.0.0.1", server.port, "/metrics")
     assert code == 200
     assert headers["Content-Type"].startswith("text/plain")
     assert b"jitckpt_test_uploads_total 3.0" in body
-    code, headers, body = get(base, Accept="application/openmetrics-text; version=1.0.0")
+    openmetrics = "application/openmetrics-text; version=1.0.0"
+    code, headers, body = get("127.0.0.1", server.port, "/metrics", Accept=openmetrics)
     assert headers["Content-Type"].startswith("application/openmetrics-text")
     assert body.rstrip().endswith(b"# EOF")
 
 
 def test_metrics_are_gzipped_when_asked_and_filtered_by_name(server):
     """Accept-Encoding: gzip compresses the answer; name[] restricts it to the named series."""
-    url = f"http://127.0.0.1:{server.port}/metrics?name[]=jitckpt_test_ready"
-    code, headers, body = get(url, **{"Accept-Encoding": "gzip"})
+    path = "/metrics?name[]=jitckpt_test_ready"
+    code, headers, body = get("127.0.0.1", server.port, path, **{"Accept-Encoding": "gzip"})
     assert code == 200
     assert headers["Content-Encoding"] == "gzip"
     text = gzip.decompress(body)
@@ -67,13 +67,12 @@ def test_metrics_are_gzipped_when_asked_and_filtered_by_name(server):
 
 
 def test_probes_answer_from_the_callbacks_and_other_paths_are_404(server):
-    """/readyz is 503 until ready, /healthz 200 while healthy, anything else 404 naming the paths."""
-    base = f"http://127.0.0.1:{server.port}"
-    assert get(base + "/readyz")[0] == 503
-    assert get(base + "/healthz")[0] == 200
+    """/readyz is 503 until ready, /healthz 200 while healthy; other paths are 404."""
+    assert get("127.0.0.1", server.port, "/readyz")[0] == 503
+    assert get("127.0.0.1", server.port, "/healthz")[0] == 200
     server.ready = lambda: True
-    assert get(base + "/readyz")[0] == 200
-    code, _, body = get(base + "/nope")
+    assert get("127.0.0.1", server.port, "/readyz")[0] == 200
+    code, _, body = get("127.0.0.1", server.port, "/nope")
     assert code == 404
     assert b"/metrics" in body
 
@@ -93,7 +92,7 @@ def test_an_ipv6_address_binds_and_serves():
     srv = MetricsServer(host="::1", port=0, registry=registry(), logger=LOG)
     srv.serve(ready=lambda: True, healthy=lambda: True)
     try:
-        code, _, body = get(f"http://[::1]:{srv.port}/metrics")
+        code, _, body = get("::1", srv.port, "/metrics")
     finally:
         srv.stop()
     assert code == 200
@@ -116,5 +115,5 @@ def test_a_client_that_hangs_up_leaves_no_traceback(server, capfd):
                 socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
             )
             sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert get(f"http://127.0.0.1:{server.port}/healthz")[0] == 200
+    assert get("127.0.0.1", server.port, "/healthz")[0] == 200
     assert "Traceback" not in capfd.readouterr().err
