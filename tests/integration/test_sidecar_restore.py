@@ -10,7 +10,7 @@ import pytest
 from harness.checkpoints import SIDECAR, commit, data, hf_files, log_line, upload_directly
 from jitckpt_entrypoint import manifest as m
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
 
 
 def two_node_files(step: int) -> list[dict[str, bytes | int]]:
@@ -30,14 +30,13 @@ def test_restore_picks_the_newest_committed_checkpoint_and_passes_over_broken_on
     or no manifest at all are ignored; the newest committed one is restored and the trainer's
     resume (manifest.committed / newest_committed) accepts it for every node."""
     nodes = [tmp_path / "node0", tmp_path / "node1"]
-    endpoint = s3_bucket.server.endpoint
     originals = {}
     for step in (10, 20, 30, 40, 50):
         commit(nodes, step, two_node_files(step))
         originals[step] = two_node_files(step)
-        upload_directly(s3_bucket.uri, endpoint, nodes[0], step)
+        upload_directly(s3_bucket, nodes[0], step)
         if step != 40:  # checkpoint-40: node 1 never uploaded (its manifest is missing)
-            upload_directly(s3_bucket.uri, endpoint, nodes[1], step)
+            upload_directly(s3_bucket, nodes[1], step)
     # checkpoint-20: same size, different bytes (only the checksum can tell).
     size = len(s3_bucket.get("checkpoint-20", "model.safetensors"))
     s3_bucket.put(data(size, 999), "checkpoint-20", "model.safetensors")
@@ -94,7 +93,7 @@ def test_restore_keeps_a_local_checkpoint_that_is_as_new_as_s3(
     restart in the same pod), nothing is downloaded."""
     root = tmp_path / "node"
     commit([root], 5, [hf_files(5)])
-    upload_directly(s3_bucket.uri, s3_bucket.server.endpoint, root, 5)
+    upload_directly(s3_bucket, root, 5)
     commit([root], 7, [hf_files(7)], staged=False)
     proc = spawn([*SIDECAR, "restore"], env=s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}))
     assert proc.wait(60) == 0, proc.output()
@@ -109,7 +108,7 @@ def test_restore_replaces_an_uncommitted_local_directory_of_the_same_step(
     """A torn local checkpoint-<step> (no manifest) is replaced by the committed S3 copy."""
     source = tmp_path / "source"
     commit([source], 3, [hf_files(3)])
-    upload_directly(s3_bucket.uri, s3_bucket.server.endpoint, source, 3)
+    upload_directly(s3_bucket, source, 3)
     root = tmp_path / "node"
     torn = root / "checkpoints" / "checkpoint-3"
     torn.mkdir(parents=True)
