@@ -73,7 +73,7 @@ def _free_ports(count: int) -> list[int]:
         return [int(s.getsockname()[1]) for s in socks]
 
 
-def _tls_files(root: Path) -> tuple[Path, Path, Path]:
+def make_tls_files(root: Path) -> tuple[Path, Path, Path]:
     """A CA (ca.crt) and a server certificate it signed for 127.0.0.1 / localhost (rgw.crt,
     rgw.key). Clients trust ca.crt only, as they would a company's internal CA."""
     from cryptography import x509
@@ -210,7 +210,7 @@ class CephRGW:
         for sub in ("mon.a", "osd.0", "run", "log"):
             (self.root / sub).mkdir(exist_ok=True)
         mon_port, mon_port1, self.http_port, self.https_port = _free_ports(4)
-        _tls_files(self.root)
+        make_tls_files(self.root)
         fsid = str(uuid.uuid4())
         self.conf.write_text(self._config(fsid, mon_port, mon_port1))
 
