@@ -185,3 +185,18 @@ def test_the_fallback_client_sends_checksums_only_where_required(monkeypatch):
     assert fallback.response_checksum_validation == "when_required"
     default = s3.make_client(cfg, session).meta.config
     assert default.request_checksum_calculation == "when_supported"
+    assert "payload_signing_enabled" not in default.s3
+
+
+def test_without_flexible_checksums_payloads_go_unsigned_over_tls_only(monkeypatch):
+    """Over HTTPS the when_required client skips botocore's SHA-256 of every upload body (TLS
+    and the restore's xxh128 guard the bytes); over plain HTTP the signature is kept."""
+    monkeypatch.delenv("AWS_REQUEST_CHECKSUM_CALCULATION", raising=False)
+    session = s3.new_session()
+    for endpoint, signed in (("https://rgw.local", False), ("http://127.0.0.1:9", None)):
+        cfg = Config(storage_uri="s3://bucket-1/run", s3_endpoint=endpoint)
+        client = s3.make_client(cfg, session, checksums=s3.WHEN_REQUIRED)
+        assert client.meta.config.s3.get("payload_signing_enabled") is signed
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+    cfg = Config(storage_uri="s3://bucket-1/run", s3_endpoint="https://rgw.local")
+    assert s3.make_client(cfg, session).meta.config.s3["payload_signing_enabled"] is False
