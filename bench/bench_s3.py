@@ -647,7 +647,7 @@ def main() -> None:
                 f"s5cmd tuned: upload s5cmd {up_s5}; restore s5cmd {down_s5}",
                 (
                     "jitckpt-sidecar: JITCKPT_UPLOAD_CONCURRENCY=8 JITCKPT_MULTIPART_CHUNK=16Mi "
-                    "JITCKPT_DOWNLOAD_CONCURRENCY=4 JITCKPT_DOWNLOAD_CHUNK=256Mi (defaults)"
+                    "JITCKPT_DOWNLOAD_CONCURRENCY=4 JITCKPT_DOWNLOAD_CHUNK=512Mi (defaults)"
                 ),
             ]
             if store.aws_cli_env:
