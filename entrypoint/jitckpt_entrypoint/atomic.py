@@ -10,7 +10,7 @@ from typing import Any
 def write_bytes(path: str, data: bytes, *, durable: bool = True) -> None:
     """Replace `path` with `data` so that readers see either the old or the new content."""
     directory = os.path.dirname(path) or "."
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{unique_suffix()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(data)
@@ -23,6 +23,11 @@ def write_bytes(path: str, data: bytes, *, durable: bool = True) -> None:
     os.replace(tmp, path)
     if durable:
         fsync_dir(directory)
+
+
+def unique_suffix() -> str:
+    """pid plus random bits: processes of two pods sharing a volume (a PVC) can have one pid."""
+    return f"{os.getpid()}.{os.urandom(4).hex()}"
 
 
 def write_json(path: str, obj: Any, *, durable: bool = True) -> None:

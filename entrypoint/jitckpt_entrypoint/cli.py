@@ -13,10 +13,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import NoReturn, Optional
 
-from jitckpt_entrypoint import __version__, grace, log, status, supervisor
-from jitckpt_entrypoint.config import OPTIONS, Config, add_arguments
+from jitckpt_entrypoint import __version__, final, grace, log, registry, status, supervisor
+from jitckpt_entrypoint.config import OPTIONS, Config, add_arguments, parse_s3_uri
 from jitckpt_entrypoint.errors import JitckptError
-from jitckpt_entrypoint.manifest import Layout
+from jitckpt_entrypoint.manifest import FINAL_NAME, Layout
+from jitckpt_entrypoint.shutdown import Shutdown
 
 PROG = "jitckpt-entrypoint"
 USAGE = f"{PROG} [OPTIONS] -- COMMAND [ARG...]"
@@ -111,21 +112,58 @@ def outcome(
     cfg: Config,
     layout: Layout,
     run_id: str,
-    child: supervisor.ChildExit,
+    child: Optional[supervisor.ChildExit],
     sigterm_at: Optional[float],
 ) -> tuple[int, str]:
-    """Our exit code and the one-line summary for the termination log."""
+    """Our exit code and the one-line summary for the termination log.
+
+    `child` is None when the command was still running (it ignored SIGTERM) when we stopped.
+    """
     jit = status.read_jit(layout.status, run_id)
     if jit is not None:
         started = sigterm_at if sigterm_at is not None else jit.sigterm_at
         when = "" if started is None else f" {jit.committed_at - started:.1f} s after SIGTERM"
         return cfg.exit_code, f"JIT checkpoint {jit.checkpoint} committed{when}"
+    if child is None:  # not reached: supervision ends before the child only after a commit
+        return 128 + signal.SIGTERM, "SIGTERM received, no JIT checkpoint committed"
     summary = f"training command {child.describe()}"
     if child.signal is not None:
         summary += f" (exit {child.status})"
     if sigterm_at is not None:
         summary = f"SIGTERM received, no JIT checkpoint committed; {summary}"
+    elif child.status == 0:
+        summary += model_location(cfg, layout, run_id)
     return child.status, summary
+
+
+def model_location(cfg: Config, layout: Layout, run_id: str) -> str:
+    """'; model in DIR[, uploading to s3://.../final/]' after training ended normally (staging
+    the final model on the way in S3 mode), or '' when no Trainer finished training."""
+    record = status.read_output(layout.status, run_id)
+    if record is None:
+        return ""
+    where = f"; model in {record.output_dir}"
+    if not cfg.storage_uri:
+        return where
+    logger = logging.getLogger(f"jitckpt.{PROG}")
+    try:
+        staged = final.stage(layout, record)
+    except (JitckptError, OSError) as exc:
+        logger.error("cannot stage the final model for upload: %s", exc)  # noqa: TRY400 - one line
+        return f"{where} (not uploaded: {exc})"
+    if staged is None:
+        logger.warning("output_dir %s is empty after training: no final model", record.output_dir)
+        return f"{where} (empty)"
+    logger.info(
+        "staged the final model from %s: %d files, %.1f MB (%.1f MB copied) in %.1f s",
+        record.output_dir,
+        staged.files,
+        staged.bytes / 1e6,
+        staged.copied / 1e6,
+        staged.seconds,
+    )
+    uri = parse_s3_uri(cfg.storage_uri)
+    return f"{where}, uploading to s3://{uri.bucket}/{uri.key(FINAL_NAME)}/"
 
 
 def write_termination_log(path: str, line: str) -> None:
@@ -176,29 +214,26 @@ def run(
         if too_short:
             logger.warning("%s", too_short)
     run_id = status.new_run_id()
+    for stale in registry.remove_stale(layout.status):
+        logger.debug("removed %s (left by a killed entrypoint)", stale)
+    registry.open_run(layout.status, run_id)
     record = status.TrainerStatus(run_id, pid, tuple(command), started_at=time.time())
     status.write_trainer(layout.status, record)
-    sigterm_at: Optional[float] = None
     env = child_env(os.environ, cfg, run_id)
 
-    def on_signal(signo: int) -> None:
-        nonlocal sigterm_at, record
-        if signo != signal.SIGTERM or sigterm_at is not None:
-            logger.info("forwarding %s to the training command", supervisor.signal_name(signo))
-            return
-        sigterm_at = time.time()
-        logger.info(
-            "SIGTERM: forwarding to the training command; it saves at the next step boundary "
-            "(grace %d s, torchrun kills workers after %s s)",
-            cfg.grace_seconds,
-            env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"],
-        )
-        record = dataclasses.replace(record, sigterm_at=sigterm_at)
+    def on_sigterm(at: float) -> None:
+        nonlocal record
+        record = dataclasses.replace(record, sigterm_at=at)
         status.write_trainer(layout.status, record)
 
+    watch = Shutdown(cfg, layout.status, run_id, logger, on_sigterm=on_sigterm)
     logger.debug("running %s (run %s)", command, run_id)
-    child = supervisor.supervise(executable, command, env, on_signal=on_signal)
-    code, summary = outcome(cfg, layout, run_id, child, sigterm_at)
+    try:
+        child = supervisor.supervise(executable, command, env, watch)
+        code, summary = outcome(cfg, layout, run_id, child, watch.sigterm_at)
+    finally:
+        registry.close_run(layout.status, run_id)
+    # After staging the final model: the sidecar drains until it sees exited_at.
     record = dataclasses.replace(record, exited_at=time.time(), exit_code=code, summary=summary)
     status.write_trainer(layout.status, record)
     write_termination_log(cfg.termination_log, summary)

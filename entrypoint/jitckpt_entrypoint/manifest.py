@@ -11,10 +11,16 @@ checkpoint:
   nodes that hold the same file (save_on_each_node) do not upload it twice. The uploader adds a
   `checksum` to each entry it uploads; the S3 copy of a manifest is written last.
 - Anything else (no manifest, a missing or short file) is ignored and never loaded.
+
+The final model is not a checkpoint: what the training script saved into its own output_dir is
+staged as `staging/final/` and uploaded to `s3://bucket/prefix/final/` with one manifest of kind
+`output` (written last, like a checkpoint's). Its directory name matches no `checkpoint-<step>`,
+and checkpoint code accepts only checkpoint kinds, so resume and restore never take it for one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -28,6 +34,11 @@ from jitckpt_entrypoint.errors import JitckptError
 
 FORMAT_VERSION = 1
 KINDS = ("periodic", "jit", "final")
+"""Checkpoint kinds; `final` is the checkpoint of the last training step."""
+OUTPUT_KIND = "output"
+"""The kind of the manifest in final/: the script's output_dir after training (not a checkpoint)."""
+FINAL_NAME = "final"
+"""The final model's directory under staging/ and under the S3 prefix."""
 MANIFEST_PREFIX = "jitckpt-manifest.node-"
 MANIFEST_SUFFIX = ".json"
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -56,6 +67,11 @@ class Layout:
         """Small JSON files the trainer side writes for the sidecar and the entrypoint."""
         return os.path.join(self.root, "status")
 
+    @property
+    def final(self) -> str:
+        """The final model (the script's output_dir) staged for upload to final/ in S3."""
+        return os.path.join(self.staging, FINAL_NAME)
+
     def checkpoint_dir(self, step: int) -> str:
         return os.path.join(self.checkpoints, checkpoint_name(step))
 
@@ -67,7 +83,7 @@ class Layout:
         """ensure(), then prove this process can write there (a one-line error naming the fix)."""
         try:
             self.ensure()
-            probe = os.path.join(self.status, f".write-probe.{os.getpid()}.tmp")
+            probe = os.path.join(self.status, f".write-probe.{atomic.unique_suffix()}.tmp")
             with open(probe, "w") as f:
                 f.write("ok")
             os.unlink(probe)
@@ -161,7 +177,7 @@ class Manifest:
     def from_json(cls, obj: Any) -> Optional[Manifest]:
         """Parse a manifest; None when it is not one we can trust (wrong shape or version)."""
         try:
-            if obj["version"] != FORMAT_VERSION or obj["kind"] not in KINDS:
+            if obj["version"] != FORMAT_VERSION or obj["kind"] not in (*KINDS, OUTPUT_KIND):
                 return None
             files = tuple(
                 FileEntry(
@@ -262,15 +278,23 @@ def read_manifests(ckpt_dir: str) -> dict[int, Manifest]:
     return manifests
 
 
-def complete_set(manifests: dict[int, Manifest], step: Optional[int] = None) -> bool:
-    """Whether `manifests` holds one consistent manifest for every node of the job."""
+def complete_set(
+    manifests: dict[int, Manifest], step: Optional[int] = None, kinds: tuple[str, ...] = KINDS
+) -> bool:
+    """Whether `manifests` holds one consistent manifest for every node of the job.
+
+    A checkpoint's manifests have checkpoint kinds; the final model's pass kinds=(OUTPUT_KIND,).
+    """
     if not manifests:
         return False
     first = next(iter(manifests.values()))
     if set(manifests) != set(range(first.nodes)):
         return False
     return all(
-        m.nodes == first.nodes and m.step == first.step and (step is None or m.step == step)
+        m.nodes == first.nodes
+        and m.step == first.step
+        and (step is None or m.step == step)
+        and m.kind in kinds
         for m in manifests.values()
     )
 
@@ -334,10 +358,13 @@ def remove_checkpoint(ckpt_dir: str) -> None:
     removed = False
     for name in _listdir(ckpt_dir):
         if is_manifest_name(name):
-            os.unlink(os.path.join(ckpt_dir, name))
+            # Another node may remove the same directory of a shared (PVC) volume at once.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(ckpt_dir, name))
             removed = True
     if removed:
-        atomic.fsync_dir(ckpt_dir)
+        with contextlib.suppress(FileNotFoundError):
+            atomic.fsync_dir(ckpt_dir)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
 
 
@@ -358,8 +385,8 @@ def new_manifest(
     files: tuple[FileEntry, ...],
     save_seconds: float = 0.0,
 ) -> Manifest:
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+    if kind not in (*KINDS, OUTPUT_KIND):
+        raise ValueError(f"kind must be one of {(*KINDS, OUTPUT_KIND)}, not {kind!r}")
     return Manifest(
         step,
         kind,

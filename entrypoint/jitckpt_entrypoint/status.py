@@ -2,8 +2,12 @@
 
 - `trainer.json` (entrypoint): started_at, sigterm_at, exited_at, exit_code. The sidecar drains
   until `exited_at` is set.
-- `jit.json` (hook, one per node): the JIT checkpoint committed after SIGTERM in run `run_id`.
-  The entrypoint exits with JITCKPT_EXIT_CODE only when its own run id is in it.
+- `jit.json` (hook, one per node): the JIT checkpoint committed after SIGTERM in run `run_id`,
+  for the sidecar; the same record in the run's own directory (`run-<run id>/jit.json`, see
+  registry.py) decides whether the entrypoint exits with JITCKPT_EXIT_CODE (two pods sharing a
+  PVC write the shared file at the same moment; the run's file is theirs alone).
+- `run-<run id>/output.json` (hook, world rank 0): the output_dir of the Trainer whose training
+  ended; after the command exits 0 the entrypoint stages what it holds as the final model.
 - `save-<step>.json` (hook): one per committed save (kind, step, start/end, bytes), for metrics.
 
 Every file is written atomically (temp file, rename); times are Unix epoch seconds.
@@ -18,10 +22,11 @@ import secrets
 import time
 from typing import Any, Optional
 
-from jitckpt_entrypoint import atomic
+from jitckpt_entrypoint import atomic, registry
 
 TRAINER = "trainer.json"
 JIT = "jit.json"
+OUTPUT = "output.json"
 SAVE_PREFIX = "save-"
 KEEP_SAVE_EVENTS = 100
 RUN_ID_ENV = "JITCKPT_RUN_ID"
@@ -101,13 +106,30 @@ def read_trainer(status_dir: str) -> Optional[TrainerStatus]:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class OutputRecord:
+    """Where the script's Trainer writes its model: its output_dir, when training ended."""
+
+    run_id: str
+    output_dir: str
+    """Absolute."""
+    step: int
+    """The last optimizer step of training."""
+    finished_at: float
+
+
 def write_jit(status_dir: str, record: JitRecord) -> None:
-    atomic.write_json(os.path.join(status_dir, JIT), dataclasses.asdict(record), durable=True)
+    obj = dataclasses.asdict(record)
+    mine = registry.run_dir(status_dir, record.run_id)
+    os.makedirs(mine, exist_ok=True)
+    atomic.write_json(os.path.join(mine, JIT), obj, durable=True)
+    atomic.write_json(os.path.join(status_dir, JIT), obj, durable=True)
 
 
 def read_jit(status_dir: str, run_id: Optional[str] = None) -> Optional[JitRecord]:
-    """The JIT record, only if it belongs to `run_id` (when given)."""
-    obj = atomic.read_json(os.path.join(status_dir, JIT))
+    """The shared JIT record; with `run_id`, that run's own record (None when it has none)."""
+    directory = status_dir if run_id is None else registry.run_dir(status_dir, run_id)
+    obj = atomic.read_json(os.path.join(directory, JIT))
     try:
         record = JitRecord(
             run_id=str(obj["run_id"]),
@@ -122,6 +144,25 @@ def read_jit(status_dir: str, run_id: Optional[str] = None) -> Optional[JitRecor
     if run_id is not None and record.run_id != run_id:
         return None
     return record
+
+
+def write_output(status_dir: str, record: OutputRecord) -> None:
+    mine = registry.run_dir(status_dir, record.run_id)
+    os.makedirs(mine, exist_ok=True)
+    atomic.write_json(os.path.join(mine, OUTPUT), dataclasses.asdict(record), durable=False)
+
+
+def read_output(status_dir: str, run_id: str) -> Optional[OutputRecord]:
+    obj = atomic.read_json(os.path.join(registry.run_dir(status_dir, run_id), OUTPUT))
+    try:
+        return OutputRecord(
+            run_id=str(obj["run_id"]),
+            output_dir=str(obj["output_dir"]),
+            step=int(obj["step"]),
+            finished_at=float(obj["finished_at"]),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def write_save_event(status_dir: str, event: SaveEvent) -> None:

@@ -4,6 +4,11 @@ Linear like tini: block the signals we care about, spawn the child with a clean 
 then loop on sigwaitinfo(). SIGCHLD reaps every exited process (orphaned grandchildren are
 re-parented to us as PID 1 or as a child subreaper); every other signal is forwarded to the
 child. We never escalate: Kubernetes SIGKILLs the pod at the end of the grace period.
+
+A `Watch` sees every signal after the child got it, is polled while it asks to be, and decides
+when supervision ends: the child's exit does not end it while the watch still waits for other
+processes (training processes saving after SIGTERM under a launcher that died of it), and it
+may end it before the child exits (a launcher that ignores SIGTERM and lingers).
 """
 
 from __future__ import annotations
@@ -13,8 +18,8 @@ import dataclasses
 import logging
 import os
 import signal
-from collections.abc import Callable, Mapping, Sequence
-from typing import Optional
+from collections.abc import Mapping, Sequence
+from typing import Optional, Protocol
 
 FORWARDED = (
     signal.SIGTERM,
@@ -71,13 +76,28 @@ def become_subreaper() -> bool:
         return False
 
 
+class Watch(Protocol):
+    def started(self, pid: int) -> None:
+        """The child runs as `pid`."""
+
+    def signalled(self, signo: int) -> None:
+        """`signo` arrived (and was forwarded to the child while it ran)."""
+
+    def poll_interval(self) -> Optional[float]:
+        """Seconds until `done` must be asked again without a signal; None: only on signals."""
+
+    def done(self, child: Optional[ChildExit]) -> bool:
+        """Whether supervision ends now; `child` is how the child ended, None while it runs."""
+
+
 def supervise(
     executable: str,
     argv: Sequence[str],
     env: Mapping[str, str],
-    on_signal: Optional[Callable[[int], None]] = None,
-) -> ChildExit:
-    """Run `argv` (found at `executable`) to completion while acting as its init."""
+    watch: Optional[Watch] = None,
+) -> Optional[ChildExit]:
+    """Run `argv` (found at `executable`) while acting as its init, until the child has exited
+    and `watch` is done; None when the watch ended supervision with the child still running."""
     waited = {*FORWARDED, signal.SIGCHLD}
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, waited)
     try:
@@ -90,24 +110,39 @@ def supervise(
             # Python ignores SIGPIPE and SIGXFSZ; the child must start with the defaults.
             setsigdef=(*FORWARDED, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD),
         )
+        if watch is not None:
+            watch.started(pid)
         result: Optional[ChildExit] = None
-        while result is None:
-            info = signal.sigwaitinfo(waited)
-            if info.si_signo == signal.SIGCHLD:
-                result = reap(pid)
+        while not _done(watch, result):
+            interval = None if watch is None else watch.poll_interval()
+            info: Optional[signal.struct_siginfo]
+            if interval is None:
+                info = signal.sigwaitinfo(waited)
+            else:
+                info = signal.sigtimedwait(waited, max(0.0, interval))
+            if info is None:
                 continue
-            if on_signal is not None:
-                on_signal(info.si_signo)
-            try:
-                os.kill(pid, info.si_signo)
-            except ProcessLookupError:
-                log.warning(
-                    "not forwarding %s: the child has already exited", signal_name(info.si_signo)
-                )
+            if info.si_signo == signal.SIGCHLD:
+                result = reap(pid) or result
+                continue
+            if result is None:
+                try:
+                    os.kill(pid, info.si_signo)
+                except ProcessLookupError:
+                    log.warning(
+                        "not forwarding %s: the child has already exited",
+                        signal_name(info.si_signo),
+                    )
+            if watch is not None:
+                watch.signalled(info.si_signo)
         reap(pid)  # anything that exited together with the child
         return result
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _done(watch: Optional[Watch], result: Optional[ChildExit]) -> bool:
+    return result is not None if watch is None else watch.done(result)
 
 
 def reap(child: int) -> Optional[ChildExit]:

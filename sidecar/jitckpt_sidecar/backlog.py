@@ -1,8 +1,11 @@
 """Committed checkpoints waiting for upload, handed out newest first (LIFO).
 
 The newest checkpoint is the one a restart would resume from, so it always goes next: a
-checkpoint committed while others wait jumps ahead of them. A failed upload comes back after
-a backoff; one preempted (during the drain, by a newer checkpoint) comes back at once.
+checkpoint committed while others wait jumps ahead of them. A failure of the store (S3 down,
+throttling, refused credentials) pauses the whole backlog: when the pause ends the newest goes
+first, however many checkpoints piled up meanwhile. A failure of one checkpoint (its staged
+files changed or vanished) backs off that checkpoint only. One preempted (by a newer
+checkpoint) comes back at once.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class Backlog:
         self._in_flight: Optional[Staged] = None
         self._done: dict[int, float] = {}
         """step -> created_at of the manifest uploaded (or skipped) by this process."""
+        self._paused_until = 0.0
         self._closed = False
 
     def offer(self, staged: Staged) -> bool:
@@ -46,15 +50,15 @@ class Backlog:
             while not self._closed:
                 now = self._clock()
                 ready = [s for s in self._waiting if self._not_before.get(s, 0.0) <= now]
-                if ready and self._in_flight is None:
+                if ready and self._in_flight is None and now >= self._paused_until:
                     step = max(ready)
                     self._in_flight = self._waiting.pop(step)
                     self._not_before.pop(step, None)
                     return self._in_flight
                 if now >= deadline:
                     return None
-                waits = [t - now for t in self._not_before.values() if t > now]
-                self._cond.wait(timeout=min([deadline - now, *waits]))
+                waits = [t - now for t in (*self._not_before.values(), self._paused_until)]
+                self._cond.wait(timeout=min([deadline - now, *(w for w in waits if w > 0)]))
             return None
 
     def close(self) -> None:
@@ -76,6 +80,21 @@ class Backlog:
             if staged.step not in self._waiting:
                 self._waiting[staged.step] = staged
                 self._not_before[staged.step] = self._clock() + delay
+            self._cond.notify_all()
+
+    def pause(self, delay: float) -> None:
+        """The store failed: hand out nothing for `delay` seconds (then the newest first)."""
+        with self._cond:
+            self._paused_until = max(self._paused_until, self._clock() + delay)
+            self._cond.notify_all()
+
+    def hurry(self, delay: float) -> None:
+        """Cut every pause and backoff to at most `delay` seconds from now (the drain)."""
+        with self._cond:
+            latest = self._clock() + delay
+            self._paused_until = min(self._paused_until, latest)
+            for step, when in self._not_before.items():
+                self._not_before[step] = min(when, latest)
             self._cond.notify_all()
 
     def _release(self, staged: Staged) -> None:
@@ -118,3 +137,8 @@ class Backlog:
         """Age of the newest committed checkpoint not yet in S3 (0 when none)."""
         pending = self.pending()
         return max(0.0, now - pending[0].committed_at) if pending else 0.0
+
+    def oldest_age(self, now: float) -> float:
+        """Age of the oldest committed checkpoint not yet in S3 (0 when none)."""
+        pending = self.pending()
+        return max(0.0, now - min(s.committed_at for s in pending)) if pending else 0.0

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any, Callable, NoReturn, Optional
 
 from jitckpt_entrypoint import log
+from jitckpt_entrypoint.cli import write_termination_log
 from jitckpt_entrypoint.config import add_arguments
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.manifest import Layout
@@ -123,22 +124,28 @@ def _command(
         _error(str(exc))
         return exc.exit_code
     logger = log.setup(PROG, cfg.log_format, verbose=verbose)
+
+    def failed(line: str) -> None:
+        write_termination_log(cfg.termination_log, f"{PROG} {command}: {line}")
+
     try:
         return body(cfg, logger)
     except SidecarError as exc:
         logger.error("%s", exc, exc_info=verbose)
+        failed(str(exc))
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
         if s3.is_storage_error(exc):
-            logger.error("%s", s3.describe(exc, cfg, command, str(cfg.uri)), exc_info=verbose)
+            operation = getattr(exc, "operation_name", None) or command
+            line = s3.describe(exc, cfg, operation, str(cfg.uri))
+            logger.error("%s", line, exc_info=verbose)
+            failed(line)
             return 1
-        logger.error(
-            "internal error: %s: %s (run with -v for the traceback)",
-            type(exc).__name__,
-            " ".join(str(exc).split()),
-        )
+        line = f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())}"
+        logger.error("%s (run with -v for the traceback)", line)
+        failed(line)
         if verbose:
             traceback.print_exc()
         return 1
@@ -217,6 +224,8 @@ def _run(cfg: Config, logger: logging.Logger) -> int:
         signal.signal(signo, lambda *_: service.sigterm())
     logger.info("started (pid %d): %s at %s", os.getpid(), cfg.uri, s3.endpoint_of(cfg))
     code = service.run()
+    if code != 0 and service.failure:
+        write_termination_log(cfg.termination_log, f"{PROG}: {service.failure}")
     # Leave now: a request stuck at the drain deadline must not hold the exit (s3transfer's
     # worker threads are joined at interpreter exit), and everything that matters is done.
     logging.shutdown()

@@ -140,6 +140,13 @@ OPTIONS = (
         "1 = exit once the trainer exited and everything is uploaded",
     ),
     Option("log_format", "JITCKPT_LOG_FORMAT", "--log-format", "text|json"),
+    Option(
+        "termination_log",
+        "JITCKPT_TERMINATION_LOG",
+        "--termination-log",
+        "where the one-line reason of a failure goes (the container's termination message); "
+        "empty = nowhere",
+    ),
 )
 OPTION_BY_FIELD = {o.field: o for o in OPTIONS}
 BOOL_FIELDS = ("s3_verify_tls", "exit_with_trainer")
@@ -195,6 +202,10 @@ class Config:
     """Exit once the trainer exited and the queue is empty (plain-container variant)."""
     log_format: str = "text"
     """text or json log lines on stderr."""
+    termination_log: str = "/dev/termination-log"
+    """Where the one-line reason of a failure (a restore that failed, S3 refused) is written,
+    which Kubernetes shows as the container's termination message; the default path only when
+    it exists."""
 
     def __post_init__(self) -> None:
         try:

@@ -20,11 +20,13 @@ METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "jitckpt_upload_queue_length": ("gauge", ()),
     "jitckpt_last_uploaded_step": ("gauge", ()),
     "jitckpt_upload_lag_seconds": ("gauge", ()),
+    "jitckpt_upload_oldest_pending_age_seconds": ("gauge", ()),
     "jitckpt_restore_seconds": ("gauge", ()),
     "jitckpt_storage_capacity_bytes": ("gauge", ()),
     "jitckpt_storage_used_bytes": ("gauge", ()),
     "jitckpt_storage_peak_used_bytes": ("gauge", ()),
     "jitckpt_storage_pressure_ratio": ("gauge", ()),
+    "jitckpt_storage_pressure_threshold_ratio": ("gauge", ()),
     "jitckpt_upload_retries_total": ("counter", ()),
     "jitckpt_restores_total": ("counter", ("result",)),
     "jitckpt_storage_pruned_total": ("counter", ()),
@@ -39,6 +41,15 @@ LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
     ("jitckpt_uploads_total", "result"): ("success", "failure", "skipped"),
     ("jitckpt_restores_total", "result"): ("success", "failure", "none"),
 }
+
+# Gauges with no sample until their value is known: "no JIT checkpoint yet" must not read as a
+# 0 s SIGTERM-to-commit, nor "nothing restored yet" as step 0.
+ABSENT_UNTIL_KNOWN = (
+    "jitckpt_checkpoint_last_step",
+    "jitckpt_jit_trigger_to_commit_seconds",
+    "jitckpt_last_uploaded_step",
+    "jitckpt_restore_seconds",
+)
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 

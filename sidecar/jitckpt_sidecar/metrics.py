@@ -1,23 +1,28 @@
 """Prometheus metrics, one group per concern, each registered on the registry passed in.
 
-Names are a contract (dashboards and alerts use them; see the README's metrics table):
+Names are a contract (dashboards and alerts use them; see metric_names.py and the README's
+metrics table):
 
-- checkpoints (from the trainer's status files): jitckpt_checkpoint_last_step,
+- checkpoints (from the trainer's status files and the restore): jitckpt_checkpoint_last_step,
   jitckpt_checkpoint_saves_total{kind}, jitckpt_checkpoint_save_seconds{kind},
   jitckpt_jit_trigger_to_commit_seconds
 - uploads: jitckpt_uploads_total{result}, jitckpt_upload_bytes_total, jitckpt_upload_seconds,
   jitckpt_upload_queue_length, jitckpt_last_uploaded_step, jitckpt_upload_lag_seconds,
-  jitckpt_upload_retries_total, jitckpt_s3_deleted_total
+  jitckpt_upload_oldest_pending_age_seconds, jitckpt_upload_retries_total,
+  jitckpt_s3_deleted_total
 - restore: jitckpt_restore_seconds, jitckpt_restores_total{result}, jitckpt_sidecar_ready
 - storage (read from the disk at scrape time): jitckpt_storage_capacity_bytes,
   jitckpt_storage_used_bytes, jitckpt_storage_peak_used_bytes, jitckpt_storage_pressure_ratio,
-  jitckpt_storage_pruned_total
+  jitckpt_storage_pressure_threshold_ratio, jitckpt_storage_pruned_total
+
+Gauges whose value is not known yet (no checkpoint, no JIT save, no restore finished) have no
+sample rather than a 0 that reads as a value (metric_names.ABSENT_UNTIL_KNOWN).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Callable
+from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -29,17 +34,41 @@ from jitckpt_sidecar.pressure import Storage
 
 UPLOAD_RESULTS = ("success", "failure", "skipped")
 RESTORE_RESULTS = ("success", "failure", "none")
-_SECONDS_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+_SECONDS_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600, 1200, 3600
+)  # fmt: skip
+"""10 ms to an hour: saves of small models take 20-250 ms, uploads of large ones many minutes."""
+
+
+class LateGauge(Collector):
+    """A gauge with no sample until its first value: absence says "none yet", where a 0 would
+    read as a value (a 0 s SIGTERM-to-commit, step 0)."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.value: Optional[float] = None
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(self.name, self.documentation)]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        value = self.value
+        if value is not None:
+            yield GaugeMetricFamily(self.name, self.documentation, value=value)
 
 
 class CheckpointMetrics:
     """What the trainer saved, from status/save-<step>.json and status/jit.json."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.last_step = Gauge(
+        self.last_step = LateGauge(
             "jitckpt_checkpoint_last_step",
-            "Step of the newest checkpoint the trainer committed locally.",
-            registry=registry,
+            "Step of the newest committed checkpoint on the shared volume (saved or restored).",
+            registry,
         )
         self.saves = Counter(
             "jitckpt_checkpoint_saves",
@@ -54,22 +83,24 @@ class CheckpointMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=registry,
         )
-        self.jit_trigger_to_commit = Gauge(
+        self.jit_trigger_to_commit = LateGauge(
             "jitckpt_jit_trigger_to_commit_seconds",
             "Seconds from SIGTERM to the commit of the last JIT checkpoint.",
-            registry=registry,
+            registry,
         )
         for kind in KINDS:
             self.saves.labels(kind)
             self.save_seconds.labels(kind)
-        self._last_step = 0
 
     def saved(self, event: SaveEvent) -> None:
         kind = event.kind if event.kind in KINDS else "periodic"
         self.saves.labels(kind).inc()
         self.save_seconds.labels(kind).observe(max(0.0, event.seconds))
-        self._last_step = max(self._last_step, event.step)
-        self.last_step.set(self._last_step)
+        self.on_volume(event.step)
+
+    def on_volume(self, step: int) -> None:
+        """checkpoint-<step> is committed on the volume (saved, or restored before training)."""
+        self.last_step.set(max(step, self.last_step.value or 0))
 
     def jit(self, record: JitRecord) -> None:
         if record.trigger_to_commit is not None:
@@ -84,6 +115,7 @@ class UploadMetrics:
         registry: CollectorRegistry,
         queue_length: Callable[[], float],
         lag_seconds: Callable[[], float],
+        oldest_pending_seconds: Callable[[], float],
     ) -> None:
         self.uploads = Counter(
             "jitckpt_uploads",
@@ -107,10 +139,10 @@ class UploadMetrics:
             registry=registry,
         )
         self.queue_length.set_function(queue_length)
-        self.last_uploaded_step = Gauge(
+        self.last_uploaded_step = LateGauge(
             "jitckpt_last_uploaded_step",
-            "Step of the newest checkpoint this sidecar committed in S3.",
-            registry=registry,
+            "Step of the newest checkpoint committed in S3 that this sidecar uploaded or restored.",
+            registry,
         )
         self.lag = Gauge(
             "jitckpt_upload_lag_seconds",
@@ -118,6 +150,13 @@ class UploadMetrics:
             registry=registry,
         )
         self.lag.set_function(lag_seconds)
+        self.oldest_pending = Gauge(
+            "jitckpt_upload_oldest_pending_age_seconds",
+            "Age of the oldest committed checkpoint not yet in S3 (0 when none): grows through "
+            "an S3 outage while new checkpoints keep arriving.",
+            registry=registry,
+        )
+        self.oldest_pending.set_function(oldest_pending_seconds)
         self.retries = Counter(
             "jitckpt_upload_retries",
             "S3 requests retried (throttling, 5xx, resets), uploads and restores retried.",
@@ -130,14 +169,16 @@ class UploadMetrics:
         )
         for result in UPLOAD_RESULTS:
             self.uploads.labels(result)
-        self._last_uploaded = 0
 
     def uploaded(self, step: int, seconds: float, sent: int) -> None:
         self.uploads.labels("success").inc()
         self.seconds.observe(seconds)
         self.bytes.inc(sent)
-        self._last_uploaded = max(self._last_uploaded, step)
-        self.last_uploaded_step.set(self._last_uploaded)
+        self.in_s3(step)
+
+    def in_s3(self, step: int) -> None:
+        """checkpoint-<step> is committed in S3 (uploaded by us, or the one we restored)."""
+        self.last_uploaded_step.set(max(step, self.last_uploaded_step.value or 0))
 
     def failed(self, sent: int) -> None:
         self.uploads.labels("failure").inc()
@@ -151,15 +192,15 @@ class RestoreMetrics:
     """The start-up restore and readiness."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.seconds = Gauge(
+        self.seconds = LateGauge(
             "jitckpt_restore_seconds",
-            "Seconds the start-up restore took (listing, download, verification).",
-            registry=registry,
+            "Seconds the last start-up restore attempt took (listing, download, verification).",
+            registry,
         )
         self.restores = Counter(
             "jitckpt_restores",
-            "Start-up restores by result: success (downloaded), failure, none (nothing newer "
-            "in S3).",
+            "Start-up restore attempts by result: success (downloaded), failure (tried again "
+            "while the sidecar stays not ready), none (nothing newer in S3).",
             ["result"],
             registry=registry,
         )
@@ -177,8 +218,8 @@ class RestoreMetrics:
 class StorageCollector(Collector):
     """Capacity, usage, peak and pressure of the shared volume, measured at scrape time."""
 
-    def __init__(self, storage: Storage) -> None:
-        self.storage = storage
+    def __init__(self, storage: Storage, threshold: float) -> None:
+        self.storage, self.threshold = storage, threshold
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         sample = self.storage.sample()
@@ -202,11 +243,17 @@ class StorageCollector(Collector):
             "Used bytes / capacity.",
             value=sample.ratio,
         )
+        yield GaugeMetricFamily(
+            "jitckpt_storage_pressure_threshold_ratio",
+            "JITCKPT_DISK_PRESSURE_THRESHOLD: at this pressure ratio uploaded local checkpoints "
+            "are deleted.",
+            value=self.threshold,
+        )
 
 
 class StorageMetrics:
-    def __init__(self, registry: CollectorRegistry, storage: Storage) -> None:
-        registry.register(StorageCollector(storage))
+    def __init__(self, registry: CollectorRegistry, storage: Storage, threshold: float) -> None:
+        registry.register(StorageCollector(storage, threshold))
         self.pruned = Counter(
             "jitckpt_storage_pruned",
             "Local checkpoints deleted under disk pressure (already committed in S3).",
@@ -221,11 +268,14 @@ class Metrics:
         self,
         registry: CollectorRegistry,
         storage: Storage,
+        *,
         queue_length: Callable[[], float],
         lag_seconds: Callable[[], float],
+        oldest_pending_seconds: Callable[[], float],
+        pressure_threshold: float,
     ) -> None:
         self.registry = registry
         self.checkpoints = CheckpointMetrics(registry)
-        self.uploads = UploadMetrics(registry, queue_length, lag_seconds)
+        self.uploads = UploadMetrics(registry, queue_length, lag_seconds, oldest_pending_seconds)
         self.restore = RestoreMetrics(registry)
-        self.storage = StorageMetrics(registry, storage)
+        self.storage = StorageMetrics(registry, storage, pressure_threshold)

@@ -54,8 +54,9 @@ class RemoteCheckpoint:
         return union
 
 
-def problems(ckpt: RemoteCheckpoint) -> list[str]:
-    """Why `ckpt` is not committed in S3 (empty when it is)."""
+def problems(ckpt: RemoteCheckpoint, kinds: tuple[str, ...] = m.KINDS) -> list[str]:
+    """Why `ckpt` is not committed in S3 (empty when it is); the final model passes
+    kinds=(OUTPUT_KIND,) and its manifest's step."""
     manifests = ckpt.manifests
     if not manifests:
         return ["no manifest"]
@@ -63,8 +64,8 @@ def problems(ckpt: RemoteCheckpoint) -> list[str]:
     missing = sorted(set(range(nodes)) - set(manifests))
     if missing:
         return [f"manifest of node {', '.join(map(str, missing))} missing"]
-    if not m.complete_set(manifests, ckpt.step):
-        return ["manifests disagree on the step or the node count"]
+    if not m.complete_set(manifests, ckpt.step, kinds):
+        return ["manifests disagree on the step, the node count or the kind"]
     found = []
     for manifest in manifests.values():
         for entry in manifest.files:
@@ -92,10 +93,14 @@ class Remote:
         self._lock = threading.Lock()
 
     def key(self, step: int, relpath: str = "") -> str:
-        return self.uri.key(m.checkpoint_name(step), relpath)
+        return self.dir_key(m.checkpoint_name(step), relpath)
 
-    def _prefix(self, step: Optional[int] = None) -> str:
-        base = self.uri.key(m.checkpoint_name(step)) if step is not None else self.uri.prefix
+    def dir_key(self, name: str, relpath: str = "") -> str:
+        """The key of `relpath` in directory `name` (checkpoint-<step>, final) of the prefix."""
+        return self.uri.key(name, relpath)
+
+    def _prefix(self, name: Optional[str] = None) -> str:
+        base = self.uri.key(name) if name is not None else self.uri.prefix
         return f"{base}/" if base else ""
 
     def steps(self) -> list[int]:
@@ -111,7 +116,11 @@ class Remote:
         return sorted(found)
 
     def objects(self, step: int) -> dict[str, int]:
-        prefix = self._prefix(step)
+        return self.objects_in(m.checkpoint_name(step))
+
+    def objects_in(self, name: str) -> dict[str, int]:
+        """Relative path -> size of every object in directory `name`."""
+        prefix = self._prefix(name)
         found: dict[str, int] = {}
         paginator = self.client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.uri.bucket, Prefix=prefix):
@@ -121,17 +130,23 @@ class Remote:
 
     def load(self, step: int) -> RemoteCheckpoint:
         """The objects and parsable manifests of checkpoint-<step> as S3 has them now."""
-        objects = self.objects(step)
+        return self.load_dir(m.checkpoint_name(step), step)
+
+    def load_dir(self, name: str, step: Optional[int] = None) -> RemoteCheckpoint:
+        """Directory `name` as S3 has it now; without `step`, the step its manifests name."""
+        objects = self.objects_in(name)
         manifests = {}
-        for name in objects:
-            if "/" in name or not m.is_manifest_name(name):
+        for rel in objects:
+            if "/" in rel or not m.is_manifest_name(rel):
                 continue
-            parsed = self._read_manifest(self.key(step, name))
-            if parsed is not None and m.manifest_name(parsed.node) == name:
+            parsed = self.read_manifest(self.dir_key(name, rel))
+            if parsed is not None and m.manifest_name(parsed.node) == rel:
                 manifests[parsed.node] = parsed
+        if step is None:
+            step = min((man.step for man in manifests.values()), default=0)
         return RemoteCheckpoint(step, objects, manifests)
 
-    def _read_manifest(self, key: str) -> Optional[m.Manifest]:
+    def read_manifest(self, key: str) -> Optional[m.Manifest]:
         try:
             body = self.client.get_object(Bucket=self.uri.bucket, Key=key)["Body"].read()
             return m.Manifest.from_json(json.loads(body))
@@ -171,13 +186,20 @@ class Remote:
         file goes); returns the number of objects deleted."""
         with self._lock:
             self._committed.pop(step, None)
-        objects = sorted(self.objects(step))
+        return self.delete_dir(m.checkpoint_name(step))
+
+    def delete_dir(self, name: str, only: Optional[set[str]] = None) -> int:
+        """Delete directory `name` (or just the relative paths in `only`), manifests first;
+        returns the number of objects deleted."""
+        objects = sorted(self.objects_in(name))
+        if only is not None:
+            objects = [n for n in objects if n in only]
         manifests = [n for n in objects if "/" not in n and m.is_manifest_name(n)]
         files = [n for n in objects if n not in manifests]
         deleted = 0
         for batch in (manifests, files):
             for i in range(0, len(batch), _DELETE_BATCH):
-                keys = [{"Key": self.key(step, n)} for n in batch[i : i + _DELETE_BATCH]]
+                keys = [{"Key": self.dir_key(name, n)} for n in batch[i : i + _DELETE_BATCH]]
                 response = self.client.delete_objects(
                     Bucket=self.uri.bucket, Delete={"Objects": keys, "Quiet": True}
                 )
@@ -185,7 +207,7 @@ class Remote:
                 if errors:
                     first = errors[0]
                     raise SidecarError(
-                        f"could not delete {len(errors)} object(s) of {m.checkpoint_name(step)}, "
+                        f"could not delete {len(errors)} object(s) of {name}, "
                         f"e.g. {first.get('Key')}: {first.get('Code')}"
                     )
                 deleted += len(keys)

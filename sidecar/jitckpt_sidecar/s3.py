@@ -240,6 +240,31 @@ def is_transient(exc: BaseException) -> bool:
     return code in _TRANSIENT_CODES or (code.isdigit() and code.startswith("5"))
 
 
+_STORE_WIDE_CODES = {
+    "AccessDenied",
+    "403",
+    "AllAccessDisabled",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "NoSuchBucket",
+    "PermanentRedirect",
+}
+_CONNECTION_ERRORS = ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionError")
+
+
+def is_store_failure(exc: BaseException) -> bool:
+    """A failure of the store or of our access to it (down, throttled, credentials or bucket
+    refused) rather than of one object: every checkpoint would fail the same way right now."""
+    if not is_storage_error(exc):
+        return False
+    if type(exc).__name__ in _CONNECTION_ERRORS or "Credential" in type(exc).__name__:
+        return True
+    return is_transient(exc) or error_code(exc) in _STORE_WIDE_CODES
+
+
 def is_storage_error(exc: BaseException) -> bool:
     """Whether `exc` came from boto3/botocore/s3transfer (a failed S3 interaction)."""
     module = type(exc).__module__ or ""

@@ -1,5 +1,10 @@
 """The long-running sidecar: restore, then watch, upload, prune and serve; drain on SIGTERM.
 
+A failed restore does not end the process: the sidecar stays up, not ready (the trainer
+waits), serving /metrics with the failure counted, and tries again with a backoff until a
+restore succeeds or SIGTERM (the kubelet's startupProbe, a deleted pod) ends it with exit 1 and
+the error as the container's termination message.
+
 Threads: the main loop (scans staging/ and status/, relieves disk pressure, decides when to
 exit), one upload worker (one checkpoint at a time, newest first, its parallelism inside the
 TransferManager), the watchdog observer (only wakes the main loop) and the HTTP server.
@@ -26,6 +31,7 @@ from jitckpt_entrypoint import status
 from jitckpt_sidecar import memory, s3, staging, transfers
 from jitckpt_sidecar.backlog import Backlog
 from jitckpt_sidecar.config import Config
+from jitckpt_sidecar.final import FinalModel, FinalUploader
 from jitckpt_sidecar.metrics import Metrics
 from jitckpt_sidecar.pressure import Pruner, Storage
 from jitckpt_sidecar.readiness import Readiness
@@ -44,6 +50,8 @@ WORKER_POLL = 5.0
 """The idle worker's wake-up interval; new work and stopping wake it at once."""
 MAX_BACKOFF = 60.0
 DRAIN_MAX_BACKOFF = 1.0
+RESTORE_RETRY = (10.0, 300.0)
+"""First and longest wait before a failed restore is tried again (doubling, with jitter)."""
 
 
 class Service:
@@ -69,6 +77,8 @@ class Service:
             self.storage,
             queue_length=lambda: len(self.backlog),
             lag_seconds=lambda: self.backlog.lag(self.clock()),
+            oldest_pending_seconds=lambda: self.backlog.oldest_age(self.clock()),
+            pressure_threshold=cfg.disk_pressure_threshold,
         )
         s3.count_retries(client, self.metrics.uploads.retries.inc)
         self.feed = StatusFeed(layout.status, self.metrics.checkpoints)
@@ -88,6 +98,14 @@ class Service:
             logger=logger,
             on_pruned=lambda _: self.metrics.storage.pruned.inc(),
         )
+        self.final = FinalModel(
+            layout,
+            FinalUploader(client, self.remote, self.uploader, cfg, logger),
+            logger,
+            checkpoints_idle=self.backlog.idle,
+            describe=lambda exc: self._describe(exc, "final model upload"),
+            monotonic=monotonic,
+        )
         self.watcher = Watcher(layout, self.wake, logger)
         self.server = server
         self._wake = threading.Event()
@@ -95,6 +113,10 @@ class Service:
         self._sigterm_at: Optional[float] = None
         self._preempt_for: Optional[int] = None
         self._failures: dict[int, int] = {}
+        self._store_failures = 0
+        """Uploads failed by the store since the last success (its backoff, and preemption)."""
+        self.failure: Optional[str] = None
+        """Why the sidecar could not do its job: the container's termination message."""
         self._heartbeat: Optional[float] = None
         self._said_staying = False
         self._said_draining = False
@@ -120,6 +142,10 @@ class Service:
         memory.trim()
         self.readiness.set(result.source, result.step, result.seconds, result.bytes)
         self.metrics.restore.ready.set(1)
+        if result.step is not None:
+            self.metrics.checkpoints.on_volume(result.step)
+            if result.source == "s3":
+                self.metrics.uploads.in_s3(result.step)
         self.log.info(
             "ready (restore: %s%s); watching %s",
             result.source,
@@ -133,6 +159,7 @@ class Service:
             return self._loop()
         finally:
             self._stop.set()
+            self.final.stop()
             self.backlog.close()
             self.watcher.stop()
             self.server.stop()
@@ -140,8 +167,8 @@ class Service:
                 worker.join(timeout=0.2 if self._sigterm_at is not None else 10.0)
 
     def restore(self) -> Optional[RestoreResult]:
-        """The start-up restore with its metrics; None when SIGTERM interrupted it."""
-        started = self.monotonic()
+        """The start-up restore with its metrics, tried again after each failure (not ready
+        meanwhile); None when SIGTERM ended it."""
         restorer = Restorer(
             self.client,
             self.remote,
@@ -151,19 +178,44 @@ class Service:
             monotonic=self.monotonic,
             on_retry=self.metrics.uploads.retries.inc,
         )
-        try:
-            result = restorer.run(cancel=self._restore_cancel)
-        except transfers.TransferCancelledError:
-            self.metrics.restore.finished("failure", self.monotonic() - started)
-            self.log.warning("SIGTERM during the restore: stopped it; nothing to upload yet")
-            return None
-        except BaseException:
-            self.metrics.restore.finished("failure", self.monotonic() - started)
-            raise
-        self.metrics.restore.finished(
-            "success" if result.source == "s3" else "none", self.monotonic() - started
-        )
-        return result
+        failures = 0
+        while True:
+            started = self.monotonic()
+            try:
+                result = restorer.run(cancel=self._restore_cancel)
+            except transfers.TransferCancelledError:
+                self.log.warning("SIGTERM during the restore: stopped it; nothing to upload yet")
+                return None
+            except Exception as exc:  # noqa: BLE001 - reported, counted and tried again; only SIGTERM ends it
+                failures += 1
+                self.metrics.restore.finished("failure", self.monotonic() - started)
+                self.failure = f"restore failed: {self._describe(exc, 'the restore')}"
+                delay = min(RESTORE_RETRY[1], RESTORE_RETRY[0] * 2 ** (failures - 1))
+                delay *= random.uniform(0.8, 1.0)  # noqa: S311 - jitter
+                self.log.error(
+                    "%s (attempt %d); not ready, so the trainer waits; trying again in %.0f s "
+                    "(SIGTERM ends it)",
+                    self.failure,
+                    failures,
+                    delay,
+                )
+                if self._sleep_unless_sigterm(delay):
+                    self.log.error("SIGTERM: exiting 1 without a restore (%s)", self.failure)
+                    return None
+                continue
+            self.metrics.restore.finished(
+                "success" if result.source == "s3" else "none", self.monotonic() - started
+            )
+            self.failure = None
+            return result
+
+    def _sleep_unless_sigterm(self, seconds: float) -> bool:
+        """Wait `seconds`; True as soon as SIGTERM has arrived."""
+        end = self.monotonic() + seconds
+        while self._sigterm_at is None and self.monotonic() < end:
+            self._wake.wait(max(0.0, min(1.0, end - self.monotonic())))
+            self._wake.clear()
+        return self._sigterm_at is not None
 
     def _restore_cancel(self) -> Optional[str]:
         return "SIGTERM" if self._sigterm_at is not None else None
@@ -198,6 +250,7 @@ class Service:
         for staged in self.backlog.waiting():
             if staged.step not in ready:
                 self.backlog.forget(staged.step)
+        self.final.tick()
         self.feed.poll()
         try:
             self.pruner.relieve()
@@ -210,17 +263,19 @@ class Service:
         if self._sigterm_at is not None:
             if not self._said_draining:
                 self._said_draining = True
+                self.backlog.hurry(DRAIN_MAX_BACKOFF)
                 self.log.info(
                     "SIGTERM: draining; uploading until the trainer has exited and nothing is "
                     "left, at most %.1f s (JITCKPT_GRACE_SECONDS=%d minus a margin)",
                     self.cfg.drain_seconds,
                     self.cfg.grace_seconds,
                 )
-            if (trainer_exited or not trainer_known) and self.backlog.idle():
+            if (trainer_exited or not trainer_known) and self._all_uploaded():
                 self.log.info(
-                    "drained: the trainer %s and every staged checkpoint is committed in S3; "
+                    "drained: the trainer %s and every staged checkpoint is committed in S3%s; "
                     "exiting 0",
                     "exited" if trainer_known else "never started",
+                    self._model_location(),
                 )
                 return 0
             elapsed = self.monotonic() - self._sigterm_at
@@ -229,7 +284,10 @@ class Service:
                 # gets its own SIGTERM only after the trainer has exited.
                 elapsed = max(elapsed, self.clock() - trainer.sigterm_at)
             if elapsed >= self.cfg.drain_seconds:
-                pending = ", ".join(s.name for s in self.backlog.pending())
+                pending = ", ".join(
+                    [s.name for s in self.backlog.pending()]
+                    + ([f"the final model ({m.FINAL_NAME}/)"] if self.final.pending() else [])
+                )
                 left = f"not committed in S3: {pending}" if pending else "nothing left to upload"
                 if trainer_known and not trainer_exited:
                     left += ", but the trainer has not exited (its JIT checkpoint may be missing)"
@@ -253,23 +311,32 @@ class Service:
                     )
                 self._preempt_for = newest
             return None
-        if trainer_exited and self.backlog.idle():
+        if trainer_exited and self._all_uploaded():
             if self.cfg.exit_with_trainer:
                 self.log.info(
-                    "the trainer exited and everything is committed in S3; exiting 0 "
-                    "(JITCKPT_EXIT_WITH_TRAINER=1)"
+                    "the trainer exited and everything is committed in S3%s; exiting 0 "
+                    "(JITCKPT_EXIT_WITH_TRAINER=1)",
+                    self._model_location(),
                 )
                 return 0
             if not self._said_staying:
                 self._said_staying = True
                 self.log.info(
-                    "the trainer exited and everything is committed in S3; staying up until "
+                    "the trainer exited and everything is committed in S3%s; staying up until "
                     "SIGTERM (a restarted trainer container needs us; JITCKPT_EXIT_WITH_TRAINER=1 "
-                    "exits here)"
+                    "exits here)",
+                    self._model_location(),
                 )
         elif not trainer_exited:
             self._said_staying = False
         return None
+
+    def _all_uploaded(self) -> bool:
+        return self.backlog.idle() and not self.final.pending()
+
+    def _model_location(self) -> str:
+        where = self.final.location
+        return "" if where is None else f"; the final model is in {where}"
 
     def _healthy(self) -> bool:
         """Alive unless the main loop has not come round for far longer than a rescan."""
@@ -316,19 +383,29 @@ class Service:
         except Exception as exc:  # noqa: BLE001 - the worker must survive any failure; logged, counted, retried
             attempt = self._failures.get(staged.step, 0) + 1
             self._failures[staged.step] = attempt
-            delay = self._backoff(attempt)
+            store = s3.is_store_failure(exc)
+            if store:
+                self._store_failures += 1
+            delay = self._backoff(self._store_failures if store else attempt)
             self.metrics.uploads.failed(0)
             self.metrics.uploads.retries.inc()
             self.log.error(
-                "upload of %s failed (attempt %d): %s; retrying in %.1f s",
+                "upload of %s failed (attempt %d): %s; retrying in %.1f s%s",
                 staged.name,
                 attempt,
                 self._describe(exc, "upload"),
                 delay,
+                " (S3 is failing: every upload waits, then the newest goes first)" if store else "",
             )
-            self.backlog.retry(staged, delay)
+            # A failing store pauses every upload, so that the newest goes first once it is
+            # back; backing off each checkpoint on its own would send them in the order their
+            # backoffs happen to end.
+            self.backlog.retry(staged, 0.0 if store else delay)
+            if store:
+                self.backlog.pause(delay)
             return
         self._failures.pop(staged.step, None)
+        self._store_failures = 0
         self.metrics.uploads.uploaded(report.step, report.seconds, report.bytes_sent)
         self.log.info(
             "uploaded %s (node %d) to %s: %d files (%d already there), %.1f MB in %.1f s (%s)",
@@ -359,6 +436,10 @@ class Service:
         newer = self._preempt_for
         if newer is not None and newer > staged.step:
             return f"{m.checkpoint_name(newer)} is newer and goes first during the drain"
+        if self._store_failures:
+            waiting = self.backlog.waiting()
+            if waiting and waiting[0].step > staged.step:
+                return f"S3 is failing and {waiting[0].name} is newer: it goes first"
         return None
 
     def _backoff(self, attempt: int) -> float:
@@ -378,6 +459,8 @@ class Service:
 
     def _describe(self, exc: BaseException, operation: str) -> str:
         if s3.is_storage_error(exc):
+            # A ClientError names the request that failed (GetObject, ...): say that one.
+            operation = getattr(exc, "operation_name", None) or operation
             return s3.describe(exc, self.cfg, operation, str(self.cfg.uri))
         if isinstance(exc, OSError):
             return f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")

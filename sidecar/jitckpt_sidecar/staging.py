@@ -1,10 +1,11 @@
-"""Checkpoints staged for upload: `JITCKPT_DIR/staging/checkpoint-<step>/`.
+"""Checkpoints staged for upload: `JITCKPT_DIR/staging/checkpoint-<step>/`; and `final/`.
 
 After each local commit the trainer hard-links this node's owned files into the staged
 directory, then its own manifest, last. A staged checkpoint is ready once that manifest is
 present and every owned file it lists is present with its size; the sidecar removes the
 directory (manifest first) once the checkpoint is committed in S3, which frees the bytes when
-the Trainer's rotation already deleted the original.
+the Trainer's rotation already deleted the original. The final model (`staging/final/`, one
+manifest of kind output, staged by the entrypoint after training) is read by `read_final`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class Staged:
 
     @property
     def name(self) -> str:
-        return m.checkpoint_name(self.step)
+        """Its directory's name: checkpoint-<step>, or final."""
+        return os.path.basename(os.path.normpath(self.path))
 
     @property
     def committed_at(self) -> float:
@@ -49,11 +51,20 @@ def read(path: str) -> Optional[Staged]:
     step = m.step_of(os.path.basename(os.path.normpath(path)))
     if step is None:
         return None
+    return _ready(path, m.KINDS, step)
+
+
+def read_final(layout: m.Layout) -> Optional[Staged]:
+    """The staged final model when it is ready, else None."""
+    return _ready(layout.final, (m.OUTPUT_KIND,), None)
+
+
+def _ready(path: str, kinds: tuple[str, ...], step: Optional[int]) -> Optional[Staged]:
     manifests = m.read_manifests(path)
     if len(manifests) != 1:
         return None
     (manifest,) = manifests.values()
-    if manifest.step != step:
+    if manifest.kind not in kinds or (step is not None and manifest.step != step):
         return None
     for entry in manifest.owned:
         try:

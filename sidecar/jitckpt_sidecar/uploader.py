@@ -55,15 +55,19 @@ class Uploader:
         self.monotonic = monotonic
         self._config = transfers.upload_config(cfg)
 
-    def upload(self, staged: Staged, cancel: Callable[[], Optional[str]]) -> UploadReport:
-        """Upload `staged`; raises TransferCancelledError once `cancel` gives a reason."""
+    def upload(
+        self, staged: Staged, cancel: Callable[[], Optional[str]], dest: Optional[str] = None
+    ) -> UploadReport:
+        """Upload `staged` into S3 directory `dest` (its own name by default); raises
+        TransferCancelledError once `cancel` gives a reason."""
         started = self.monotonic()
+        name = dest or staged.name
         own = staged.manifest
         entries = sorted(own.owned, key=lambda e: e.size, reverse=True)  # big files start first
-        existing = self.remote.objects(staged.step)
-        self._abort_stale_multipart(staged, {e.path for e in entries})
+        existing = self.remote.objects_in(name)
+        self._abort_stale_multipart(name, {e.path for e in entries})
         progress = transfers.Progress(
-            f"uploading {staged.name}",
+            f"uploading {staged.name}" + ("" if name == staged.name else f" to {name}/"),
             staged.owned_bytes,
             self.log,
             clock=self.monotonic,
@@ -77,7 +81,8 @@ class Uploader:
             )
             batch = transfers.Batch(progress)
             prepared: set[Future[tuple[m.FileEntry, str, bool]]] = {
-                hashers.submit(self._prepare, staged, e, existing.get(e.path)) for e in entries
+                hashers.submit(self._prepare, staged, name, e, existing.get(e.path))
+                for e in entries
             }
             while prepared:
                 finished, prepared = wait(prepared, timeout=0.2, return_when=FIRST_COMPLETED)
@@ -90,7 +95,7 @@ class Uploader:
                     tm.upload(
                         staged.file(entry),
                         self.remote.uri.bucket,
-                        self.remote.key(staged.step, entry.path),
+                        self.remote.dir_key(name, entry.path),
                         extra_args={"Metadata": {CHECKSUM_META: digest}},
                         subscribers=[batch.subscriber()],
                     )
@@ -107,7 +112,7 @@ class Uploader:
         # The commit of this node's part: after every file, never before.
         self.client.put_object(
             Bucket=self.remote.uri.bucket,
-            Key=self.remote.key(staged.step, m.manifest_name(own.node)),
+            Key=self.remote.dir_key(name, m.manifest_name(own.node)),
             Body=own.with_files(files).to_bytes(),
             ContentType="application/json",
         )
@@ -122,7 +127,7 @@ class Uploader:
         )
 
     def _prepare(
-        self, staged: Staged, entry: m.FileEntry, remote_size: Optional[int]
+        self, staged: Staged, name: str, entry: m.FileEntry, remote_size: Optional[int]
     ) -> tuple[m.FileEntry, str, bool]:
         """(entry, its checksum, whether S3 already holds exactly this file)."""
         path = staged.file(entry)
@@ -131,7 +136,7 @@ class Uploader:
             return entry, digest, False
         try:
             head = self.client.head_object(
-                Bucket=self.remote.uri.bucket, Key=self.remote.key(staged.step, entry.path)
+                Bucket=self.remote.uri.bucket, Key=self.remote.dir_key(name, entry.path)
             )
         except Exception as exc:
             if error_code(exc) in ("404", "NoSuchKey"):
@@ -139,9 +144,9 @@ class Uploader:
             raise
         return entry, digest, head.get("Metadata", {}).get(CHECKSUM_META) == digest
 
-    def _abort_stale_multipart(self, staged: Staged, paths: set[str]) -> None:
+    def _abort_stale_multipart(self, name: str, paths: set[str]) -> None:
         """Abort multipart uploads of our keys left by an earlier (killed) sidecar."""
-        prefix = self.remote.key(staged.step) + "/"
+        prefix = self.remote.dir_key(name) + "/"
         try:
             pages = self.client.get_paginator("list_multipart_uploads").paginate(
                 Bucket=self.remote.uri.bucket, Prefix=prefix

@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 from harness.procs import ENTRYPOINT, UNSHARE_PID, Proc, children_of, free_port, wait_for
 from harness.s3 import Bucket
 from harness.training import TORCHRUN, TRAIN_HF, steps_seen
+from jitckpt_entrypoint import manifest as m
 
 SIDECAR = [str(Path(sys.executable).parent / "jitckpt-sidecar")]
 
@@ -62,11 +63,13 @@ class Pod:
         node: Optional[Node] = None,
         env: Optional[Mapping[str, str]] = None,
         script: Path = TRAIN_HF,
+        command: Optional[Sequence[str]] = None,
     ) -> None:
         self.name = name
         self.dir = root / name
         self.jdir = self.dir / "emptydir"
         self.jdir.mkdir(parents=True)
+        (self.dir / "tmp").mkdir()
         self.grace = grace
         self.node = node
         self.metrics_port = free_port()
@@ -79,9 +82,12 @@ class Pod:
             JITCKPT_METRICS_PORT=str(self.metrics_port),
             JITCKPT_METRICS_HOST="127.0.0.1",
             JITCKPT_TERMINATION_LOG=str(self.dir / "termination-log"),
+            # The pod's own /tmp: train_hf.py's default output_dir (the final model in S3
+            # mode) must not be shared with other pods' runs.
+            TMPDIR=str(self.dir / "tmp"),
         )
         self.env.update(env or {})
-        self.command = self._torchrun(script, train_args)
+        self.command = list(command) if command else self._torchrun(script, train_args)
         self.sidecar: Optional[Proc] = None
         self.trainer: Optional[Proc] = None
         self.trainer_pid1: Optional[int] = None
@@ -103,7 +109,9 @@ class Pod:
     # -- lifecycle, as the kubelet drives it -------------------------------------------------
 
     def start_sidecar(self) -> Proc:
-        self.sidecar = Proc(SIDECAR, env=self.env)
+        # Each container has its own /dev/termination-log.
+        env = {**self.env, "JITCKPT_TERMINATION_LOG": str(self.dir / "sidecar-termination-log")}
+        self.sidecar = Proc(SIDECAR, env=env)
         return self.sidecar
 
     def wait_ready(self, timeout: float = 120) -> None:
@@ -250,5 +258,7 @@ def committed_in_s3(bucket: Bucket) -> list[int]:
         if len(manifests) == first["nodes"] and all(
             keys.get(f"{name}/{f['path']}") == f["size"] for man in manifests for f in man["files"]
         ):
-            steps.append(int(name.split("-")[1]))
+            step = m.step_of(name)
+            if step is not None:  # final/ (the final model) is not a checkpoint
+                steps.append(step)
     return sorted(steps)

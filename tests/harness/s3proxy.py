@@ -79,14 +79,16 @@ class Hold:
 
 @dataclasses.dataclass
 class Fault:
-    """Requests matching `match` get `status` (a reset connection when status is 0), or, with
-    `delay`, are forwarded that many seconds late."""
+    """Requests matching `match` get `status` (a reset connection when status is 0) with the
+    S3 error `code` (default SlowDown for 503, else InternalError), or, with `delay`, are
+    forwarded that many seconds late."""
 
     match: Callable[[str, str, dict[str, str]], bool]
     status: int = 503
     times: Optional[int] = 1
     hits: int = 0
     delay: float = 0.0
+    code: Optional[str] = None
 
 
 class S3Proxy:
@@ -169,8 +171,9 @@ class S3Proxy:
         match: Callable[[str, str, dict[str, str]], bool],
         status: int = 503,
         times: Optional[int] = 1,
+        code: Optional[str] = None,
     ) -> Fault:
-        fault = Fault(match, status, times)
+        fault = Fault(match, status, times, code=code)
         with self._lock:
             self.faults.append(fault)
         return fault
@@ -254,9 +257,10 @@ class S3Proxy:
                             Request(method, bucket, key, query, 0, started, time.monotonic())
                         )
                         return
+                    code = fault.code or ("SlowDown" if fault.status == 503 else "InternalError")
                     payload = (
                         b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>"
-                        + (b"SlowDown" if fault.status == 503 else b"InternalError")
+                        + code.encode()
                         + b"</Code><Message>injected by the test proxy</Message></Error>"
                     )
                     self.send_response(fault.status)

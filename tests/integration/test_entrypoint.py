@@ -147,11 +147,12 @@ def test_status_file_and_termination_log_record_the_run(spawn, base_env, jdir):
 
 def _fake_trainer_writing_jit(run_id_expr: str) -> list[str]:
     code = (
-        "import json, os, time\n"
+        "import os, time\n"
+        "from jitckpt_entrypoint import status\n"
         "d = os.path.join(os.environ['JITCKPT_DIR'], 'status')\n"
-        f"rec = dict(run_id={run_id_expr}, step=12, checkpoint='checkpoint-12', "
-        "committed_at=time.time(), sigterm_at=time.time() - 1.5, save_seconds=0.5)\n"
-        "open(os.path.join(d, 'jit.json'), 'w').write(json.dumps(rec))\n"
+        f"rec = status.JitRecord({run_id_expr}, 12, 'checkpoint-12', time.time(), "
+        "time.time() - 1.5, 0.5)\n"
+        "status.write_jit(d, rec)\n"
         "raise SystemExit(1)\n"
     )
     return [PY, "-c", code]

@@ -4,10 +4,27 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from harness.checkpoints import SIDECAR, commit, data, hf_files, log_line, upload_directly
+from harness.checkpoints import (
+    SIDECAR,
+    commit,
+    data,
+    hf_files,
+    http_get,
+    log_line,
+    metrics_port,
+    scrape,
+    sidecar_env,
+    upload_directly,
+)
+from harness.procs import wait_for
+from harness.s3 import Bucket
+from harness.s3proxy import S3Proxy
 from jitckpt_entrypoint import manifest as m
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
@@ -117,3 +134,91 @@ def test_restore_replaces_an_uncommitted_local_directory_of_the_same_step(
     assert proc.wait(60) == 0, proc.output()
     assert m.committed(str(torn)) is not None
     assert (torn / "model.safetensors").read_bytes() == hf_files(3)["model.safetensors"]
+
+
+@pytest.fixture
+def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
+    proxy = S3Proxy(s3_bucket.server.endpoint).start()
+    yield proxy
+    proxy.stop()
+
+
+def denied_reads(proxy: S3Proxy, times: int | None) -> None:
+    """GETs of checkpoint objects answer 403 AccessDenied (a policy without s3:GetObject)."""
+    proxy.fail(
+        lambda method, key, _query: method == "GET" and "/checkpoint-" in key,
+        403,
+        times=times,
+        code="AccessDenied",
+    )
+
+
+FAILED = ("jitckpt_restores_total", (("result", "failure"),))
+
+
+def test_a_failed_restore_keeps_the_sidecar_up_not_ready_and_tries_again(
+    spawn, base_env, s3_bucket, proxy, tmp_path
+):
+    """A restore refused by S3 is one error line naming the fix; the sidecar stays up with
+    /readyz 503 and the failure on /metrics, tries again after a backoff, and once that
+    succeeds it is ready with the restored step as the last step and as the newest in S3."""
+    source = tmp_path / "source"
+    commit([source], 10, [hf_files(10)])
+    upload_directly(s3_bucket.uri, s3_bucket.server.endpoint, source, 10)
+    denied_reads(proxy, times=1)
+    root = tmp_path / "node"
+    env = sidecar_env(s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}, endpoint=proxy.url))
+    proc = spawn(SIDECAR, env=env)
+    port = metrics_port(proc)
+    log_line(
+        proc,
+        r"ERROR restore failed: access denied: GetObject on s3://\S+ \(AccessDenied\); grant the "
+        r"credentials s3:GetObject there \(attempt 1\); not ready, so the trainer waits; trying "
+        r"again in \d+ s",
+    )
+    assert http_get(port, "/readyz") == (503, "restoring\n")
+    failed = scrape(port)
+    assert failed[FAILED] == 1
+    assert failed[("jitckpt_sidecar_ready", ())] == 0
+    assert ("jitckpt_checkpoint_last_step", ()) not in failed  # nothing on the volume yet
+    assert ("jitckpt_restore_seconds", ()) in failed
+    log_line(proc, r"ready \(restore: s3 checkpoint-10\)", timeout=30)
+    restored = scrape(port)
+    assert restored[FAILED] == 1
+    assert restored[("jitckpt_restores_total", (("result", "success"),))] == 1
+    assert restored[("jitckpt_sidecar_ready", ())] == 1
+    assert restored[("jitckpt_checkpoint_last_step", ())] == 10
+    assert restored[("jitckpt_last_uploaded_step", ())] == 10
+    assert not os.path.exists(env["JITCKPT_TERMINATION_LOG"])
+
+
+def test_sigterm_after_failed_restores_exits_1_with_the_error_as_termination_message(
+    spawn, base_env, s3_bucket, proxy, tmp_path
+):
+    """A restore that keeps failing keeps counting; SIGTERM (the startupProbe gave up, or the
+    pod is deleted) ends the sidecar at once with exit 1 and the error in the termination log;
+    the init container's `restore` command exits 1 with the same termination message."""
+    source = tmp_path / "source"
+    commit([source], 10, [hf_files(10)])
+    upload_directly(s3_bucket.uri, s3_bucket.server.endpoint, source, 10)
+    denied_reads(proxy, times=None)
+    root = tmp_path / "node"
+    env = sidecar_env(s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}, endpoint=proxy.url))
+    proc = spawn(SIDECAR, env=env)
+    port = metrics_port(proc)
+    wait_for(lambda: scrape(port)[FAILED] >= 2, 30, "a second failed attempt")
+    assert http_get(port, "/readyz")[0] == 503
+    proc.send(signal.SIGTERM)
+    assert proc.wait(10) == 1, proc.output()
+    log_line(proc, r"ERROR SIGTERM: exiting 1 without a restore \(restore failed: access denied")
+    termination_log = Path(env["JITCKPT_TERMINATION_LOG"])
+    message = termination_log.read_text()
+    assert message.startswith("jitckpt-sidecar: restore failed: access denied: GetObject on s3://")
+    assert message.count("\n") == 1
+
+    termination_log.unlink()
+    init = spawn([*SIDECAR, "restore"], env=env)
+    assert init.wait(30) == 1, init.output()
+    message = termination_log.read_text()
+    assert message.startswith("jitckpt-sidecar restore: access denied: GetObject on s3://")
+    assert not (root / "status" / "sidecar-ready.json").exists()

@@ -277,3 +277,34 @@ def test_a_two_node_checkpoint_is_committed_in_s3_only_once_both_sidecars_upload
     assert ckpt is not None
     assert sorted(ckpt.manifests) == [0, 1]
     assert s3_bucket.keys("checkpoint-8").keys() >= {"checkpoint-8/rng_state_1.pth"}
+
+
+def test_after_an_outage_the_backlog_goes_newest_first(spawn, base_env, s3_bucket, proxy, tmp_path):
+    """Ten checkpoints pile up behind a dead store (every S3 request answers 500), each upload
+    failing at least once; when the store comes back the newest is committed first and the
+    rest follow newest first: a failure backs off the store, not each checkpoint."""
+    root = tmp_path / "node"
+    write_trainer(root)
+    proc = spawn(
+        SIDECAR, env=env_for(base_env, s3_bucket, proxy, root, JITCKPT_S3_MAX_ATTEMPTS="2")
+    )
+    port = metrics_port(proc)
+    log_line(proc, r"ready \(restore: none\)")
+    dead = proxy.fail(lambda _m, _k, _q: True, status=500, times=None)
+    failure = ("jitckpt_uploads_total", (("result", "failure"),))
+    steps = list(range(10, 110, 10))
+    for step in steps:
+        commit([root], step, [hf_files(step)])
+        if step in (10, 50, 100):  # staggered failures: the ordering bug lived in their backoffs
+            seen = scrape(port)[failure]
+            wait_for(lambda seen=seen: scrape(port)[failure] > seen, 60, f"a failure after {step}")
+    wait_for(
+        lambda: scrape(port)[("jitckpt_upload_queue_length", ())] == len(steps),
+        what="all ten queued",
+    )
+    mark = len(proxy.log())
+    dead.times = dead.hits  # the store comes back
+    write_trainer(root, exited=True)
+    wait_for(lambda: scrape(port)[("jitckpt_upload_queue_length", ())] == 0, 120, "the backlog")
+    assert manifest_order(proxy.log()[mark:]) == sorted(steps, reverse=True)
+    assert_manifests_last(proxy.log()[mark:])

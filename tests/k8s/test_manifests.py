@@ -106,9 +106,13 @@ POD_CASES = list(pods_with_sidecar())
 POD_IDS = [f"{rel(p)}:{d['kind']}" for p, d, _, _ in POD_CASES]
 
 
-def test_every_workload_runs_the_sidecar():
-    """Each Job and runtime in k8s/ carries the jitckpt sidecar."""
-    assert {rel(p) for p, _ in WORKLOADS} == {rel(p) for p, *_ in POD_CASES}
+PVC = K8S / "pvc"
+
+
+def test_every_workload_but_pvc_mode_runs_the_sidecar():
+    """Each Job and runtime in k8s/ carries the jitckpt sidecar; PVC mode (no S3) has none."""
+    with_sidecar = {rel(p) for p, *_ in POD_CASES}
+    assert {rel(p) for p, _ in WORKLOADS} - with_sidecar == {"pvc/job.yaml"}
     assert len(POD_CASES) >= 5
 
 
@@ -169,7 +173,17 @@ def test_the_sidecar_gates_training_on_the_restore(path, doc, job, pod):
     assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz"
 
 
-@pytest.mark.parametrize(("path", "doc", "job", "pod"), POD_CASES, ids=POD_IDS)
+def pvc_job() -> tuple[dict[str, Any], dict[str, Any]]:
+    (doc,) = load_all(PVC / "job.yaml")
+    ((job, pod),) = list(pod_specs(doc))
+    return job, pod
+
+
+@pytest.mark.parametrize(
+    ("path", "doc", "job", "pod"),
+    [*POD_CASES, (PVC / "job.yaml", None, *pvc_job())],
+    ids=[*POD_IDS, "pvc/job.yaml:Job"],
+)
 def test_containers_are_locked_down(path, doc, job, pod):
     """Our containers and base-image trainers: non-root, no privilege escalation, no
     capabilities, read-only root filesystem. A swap-in trainer keeps its image and user."""
@@ -203,10 +217,11 @@ def test_kueue_queue_name_label_is_on_every_job():
             assert doc["metadata"]["labels"]["kueue.x-k8s.io/queue-name"], rel(path)
 
 
-def test_multi_node_rendezvous_matches_the_headless_service():
+@pytest.mark.parametrize("directory", ["multi-node", "pvc"])
+def test_multi_node_rendezvous_matches_the_headless_service(directory):
     """Pods find node 0 as <job>-0.<service>: subdomain = Service, PET_NNODES = completions."""
-    docs = {d["kind"]: d for d in load_all(K8S / "multi-node" / "service.yaml")}
-    docs |= {d["kind"]: d for d in load_all(K8S / "multi-node" / "job.yaml")}
+    docs = {d["kind"]: d for d in load_all(K8S / directory / "service.yaml")}
+    docs |= {d["kind"]: d for d in load_all(K8S / directory / "job.yaml")}
     svc, job = docs["Service"], docs["Job"]
     pod = job["spec"]["template"]["spec"]
     env = env_of(pod["containers"][0])
@@ -218,6 +233,36 @@ def test_multi_node_rendezvous_matches_the_headless_service():
     assert env["PET_MASTER_ADDR"] == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
     assert env["PET_MASTER_PORT"] == str(svc["spec"]["ports"][0]["port"])
     assert "job-completion-index" in env["PET_NODE_RANK"]["fieldRef"]["fieldPath"]
+
+
+def test_pvc_mode_shares_one_readwritemany_claim_as_jitckpt_dir():
+    """Every node mounts the same ReadWriteMany claim at JITCKPT_DIR; no storage URI (nothing
+    is uploaded) and no sidecar; the grace period and the ignored exit code agree with the
+    trainer's settings, and disruptions do not count against backoffLimit."""
+    (claim,) = load_all(PVC / "pvc.yaml")
+    job, pod = pvc_job()
+    assert claim["kind"] == "PersistentVolumeClaim"
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    (trainer,) = pod["containers"]
+    assert not pod.get("initContainers")
+    env = env_of(trainer)
+    assert "JITCKPT_STORAGE_URI" not in env
+    volume = next(v for v in pod["volumes"] if v["name"] == "jitckpt")
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert {"name": "jitckpt", "mountPath": env["JITCKPT_DIR"]} in trainer["volumeMounts"]
+    assert env["JITCKPT_GRACE_SECONDS"] == str(pod["terminationGracePeriodSeconds"])
+    rules = job["podFailurePolicy"]["rules"]
+    assert {
+        "action": "Ignore",
+        "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [143]},
+    } in rules
+    assert {
+        "action": "Ignore",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    } in rules
+    assert pod["restartPolicy"] == "Never"
+    output = next(a for a in trainer["args"] if a.startswith("--output_dir="))
+    assert output.split("=", 1)[1].startswith(env["JITCKPT_DIR"] + "/")  # kept on the volume
 
 
 @pytest.mark.parametrize(
@@ -300,12 +345,16 @@ def test_alert_expressions_parse_and_use_only_exported_metrics():
 
 
 def test_alerts_cover_disk_pressure_upload_lag_upload_and_restore_failures():
+    """Each alert reads the measure it is about; disk pressure compares with the threshold the
+    sidecar exports (configurable), not a copy of its default."""
     rules = {r["alert"]: r["expr"] for g in RULES["spec"]["groups"] for r in g["rules"]}
     assert "jitckpt_storage_pressure_ratio" in rules["JitckptDiskPressure"]
-    assert rules["JitckptDiskPressure"].endswith("> 0.85")
-    assert "jitckpt_upload_lag_seconds" in rules["JitckptUploadLag"]
+    assert "jitckpt_storage_pressure_threshold_ratio" in rules["JitckptDiskPressure"]
+    assert "0.85" not in rules["JitckptDiskPressure"]
+    assert "jitckpt_upload_oldest_pending_age_seconds" in rules["JitckptUploadLag"]
     assert 'jitckpt_uploads_total{result="failure"}' in rules["JitckptUploadFailures"]
     assert 'jitckpt_restores_total{result="failure"}' in rules["JitckptRestoreFailed"]
+    assert "jitckpt_sidecar_ready" in rules["JitckptSidecarNotReady"]
 
 
 def test_a_broken_expression_is_caught():

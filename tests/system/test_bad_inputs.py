@@ -483,6 +483,8 @@ def test_a_bad_input_fails_fast_in_one_line_before_anything_runs_and_harms_nothi
 
         env = sidecar_env(bucket.env(base_env))
         env["AWS_SECRET_ACCESS_KEY"] = SECRET
+        termination = tmp_path / "termination-log"  # the kubelet's file, not on the volume
+        env["JITCKPT_TERMINATION_LOG"] = str(termination)
         for name, value in case.env.items():
             if value is None:
                 env.pop(name, None)
@@ -511,6 +513,10 @@ def test_a_bad_input_fails_fast_in_one_line_before_anything_runs_and_harms_nothi
     assert os.listdir(cwd) == [], "something was created in the working directory"
     assert tree(jdir) == volume_before, "the shared volume changed"
     assert objects(bucket) == bucket_before, "the bucket changed"
+    if termination.exists():  # a sidecar failure after its settings were read: the same line
+        message = termination.read_text()
+        assert message.count("\n") == 1, message
+        assert message.split(": ", 1)[1].strip() in lines[0], (message, output)
 
 
 def test_with_good_inputs_the_same_checks_see_training_and_a_restore(

@@ -79,3 +79,48 @@ def test_queue_length_and_lag_count_waiting_and_in_flight():
     backlog.offer(staged(20, created_at=550.0))
     backlog.take(timeout=0)
     assert (len(backlog), backlog.lag(now=600.0), backlog.idle()) == (2, 50.0, False)
+
+
+def test_a_paused_store_hands_out_nothing_then_the_newest_first():
+    """While the store is paused (its failure) nothing goes; then the newest, whatever order
+    the failed ones came back in."""
+    clock = FakeClock()
+    backlog = Backlog(clock)
+    for step in (10, 20, 30):
+        backlog.offer(staged(step))
+    failed = backlog.take(timeout=0)
+    backlog.retry(failed, 0.0)
+    backlog.pause(8.0)
+    backlog.offer(staged(40))
+    assert backlog.take(timeout=0) is None
+    clock.now += 8.0
+    order = []
+    while (item := backlog.take(timeout=0)) is not None:
+        order.append(item.step)
+        backlog.done(item)
+    assert order == [40, 30, 20, 10]
+
+
+def test_the_drain_cuts_pauses_and_backoffs_short():
+    """hurry(1) lets a store paused for a minute and a checkpoint backed off for a minute go
+    within a second."""
+    clock = FakeClock()
+    backlog = Backlog(clock)
+    backlog.offer(staged(10))
+    backlog.offer(staged(20))
+    backlog.retry(backlog.take(timeout=0), 60.0)
+    backlog.pause(60.0)
+    backlog.hurry(1.0)
+    assert backlog.take(timeout=0) is None
+    clock.now += 1.0
+    assert backlog.take(timeout=0).step == 20
+
+
+def test_oldest_age_is_the_age_of_the_oldest_pending_checkpoint():
+    """Through an outage the oldest pending checkpoint ages while the newest stays young."""
+    backlog = Backlog(FakeClock())
+    assert backlog.oldest_age(now=600.0) == 0.0
+    backlog.offer(staged(10, created_at=100.0))
+    backlog.offer(staged(20, created_at=590.0))
+    backlog.take(timeout=0)
+    assert (backlog.oldest_age(now=600.0), backlog.lag(now=600.0)) == (500.0, 10.0)

@@ -7,12 +7,14 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from harness.prometheus import needs_promtool, promtool
 from jitckpt_entrypoint import status
+from jitckpt_sidecar.metric_names import ABSENT_UNTIL_KNOWN, METRICS, series_names
 from jitckpt_sidecar.metrics import Metrics
 from jitckpt_sidecar.pressure import Storage
 from jitckpt_sidecar.status_feed import StatusFeed
 
-NAMES = (
+DESIGN_NAMES = (  # DESIGN.md's contract: these names must keep existing
     "jitckpt_checkpoint_last_step",
     "jitckpt_checkpoint_saves_total",
     "jitckpt_checkpoint_save_seconds",
@@ -28,27 +30,75 @@ NAMES = (
     "jitckpt_storage_used_bytes",
     "jitckpt_storage_peak_used_bytes",
     "jitckpt_storage_pressure_ratio",
-    "jitckpt_upload_retries_total",
-    "jitckpt_restores_total",
-    "jitckpt_storage_pruned_total",
-    "jitckpt_s3_deleted_total",
-    "jitckpt_sidecar_ready",
 )
 
 
-def build(tmp_path) -> tuple[CollectorRegistry, Metrics]:
+def build(tmp_path, threshold: float = 0.85) -> tuple[CollectorRegistry, Metrics]:
     registry = CollectorRegistry()
-    metrics = Metrics(registry, Storage(str(tmp_path), 10**9), lambda: 0, lambda: 0.0)
+    metrics = Metrics(
+        registry,
+        Storage(str(tmp_path), 10**9),
+        queue_length=lambda: 0,
+        lag_seconds=lambda: 0.0,
+        oldest_pending_seconds=lambda: 0.0,
+        pressure_threshold=threshold,
+    )
     return registry, metrics
 
 
-def test_every_contract_metric_is_exposed_on_a_fresh_registry(tmp_path):
-    """All names from DESIGN.md and the additions exist from the start (two registries too)."""
+def exposed(registry: CollectorRegistry) -> set[str]:
+    """The metric_names.METRICS with at least one sample in a scrape (every sample must
+    belong to one; prometheus_client's own `_created` series aside)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    series = series_names()
+    text = generate_latest(registry).decode()
+    names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    names = {n for n in names if not n.endswith("_created")}
+    assert names <= set(series), names - set(series)
+    return {series[n] for n in names}
+
+
+def test_every_metric_is_exposed_on_a_fresh_registry_except_the_unknown_ones(tmp_path):
+    """Every name of metric_names.METRICS (DESIGN.md's and the additions) has a sample from
+    the start, except the gauges whose value is not known yet: no sample, not a 0."""
     registry, _ = build(tmp_path)
     build(tmp_path)  # no global state: a second set registers fine
-    text = generate_latest(registry).decode()
-    for name in NAMES:
-        assert f"\n{name}" in text or text.startswith(name) or f"# TYPE {name}" in text, name
+    assert set(DESIGN_NAMES) <= set(METRICS)
+    assert exposed(registry) == set(METRICS) - set(ABSENT_UNTIL_KNOWN)
+
+
+def test_unknown_gauges_appear_with_their_first_value(tmp_path):
+    """The last step, the JIT time, the last uploaded step and the restore time appear once
+    known; a restored checkpoint counts as the last step on the volume and as in S3."""
+    registry, metrics = build(tmp_path, threshold=0.7)
+    metrics.checkpoints.on_volume(120)
+    metrics.uploads.in_s3(120)
+    metrics.restore.finished("success", 2.5)
+    metrics.checkpoints.jit(status.JitRecord("r", 7, "checkpoint-7", 10.0, 8.0, 1.0))
+    assert exposed(registry) == set(METRICS)
+    value = registry.get_sample_value
+    assert value("jitckpt_checkpoint_last_step") == 120
+    assert value("jitckpt_last_uploaded_step") == 120
+    assert value("jitckpt_restore_seconds") == 2.5
+    assert value("jitckpt_jit_trigger_to_commit_seconds") == 2.0
+    assert value("jitckpt_storage_pressure_threshold_ratio") == 0.7
+    metrics.uploads.uploaded(110, 1.0, 5)  # an older one: the newest in S3 stays 120
+    assert value("jitckpt_last_uploaded_step") == 120
+
+
+def test_histogram_buckets_separate_saves_from_10_ms_to_an_hour(tmp_path):
+    """A 20 ms save and a 40 min upload each land in a bucket of their own order."""
+    registry, metrics = build(tmp_path)
+    metrics.uploads.uploaded(1, 2400.0, 1)
+    now = time.time()
+    metrics.checkpoints.saved(status.SaveEvent("periodic", 5, now - 0.02, now, 10))
+    value = registry.get_sample_value
+    bucket = "jitckpt_checkpoint_save_seconds_bucket"
+    assert value(bucket, {"kind": "periodic", "le": "0.01"}) == 0
+    assert value(bucket, {"kind": "periodic", "le": "0.025"}) == 1
+    assert value("jitckpt_upload_seconds_bucket", {"le": "1200.0"}) == 0
+    assert value("jitckpt_upload_seconds_bucket", {"le": "3600.0"}) == 1
 
 
 def test_save_events_and_the_jit_record_are_counted_once(tmp_path):
@@ -73,3 +123,19 @@ def test_save_events_and_the_jit_record_are_counted_once(tmp_path):
     assert value("jitckpt_jit_trigger_to_commit_seconds") == 1.25
     assert not os.path.exists(os.path.join(tmp_path, "trainer.json"))
     assert feed.trainer() is None
+
+
+@needs_promtool
+def test_promtool_finds_nothing_to_lint_in_a_full_scrape(tmp_path):
+    """With every metric holding a value, `promtool check metrics` (names, units, HELP,
+    counters' _total) reports nothing, and a scrape stays small (bounded labels)."""
+    registry, metrics = build(tmp_path)
+    metrics.checkpoints.on_volume(10)
+    metrics.uploads.in_s3(10)
+    metrics.restore.finished("success", 1.0)
+    metrics.checkpoints.jit(status.JitRecord("r", 7, "checkpoint-7", 10.0, 8.0, 1.0))
+    text = generate_latest(registry)
+    out = promtool("check", "metrics", stdin=text)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+    samples = [line for line in text.decode().splitlines() if not line.startswith("#")]
+    assert len(samples) < 150

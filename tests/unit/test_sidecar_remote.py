@@ -81,5 +81,16 @@ def test_manifests_that_disagree_are_not_committed():
     manifests = two_nodes()
     manifests[1] = two_nodes(step=11)[1]
     assert problems(RemoteCheckpoint(10, objects(), manifests)) == [
-        "manifests disagree on the step or the node count"
+        "manifests disagree on the step, the node count or the kind"
     ]
+
+
+def test_a_final_model_manifest_is_never_a_committed_checkpoint():
+    """Manifests of kind output (final/) do not commit a checkpoint, nor checkpoint kinds a
+    final model."""
+    import dataclasses
+
+    manifests = {n: dataclasses.replace(man, kind=m.OUTPUT_KIND) for n, man in two_nodes().items()}
+    assert problems(RemoteCheckpoint(10, objects(), manifests))
+    assert problems(RemoteCheckpoint(10, objects(), manifests), (m.OUTPUT_KIND,)) == []
+    assert problems(RemoteCheckpoint(10, objects(), two_nodes()), (m.OUTPUT_KIND,))

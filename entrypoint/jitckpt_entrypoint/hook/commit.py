@@ -9,14 +9,13 @@ any rank from exiting before its node's checkpoint is committed.
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
 import time
 from typing import NoReturn, Optional
 
 from jitckpt_entrypoint import manifest as m
 from jitckpt_entrypoint import status
+from jitckpt_entrypoint.final import link_or_copy
 from jitckpt_entrypoint.hook.session import Session
 
 
@@ -71,22 +70,13 @@ def stage(layout: m.Layout, ckpt_dir: str, own: m.Manifest) -> str:
     for entry in own.owned:
         target = os.path.join(dest, entry.path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        _link_or_copy(os.path.join(ckpt_dir, entry.path), target)
+        link_or_copy(os.path.join(ckpt_dir, entry.path), target)
     os.makedirs(dest, exist_ok=True)
-    _link_or_copy(
+    link_or_copy(
         os.path.join(ckpt_dir, m.manifest_name(own.node)),
         os.path.join(dest, m.manifest_name(own.node)),
     )
     return dest
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-            raise
-        shutil.copy2(src, dst)  # staging on another filesystem: costs bytes, still correct
 
 
 def record_jit(session: Session, step: int, save_seconds: float) -> None:

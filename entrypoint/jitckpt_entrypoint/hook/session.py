@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 from typing import NoReturn, Optional
 
-from jitckpt_entrypoint import status
+from jitckpt_entrypoint import registry, status
 from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.hook.control import ControlGroup
 from jitckpt_entrypoint.hook.signals import SigtermFlag
@@ -33,6 +33,7 @@ class Session:
         """Steps committed (or resumed from) in this process; identical on every rank."""
         self.training = False
         self._control: Optional[ControlGroup] = None
+        self._registered: Optional[str] = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Session:
@@ -56,9 +57,16 @@ class Session:
             self.log.warning("training runs outside the main thread: no JIT checkpoint on SIGTERM")
             return
         _shield_forked_children(self)
+        # After the flag is up: from now on a SIGTERM from the entrypoint means "save and stop".
+        if self.run_id:
+            self._registered = registry.register(
+                self.layout.status, self.run_id, registry.TRAINER, rank=self.topo.rank
+            )
 
     def training_ended(self) -> None:
         self.training = False
+        registry.unregister(self._registered)  # before the flag goes: SIGTERM ends us again
+        self._registered = None
         self.flag.restore()
         if self._control is not None:
             # gloo's threads must not be left to the interpreter's teardown, where their

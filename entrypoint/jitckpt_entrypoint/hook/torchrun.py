@@ -1,12 +1,15 @@
-"""torchrun's worker shutdown timeout on torch versions that do not read it from the environment.
+"""The torchrun agent: its worker shutdown timeout, and its entry in the run's registry.
 
 Since torch 2.8-ish torchrun reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT (the entrypoint sets it from
 JITCKPT_GRACE_SECONDS). Older versions wait a hard-coded 30 s after forwarding SIGTERM before
 they SIGKILL the workers; in the agent process we raise that default to our value instead.
+The agent registers (role torchrun, with the timeout it uses, `--shutdown-timeout` included) so
+the entrypoint's SIGTERM line can name the real shutdown path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -35,10 +38,46 @@ def patch(_run_module: ModuleType) -> bool:
     from torch.distributed.elastic.multiprocessing import api as mp_api
     from torch.distributed.launcher import api as launcher_api
 
+    patch_launch_agent(launcher_api)
     timeout = wanted_timeout()
     if timeout is None or reads_env(launcher_api):
         return False
     return patch_close(mp_api.PContext, timeout)
+
+
+def patch_launch_agent(launcher_api: ModuleType) -> None:
+    """Register the agent, with its shutdown timeout, when it starts its workers."""
+    original = launcher_api.launch_agent
+    if getattr(original, "_jitckpt_registers", False):
+        return
+
+    @functools.wraps(original)
+    def launch_agent(config: Any, *args: Any, **kwargs: Any) -> Any:
+        # Only a log line depends on the record: nothing may break the launch over it.
+        with contextlib.suppress(Exception):
+            register_agent(getattr(config, "shutdown_timeout", None))
+        return original(config, *args, **kwargs)
+
+    launch_agent._jitckpt_registers = True  # type: ignore[attr-defined]
+    launcher_api.launch_agent = launch_agent  # type: ignore[attr-defined]
+
+
+def register_agent(shutdown_timeout: Optional[int]) -> None:
+    from jitckpt_entrypoint import registry
+    from jitckpt_entrypoint.config import Config
+    from jitckpt_entrypoint.manifest import Layout
+    from jitckpt_entrypoint.status import RUN_ID_ENV
+
+    run_id = os.environ.get(RUN_ID_ENV, "")
+    if not run_id:
+        return
+    timeout = shutdown_timeout if shutdown_timeout is not None else wanted_timeout()
+    registry.register(
+        Layout(Config.from_env(os.environ).dir).status,
+        run_id,
+        registry.TORCHRUN,
+        shutdown_timeout=timeout if timeout is not None else _TORCH_DEFAULT,
+    )
 
 
 def patch_close(pcontext_cls: Any, wanted: int) -> bool:

@@ -2,12 +2,18 @@
 
 Every Trainer (TRL's trainers subclass it) gets, with no change to the training script:
 
-- output_dir = JITCKPT_DIR/checkpoints, and the JITCKPT_SAVE_* overrides (logged once);
+- checkpoints (`checkpoint-<step>/`) in JITCKPT_DIR/checkpoints, while `args.output_dir` stays
+  the script's for everything else (save_model, model card, metrics, logs): transformers derives
+  every checkpoint path (save, rotation, best model, end-of-training clean-up) from
+  `Trainer._get_output_dir`, the one method patched for it;
+- the JITCKPT_SAVE_* overrides (logged once);
 - resume from the newest checkpoint committed on every node, unless the script passed
   resume_from_checkpoint itself (HF's get_last_checkpoint ignores commit markers);
 - a callback that commits every save, agrees across ranks after each optimizer step whether any
   rank got SIGTERM (async, read one step later), and on agreement saves that step, commits it
-  and exits with JITCKPT_EXIT_CODE.
+  and exits with JITCKPT_EXIT_CODE;
+- when training ends normally, world rank 0 records its output_dir: after the command exits 0
+  the entrypoint stages what the script saved there as the final model (final/ in S3).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any, NoReturn, Optional
 
 from transformers.trainer_callback import TrainerCallback
 
+from jitckpt_entrypoint import status
 from jitckpt_entrypoint.hook import resume
 from jitckpt_entrypoint.hook.commit import commit, finish_jit
 from jitckpt_entrypoint.hook.session import Session, current
@@ -29,7 +36,7 @@ _logged_overrides = False
 
 
 def patch(module: ModuleType) -> None:
-    """Wrap Trainer.__init__, train and _save_checkpoint in `transformers.trainer`."""
+    """Wrap Trainer.__init__, train, _get_output_dir and _save_checkpoint."""
     trainer_cls = module.Trainer
     if getattr(trainer_cls, "_jitckpt_patched", False):
         return
@@ -37,6 +44,7 @@ def patch(module: ModuleType) -> None:
     original_init = trainer_cls.__init__
     original_train = trainer_cls.train
     original_save = trainer_cls._save_checkpoint
+    original_output_dir = trainer_cls._get_output_dir
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - it is __init__
@@ -48,6 +56,12 @@ def patch(module: ModuleType) -> None:
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = _with_resume(session, args, kwargs)
         return original_train(self, *args, **kwargs)
+
+    @functools.wraps(original_output_dir)
+    def _get_output_dir(self: Any, trial: Any) -> str:
+        if trial is not None and self.hp_search_backend is not None:
+            return str(original_output_dir(self, trial))  # hyperparameter search: not ours
+        return session.layout.checkpoints
 
     @functools.wraps(original_save)
     def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -64,6 +78,7 @@ def patch(module: ModuleType) -> None:
     trainer_cls.__init__ = __init__
     trainer_cls.train = train
     trainer_cls._save_checkpoint = _save_checkpoint
+    trainer_cls._get_output_dir = _get_output_dir
     trainer_cls._jitckpt_patched = True
 
 
@@ -92,7 +107,7 @@ def _callback_of(trainer: Any) -> Optional[JitckptCallback]:
 def _with_training_args(
     session: Session, module: ModuleType, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Point the TrainingArguments at our directory and apply the JITCKPT_SAVE_* overrides."""
+    """Apply the JITCKPT_SAVE_* overrides to the TrainingArguments (HF's default ones if none)."""
     # Trainer(model=None, args=None, ...): args is the second positional or a keyword.
     if "args" in kwargs:
         training_args = kwargs["args"]
@@ -101,7 +116,7 @@ def _with_training_args(
     else:
         training_args = None
     if training_args is None:
-        training_args = module.TrainingArguments(output_dir=session.layout.checkpoints)
+        training_args = module.TrainingArguments(output_dir="tmp_trainer")  # HF's own default
         if len(args) >= 2:
             args = (args[0], training_args, *args[2:])
         else:
@@ -111,7 +126,7 @@ def _with_training_args(
 
 
 def apply_overrides(session: Session, training_args: Any) -> list[str]:
-    """Set output_dir and the env's save settings on `training_args`; log the changes once."""
+    """Set the env's save settings on `training_args`; log the changes once."""
     global _logged_overrides  # noqa: PLW0603 - "logged once" per process, however many Trainers
     from transformers.trainer_utils import SaveStrategy
 
@@ -123,7 +138,6 @@ def apply_overrides(session: Session, training_args: Any) -> list[str]:
             setattr(training_args, name, value)
             changes.append(f"{name}={_plain(value)} (script: {_plain(old)})")
 
-    override("output_dir", session.layout.checkpoints)
     if cfg.effective_save_strategy is not None:
         override("save_strategy", SaveStrategy(cfg.effective_save_strategy))
     if cfg.save_steps is not None:
@@ -143,7 +157,8 @@ def _plain(value: Any) -> Any:
 def _with_resume(
     session: Session, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Resolve resume_from_checkpoint=None/True to the newest committed checkpoint."""
+    """Resolve resume_from_checkpoint=None (with JITCKPT_RESUME=1) or True to the newest
+    committed checkpoint; True is HF's "the last one in the checkpoint folder", which is ours."""
     given = (
         kwargs["resume_from_checkpoint"]
         if "resume_from_checkpoint" in kwargs
@@ -155,7 +170,7 @@ def _with_resume(
                 "resume_from_checkpoint=%r set by the script: not overriding it", given
             )
         return args, kwargs
-    if not session.cfg.resume:
+    if given is None and not session.cfg.resume:
         return args, kwargs
     step = resume.agreed_step(session)
     resume.remove_newer(session, step)
@@ -186,13 +201,25 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         self.pending_kind: Optional[str] = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.session.control  # noqa: B018 - collective: create the group while every rank is here
+        session = self.session
+        session.control  # noqa: B018 - collective: create the group while every rank is here
         _warm_save_path()
-        self.session.training_started()
-        if os.path.abspath(args.output_dir) != os.path.abspath(self.session.layout.checkpoints):
-            self.session.log.warning(
-                "output_dir %s is outside JITCKPT_DIR: its checkpoints are not resumed from",
-                args.output_dir,
+        session.training_started()
+        trainer = self._trainer()
+        folder = None if trainer is None else trainer._get_output_dir(None)
+        ours = os.path.abspath(session.layout.checkpoints)
+        if folder is not None and os.path.abspath(folder) != ours:
+            session.log.warning(
+                "%s overrides _get_output_dir: its checkpoints go to %s, outside "
+                "JITCKPT_DIR/checkpoints, and are not committed or resumed from",
+                type(trainer).__name__,
+                folder,
+            )
+        elif session.topo.rank == 0:
+            session.log.info(
+                "checkpoints go to %s; output_dir %s keeps the rest (the model, logs)",
+                session.layout.checkpoints,
+                os.path.abspath(args.output_dir),
             )
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -221,9 +248,7 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         if step not in session.committed_steps:
             started = self.save_started or time.time()
             kind = self.pending_kind or "periodic"
-            commit(
-                session, os.path.join(args.output_dir, f"checkpoint-{step}"), step, kind, started
-            )
+            commit(session, session.layout.checkpoint_dir(step), step, kind, started)
             save_seconds = time.time() - started
         if self.pending_kind == "jit":
             self._finish_jit(step, save_seconds)
@@ -249,6 +274,14 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         # final step is committed, so leave now rather than wait for the pod's SIGKILL.
         if session.cfg.jit and session.control.any_now(session.flag.is_set):
             self._finish_jit(step, 0.0)
+        if state.is_world_process_zero and session.run_id:
+            output = status.OutputRecord(
+                session.run_id, os.path.abspath(args.output_dir), step, time.time()
+            )
+            try:
+                status.write_output(session.layout.status, output)
+            except OSError as exc:  # the model is still saved; only its upload is lost
+                session.log.warning("cannot record output_dir for the final model: %s", exc)
         session.training_ended()
         return control
 

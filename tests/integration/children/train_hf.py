@@ -5,12 +5,15 @@ optimizer step so tests can act at a given step. Test-only knobs (never in user 
 --hold-save-at N makes the save at step N wait, after the Trainer wrote its files and before
 jitckpt commits them, until --release-file exists; --wait-after-train waits the same way after
 train() returns; --slow-save S makes every save (periodic or JIT) take S seconds longer.
+--save-model ends like TRL's scripts: trainer.save_model() into --output-dir (model, config,
+tokenizer with --trainer sft) and a metrics JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 
 import torch
@@ -95,7 +98,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--hf-jit", action="store_true", help="HF's own enable_jit_checkpoint")
-    parser.add_argument("--output-dir", default="/nonexistent/user-output-dir")
+    parser.add_argument(
+        "--output-dir", default=os.path.join(tempfile.gettempdir(), "jitckpt-train_hf-output")
+    )
+    parser.add_argument("--save-model", action="store_true", help="save_model() after training")
     parser.add_argument("--hold-save-at", type=int, default=-1)
     parser.add_argument("--release-file", default="")
     parser.add_argument(
@@ -128,6 +134,10 @@ def main() -> None:
     trainer.slow_save = opts.slow_save
     result = trainer.train()
     say(f"done step={result.global_step} rank={os.environ.get('RANK', '0')}")
+    if opts.save_model:
+        trainer.save_model(opts.output_dir)
+        trainer.save_metrics("train", result.metrics)
+        say(f"saved model to {opts.output_dir} rank={os.environ.get('RANK', '0')}")
     if opts.wait_after_train:  # stands for evaluation, export, push_to_hub after training
         while not os.path.exists(opts.release_file):
             time.sleep(0.01)
