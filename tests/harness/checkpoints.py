@@ -96,9 +96,9 @@ def commit(
     return manifests
 
 
-def upload_directly(bucket: Bucket, root: Path, step: int) -> None:
-    """Upload node K's staged checkpoint-<step> of `root` to `bucket` in this process, with
-    the sidecar's own uploader (to set S3 up)."""
+def upload_directly(bucket: Bucket, root: Path, step: int, uri: Optional[str] = None) -> None:
+    """Upload node K's staged checkpoint-<step> of `root` to `bucket` (under `uri`, default the
+    bucket's own prefix) in this process, with the sidecar's own uploader (to set S3 up)."""
     import logging
 
     from jitckpt_sidecar import staging
@@ -107,7 +107,9 @@ def upload_directly(bucket: Bucket, root: Path, step: int) -> None:
     from jitckpt_sidecar.uploader import Uploader
 
     cfg = Config(
-        storage_uri=bucket.uri, s3_endpoint=bucket.server.endpoint, multipart_chunk=5 * 1024**2
+        storage_uri=uri or bucket.uri,
+        s3_endpoint=bucket.server.endpoint,
+        multipart_chunk=5 * 1024**2,
     )
     staged = staging.read(os.path.join(root, "staging", m.checkpoint_name(step)))
     assert staged is not None, f"checkpoint-{step} is not staged in {root}"

@@ -27,7 +27,7 @@ from jitckpt_entrypoint import status
 from jitckpt_entrypoint.config import parse_s3_uri
 from jitckpt_sidecar.remote import Remote
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
 
 
 @pytest.fixture

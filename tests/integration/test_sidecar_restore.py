@@ -138,7 +138,7 @@ def test_restore_replaces_an_uncommitted_local_directory_of_the_same_step(
 
 @pytest.fixture
 def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
-    proxy = S3Proxy(s3_bucket.server.endpoint).start()
+    proxy = s3_bucket.server.proxy().start()
     yield proxy
     proxy.stop()
 
@@ -164,7 +164,7 @@ def test_a_failed_restore_keeps_the_sidecar_up_not_ready_and_tries_again(
     succeeds it is ready with the restored step as the last step and as the newest in S3."""
     source = tmp_path / "source"
     commit([source], 10, [hf_files(10)])
-    upload_directly(s3_bucket.uri, s3_bucket.server.endpoint, source, 10)
+    upload_directly(s3_bucket, source, 10)
     denied_reads(proxy, times=1)
     root = tmp_path / "node"
     env = sidecar_env(s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}, endpoint=proxy.url))
@@ -200,7 +200,7 @@ def test_sigterm_after_failed_restores_exits_1_with_the_error_as_termination_mes
     the init container's `restore` command exits 1 with the same termination message."""
     source = tmp_path / "source"
     commit([source], 10, [hf_files(10)])
-    upload_directly(s3_bucket.uri, s3_bucket.server.endpoint, source, 10)
+    upload_directly(s3_bucket, source, 10)
     denied_reads(proxy, times=None)
     root = tmp_path / "node"
     env = sidecar_env(s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}, endpoint=proxy.url))
