@@ -263,7 +263,24 @@ def ceph_rgw() -> Iterator[rgw.CephRGW]:
     with rgw.running(
         root, FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"], FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
     ) as cluster:
+        _report.append(f"started in {cluster.start_seconds:.1f} s, RSS {_rss(cluster)}")
         yield cluster
+        _report.append(f"RSS at the end {_rss(cluster)}")
+
+
+_report: list[str] = []
+
+
+def _rss(cluster: rgw.CephRGW) -> str:
+    sizes = cluster.rss()
+    parts = [f"{name} {size / 1e6:.0f} MB" for name, size in sizes.items()]
+    return f"{sum(sizes.values()) / 1e6:.0f} MB ({', '.join(parts)})"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line on the session's Ceph RGW (start-up time and memory), when one ran."""
+    if _report:
+        terminalreporter.write_line(f"Ceph RGW: {'; '.join(_report)}")
 
 
 @pytest.fixture(scope="session")
