@@ -73,6 +73,12 @@ def _free_ports(count: int) -> list[int]:
         return [int(s.getsockname()[1]) for s in socks]
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def make_tls_files(root: Path) -> tuple[Path, Path, Path]:
     """A CA (ca.crt) and a server certificate it signed for 127.0.0.1 / localhost (rgw.crt,
     rgw.key). Clients trust ca.crt only, as they would a company's internal CA."""
@@ -228,7 +234,7 @@ class CephRGW:
             ["ceph-mon", *self._c(), "-i", "a", "--mkfs", "--monmap", monmap, "--keyring", keyring]
         )
         self._daemon("mon", ["ceph-mon", *self._c(), "-f", "-i", "a"])
-        # `ceph osd new` connects to the monitor itself, retrying until the deadline.
+        self._wait(lambda: _listening(mon_port), deadline, "the monitor to listen")
         osd_uuid = str(uuid.uuid4())
         osd_id = self._tool(
             [
@@ -349,7 +355,9 @@ rgw gc processor period = 5
 
     def _tool(self, argv: Sequence[str], deadline: Optional[float] = None) -> str:
         timeout = 120.0 if deadline is None else max(5.0, deadline - time.monotonic())
-        env = {**os.environ, "CEPH_CONF": str(self.conf)}
+        # `ceph` is a script of the system's python3: nothing of ours on its path.
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        env["CEPH_CONF"] = str(self.conf)
         try:
             done = subprocess.run(
                 list(argv), env=env, capture_output=True, text=True, timeout=timeout, check=False
