@@ -253,7 +253,12 @@ def _restore(cfg: Config, logger: logging.Logger) -> int:
     restorer = Restorer(client, Remote(client, cfg.uri), cfg, layout, logger)
     result = restorer.run(cancel=lambda: stop[0] if stop else None)
     readiness.set(result.source, result.step, result.seconds, result.bytes)
-    return 0
+    # The trainer starts when this init container exits: skip the interpreter's teardown of
+    # boto3's modules (measured 0.15 to 0.3 s); the ready file is already written durably.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def check_main(argv: list[str]) -> int:
