@@ -27,3 +27,5 @@ class StorageAccessError(SidecarError):
     exit_code = 3
     transient = False
     """Set when retrying may cure it (5xx, throttling, a reset): the probe retries those."""
+    code = ""
+    """The S3 error code behind it ('AccessDenied', 'MissingContentLength', ...), if any."""
