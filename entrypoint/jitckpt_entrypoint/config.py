@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Optional
 
 from jitckpt_entrypoint.errors import JitckptError
+from jitckpt_entrypoint.protocol.layout import S3Uri
 
 SAVE_STRATEGIES = ("no", "steps", "epoch")
 LOG_FORMATS = ("text", "json")
@@ -107,18 +108,6 @@ OPTIONS = (
     Option("log_format", "JITCKPT_LOG_FORMAT", "--log-format", "text|json"),
 )
 OPTION_BY_FIELD = {o.field: o for o in OPTIONS}
-
-
-@dataclasses.dataclass(frozen=True)
-class S3Uri:
-    bucket: str
-    prefix: str  # no leading or trailing slash; "" for the bucket root
-
-    def key(self, *parts: str) -> str:
-        return "/".join(p for p in (self.prefix, *parts) if p)
-
-    def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
 
 
 def parse_s3_uri(value: str, name: str = "JITCKPT_STORAGE_URI") -> S3Uri:

@@ -24,7 +24,7 @@ from jitckpt_entrypoint import log
 from jitckpt_entrypoint.cli import write_termination_log
 from jitckpt_entrypoint.config import add_arguments
 from jitckpt_entrypoint.errors import JitckptError
-from jitckpt_entrypoint.manifest import Layout
+from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar import __version__, s3
 from jitckpt_sidecar.config import BOOL_FIELDS, OPTIONS, Config
 from jitckpt_sidecar.errors import ConfigError, SidecarError

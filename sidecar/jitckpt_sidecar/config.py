@@ -19,8 +19,9 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Callable, Optional
 
-from jitckpt_entrypoint.config import Option, S3Uri, parse_s3_uri, redact_userinfo
+from jitckpt_entrypoint.config import Option, parse_s3_uri, redact_userinfo
 from jitckpt_entrypoint.errors import JitckptError
+from jitckpt_entrypoint.protocol.layout import S3Uri
 from jitckpt_sidecar.errors import ConfigError
 
 LOG_FORMATS = ("text", "json")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,9 @@ from harness.checkpoints import (
     upload_directly,
 )
 from harness.procs import wait_for
-from harness.s3 import Bucket
 from harness.s3proxy import S3Proxy
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import validity
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
 
@@ -72,9 +71,9 @@ def test_restore_picks_the_newest_committed_checkpoint_and_passes_over_broken_on
 
     checkpoints = str(root / "checkpoints")
     assert sorted(os.listdir(checkpoints)) == ["checkpoint-10"]
-    assert m.newest_committed(checkpoints, node=0) == 10
-    assert m.newest_committed(checkpoints, node=1) == 10
-    manifests = m.committed(os.path.join(checkpoints, "checkpoint-10"))
+    assert validity.newest_committed(checkpoints, node=0) == 10
+    assert validity.newest_committed(checkpoints, node=1) == 10
+    manifests = validity.committed(os.path.join(checkpoints, "checkpoint-10"))
     assert manifests is not None
     assert sorted(manifests) == [0, 1]
     for node_files in originals[10]:
@@ -132,15 +131,8 @@ def test_restore_replaces_an_uncommitted_local_directory_of_the_same_step(
     (torn / "model.safetensors").write_bytes(b"torn")
     proc = spawn([*SIDECAR, "restore"], env=s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}))
     assert proc.wait(60) == 0, proc.output()
-    assert m.committed(str(torn)) is not None
+    assert validity.committed(str(torn)) is not None
     assert (torn / "model.safetensors").read_bytes() == hf_files(3)["model.safetensors"]
-
-
-@pytest.fixture
-def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
-    proxy = s3_bucket.server.proxy().start()
-    yield proxy
-    proxy.stop()
 
 
 def denied_reads(proxy: S3Proxy, times: int | None) -> None:

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from harness.checkpoints import scrape
-from harness.pod import Pod, committed_in_s3, resumed_from
+from harness.checkpoints import committed_in_s3, scrape
+from harness.pod import Pod, resumed_from
 from harness.procs import wait_for
 from harness.s3proxy import S3Proxy
 

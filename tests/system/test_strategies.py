@@ -24,8 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.checkpoints import scrape
-from harness.pod import Node, Pod, committed_in_s3, resumed_from
+from harness.checkpoints import committed_in_s3, scrape
+from harness.pod import Node, Pod, resumed_from
 from harness.procs import Proc, free_port, wait_for
 from harness.training import TRAIN_HF, strategy_env, torchrun
 

@@ -8,7 +8,7 @@ import time
 from prometheus_client import CollectorRegistry, generate_latest
 
 from harness.prometheus import needs_promtool, promtool
-from jitckpt_entrypoint import status
+from jitckpt_entrypoint.protocol import status
 from jitckpt_sidecar.metric_names import ABSENT_UNTIL_KNOWN, METRICS, series_names
 from jitckpt_sidecar.metrics import Metrics
 from jitckpt_sidecar.pressure import Storage
