@@ -208,14 +208,20 @@ def http_get(port: int, path: str) -> tuple[int, str]:
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """/metrics as {(sample name, sorted labels): value}."""
+    """/metrics as {(sample name, sorted labels): value}; every sample is one of
+    metric_names.METRICS' series (prometheus_client's own `_created` series aside), so a test
+    that looks up a name the contract lacks fails here, not with a KeyError."""
     from prometheus_client.parser import text_string_to_metric_families
+
+    from jitckpt_sidecar.metric_names import series_names
 
     code, text = http_get(port, "/metrics")
     assert code == 200, text
+    known = series_names()
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            assert sample.name in known or sample.name.endswith("_created"), sample.name
             out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return out
 

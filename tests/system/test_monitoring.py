@@ -30,7 +30,7 @@ from harness.prometheus import DASHBOARD, Prometheus, needs_prometheus, rule_fil
 from harness.s3 import Bucket
 from harness.s3proxy import S3Proxy
 from jitckpt_entrypoint.protocol import manifest as m
-from jitckpt_entrypoint.protocol import validity
+from jitckpt_entrypoint.protocol import status, validity
 from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name, step_of
 from jitckpt_sidecar import staging
 
@@ -99,7 +99,7 @@ def normal(run: Run, first: Pod, second: Pod, proxy: S3Proxy) -> None:
     jit = json.loads((first.jdir / "status" / "jit.json").read_text())["step"]
     slow.times = slow.hits
     second.start()
-    ready = json.loads((second.jdir / "status" / "sidecar-ready.json").read_text())
+    ready = json.loads((second.jdir / "status" / status.SIDECAR_READY).read_text())
     assert (ready["restore"], ready["step"]) == ("s3", jit)
     wait_for(lambda: (value(second.metrics_port, uploaded) or 0) > jit + 50, 240, "two uploads")
     proxy.delay(manifest_put, 2.0, times=None)

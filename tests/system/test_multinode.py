@@ -8,6 +8,7 @@ import pytest
 
 from harness.pod import Node, Pod, resumed_from
 from harness.procs import free_port
+from jitckpt_entrypoint.protocol import status
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +35,7 @@ def test_draining_one_node_stops_both_at_one_step_and_the_new_job_resumes_from_s
     assert node0.trainer is not None
     assert node0.trainer.wait(timeout=120) == 143, node0.output()
     steps = {
-        json.loads((p.jdir / "status" / "jit.json").read_text())["step"] for p in (node0, node1)
+        json.loads((p.jdir / "status" / status.JIT).read_text())["step"] for p in (node0, node1)
     }
     assert len(steps) == 1, f"the nodes stopped at different steps: {steps}"
     step = steps.pop()
@@ -53,5 +54,5 @@ def test_draining_one_node_stops_both_at_one_step_and_the_new_job_resumes_from_s
     for pod in again:
         assert pod.finish().trainer == 0, pod.output()
     for pod in again:
-        ready = json.loads((pod.jdir / "status" / "sidecar-ready.json").read_text())
+        ready = json.loads((pod.jdir / "status" / status.SIDECAR_READY).read_text())
         assert (ready["restore"], ready["step"]) == ("s3", step)

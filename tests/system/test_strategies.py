@@ -28,6 +28,7 @@ from harness.checkpoints import committed_in_s3, scrape
 from harness.pod import Node, Pod, resumed_from
 from harness.procs import Proc, free_port, wait_for
 from harness.training import TRAIN_HF, strategy_env, torchrun
+from jitckpt_entrypoint.protocol import status
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -91,7 +92,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def jit_step(pod: Pod) -> int:
-    return int(json.loads((pod.jdir / "status" / "jit.json").read_text())["step"])
+    return int(json.loads((pod.jdir / "status" / status.JIT).read_text())["step"])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -183,7 +184,7 @@ def test_draining_one_of_two_nodes_stops_both_at_one_step_and_fresh_pods_resume(
     for pod in again:
         assert pod.finish().trainer == 0, pod.output()
     for pod in again:
-        ready = json.loads((pod.jdir / "status" / "sidecar-ready.json").read_text())
+        ready = json.loads((pod.jdir / "status" / status.SIDECAR_READY).read_text())
         assert (ready["restore"], ready["step"]) == ("s3", step)
 
 
