@@ -277,6 +277,16 @@ def resolve(
         raise exc.named(source) from None
 
 
+def default_of(config: type, field: str) -> Any:
+    """The default of `field` in the config dataclass `config` (None when it has none)."""
+    for f in dataclasses.fields(config):
+        if f.name == field:
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            return None if f.default is dataclasses.MISSING else f.default
+    raise KeyError(field)
+
+
 # --- command line -------------------------------------------------------------------------
 
 
@@ -330,17 +340,6 @@ def flag_values(parsed: Mapping[str, Any], options: Sequence[Option]) -> dict[st
 
 
 # --- docs ---------------------------------------------------------------------------------
-
-
-def default_of(config: type, field: str) -> Any:
-    """The default of `field` in the config dataclass `config` (inject copies the sidecar's)."""
-    for f in dataclasses.fields(config):
-        if f.name == field:
-            if f.default is not dataclasses.MISSING:
-                return f.default
-            if f.default_factory is not dataclasses.MISSING:
-                return f.default_factory()
-    raise KeyError(field)
 
 
 @dataclasses.dataclass(frozen=True)

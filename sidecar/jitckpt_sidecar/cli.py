@@ -46,7 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "copy the stdlib-only entrypoint bundle into DIR (the swap-in init container)",
     ),
     "inject": (
-        "jitckpt_sidecar.inject:main",
+        "jitckpt_sidecar.inject.cli:main",
         "rewrite Pod/Job/JobSet/TrainJob YAML into the swap-in form (stdin or -f FILE)",
     ),
 }
