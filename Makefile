@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.jitckpt-installed
 PYTEST_ARGS ?=
 
-.PHONY: test test-py39 unit integration lint fmt demo bench image image-test k8s-check clean
+.PHONY: test test-py39 unit integration lint fmt docs demo bench image image-test k8s-check clean
 
 $(STAMP): requirements-dev.txt requirements-deepspeed.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; set PYTHON=/path/to/python3.11" >&2; exit 2; }
@@ -52,6 +52,10 @@ lint: $(STAMP)
 fmt: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# The README's configuration and metrics tables, written from the code (a unit test checks them).
+docs: $(STAMP)
+	$(BIN)/python tools/readme_tables.py
 
 # A job preempted twice at random steps, resumed from S3 (moto on 127.0.0.1) in fresh pods,
 # compared with an uninterrupted run. DEMO_ARGS='--seed N' repeats a run; outputs in demo-out/.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -20,7 +19,6 @@ from jitckpt_entrypoint.settings import (
 )
 from jitckpt_sidecar import config as sidecar
 
-README = Path(__file__).resolve().parents[2] / "README.md"
 TABLES = {"E": (trainer.Config, trainer.OPTIONS), "S": (sidecar.Config, sidecar.OPTIONS)}
 
 
@@ -97,20 +95,6 @@ def test_both_components_share_the_options_they_both_read():
     for option in (trainer.DIR, trainer.GRACE_SECONDS, trainer.LOG_FORMAT):
         assert option in sidecar.OPTIONS
         assert option in trainer.OPTIONS
-
-
-def test_the_readme_configuration_table_is_the_option_tables():
-    """Every generated row is a row of the README's table, and the table has no other option
-    row (JITCKPT_RUN_ID, which is no option, aside)."""
-    rows = [row.markdown() for row in settings.doc_rows(TABLES)]
-    lines = README.read_text(encoding="utf-8").splitlines()
-    start = lines.index("| variable | flag | read by | default | meaning |")
-    table = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        table.append(line)
-    assert sorted(line for line in table if "`JITCKPT_RUN_ID`" not in line) == sorted(rows)
 
 
 def test_a_variable_documented_differently_by_two_components_is_refused():
