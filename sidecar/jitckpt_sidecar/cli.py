@@ -8,7 +8,6 @@ checkpoints not committed in S3, a restore failed); 2 a usage or configuration e
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import importlib
@@ -18,15 +17,14 @@ import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, Optional
 
-from jitckpt_entrypoint import log
+from jitckpt_entrypoint import log, settings
 from jitckpt_entrypoint.cli import write_termination_log
-from jitckpt_entrypoint.config import add_arguments
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar import __version__, s3
-from jitckpt_sidecar.config import BOOL_FIELDS, OPTIONS, Config
+from jitckpt_sidecar.config import OPTIONS, Config
 from jitckpt_sidecar.errors import ConfigError, SidecarError
 
 PROG = "jitckpt-sidecar"
@@ -48,7 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "copy the stdlib-only entrypoint bundle into DIR (the swap-in init container)",
     ),
     "inject": (
-        "jitckpt_sidecar.inject:main",
+        "jitckpt_sidecar.inject.cli:main",
         "rewrite Pod/Job/JobSet/TrainJob YAML into the swap-in form (stdin or -f FILE)",
     ),
 }
@@ -85,32 +83,21 @@ def _error(message: str) -> None:
     print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # argparse quotes unknown arguments verbatim; one with a newline must not split the line.
-        message = message.replace("\r", "\\r").replace("\n", "\\n")
-        raise ConfigError(f"{message}; usage: {self.usage}")
-
-
 def parse(command: str, argv: Sequence[str]) -> tuple[Config, bool]:
     """Options of `command` (flags over JITCKPT_* env) into a validated Config, and -v."""
-    parser = _Parser(
+    usage = f"{PROG} {command} [OPTIONS]"
+    parser = settings.ArgumentParser(
         prog=f"{PROG} {command}",
-        usage=f"{PROG} {command} [OPTIONS]",
+        usage=usage,
         description=COMMANDS[command][1] + ". Every option also reads its environment "
         "variable; a flag wins.",
-        allow_abbrev=False,
+        hint=f"usage: {usage}",
     )
-    add_arguments(parser, OPTIONS, BOOL_FIELDS)
+    settings.add_flags(parser, OPTIONS)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
     parsed = vars(parser.parse_args(list(argv)))
-    verbose = bool(parsed.pop("verbose"))
-    flags = {
-        name: (("1" if value else "0") if name in BOOL_FIELDS else str(value))
-        for name, value in parsed.items()
-        if value is not None
-    }
-    return Config.from_env(os.environ, flags), verbose
+    flags = settings.flag_values(parsed, OPTIONS)
+    return Config.from_env(os.environ, flags), bool(parsed["verbose"])
 
 
 def _command(
@@ -120,7 +107,7 @@ def _command(
     verbose = "-v" in argv or "--verbose" in argv
     try:
         cfg, verbose = parse(command, argv)
-    except SidecarError as exc:
+    except settings.SettingError as exc:
         _error(str(exc))
         return exc.exit_code
     logger = log.setup(PROG, cfg.log_format, verbose=verbose)

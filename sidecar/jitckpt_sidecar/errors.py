@@ -29,3 +29,8 @@ class StorageAccessError(SidecarError):
     """Set when retrying may cure it (5xx, throttling, a reset): the probe retries those."""
     code = ""
     """The S3 error code behind it ('AccessDenied', 'MissingContentLength', ...), if any."""
+
+
+class InjectError(SidecarError):
+    """`inject` cannot rewrite its input safely; the message names the object. Nothing is
+    written."""

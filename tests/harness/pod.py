@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from harness.procs import ENTRYPOINT, UNSHARE_PID, Proc, children_of, free_port, wait_for
 from harness.training import TORCHRUN, TRAIN_HF, steps_seen
+from jitckpt_entrypoint.protocol import status
 
 SIDECAR = [str(Path(sys.executable).parent / "jitckpt-sidecar")]
 
@@ -206,6 +207,30 @@ class Pod:
         for proc in (self.trainer, self.sidecar):
             if proc is not None:
                 proc.kill_tree()
+
+
+def start_job(members: list[Pod]) -> list[Pod]:
+    """Start a multi-node job as Kubernetes would: every sidecar, each ready (restored), then
+    every trainer."""
+    for pod in members:
+        pod.start_sidecar()
+    for pod in members:
+        pod.wait_ready()
+    for pod in members:
+        pod.start_trainer()
+    return members
+
+
+def finish_resumed_job(members: list[Pod], step: int) -> None:
+    """A job started on a restore from S3: every node resumed at `step`, trained to the end and
+    its sidecar restored exactly that checkpoint."""
+    assert resumed_from(members[0]) == step
+    for pod in members:
+        assert pod.finish().trainer == 0, pod.output()
+    for pod in members:
+        ready = status.read_sidecar_ready(str(pod.jdir / "status"))
+        assert ready is not None, pod.output()
+        assert (ready.restore, ready.step) == ("s3", step)
 
 
 def _clean_env() -> dict[str, str]:

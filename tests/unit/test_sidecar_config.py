@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jitckpt_sidecar.config import Config, parse_quantity
-from jitckpt_sidecar.errors import ConfigError
+from jitckpt_entrypoint.settings import SettingError, parse_quantity
+from jitckpt_sidecar.config import Config
 
 URI = {"JITCKPT_STORAGE_URI": "s3://bucket-1/run"}
 
@@ -122,7 +122,7 @@ def test_malformed_quantities_are_rejected(text):
 )
 def test_bad_values_are_one_line_errors_naming_their_source(env, flags, message):
     """Each bad value names the variable or flag it came from and the accepted values."""
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(SettingError) as info:
         Config.from_env(env, flags)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
