@@ -60,25 +60,40 @@ def two_nodes(tmp_path: Path) -> tuple[list[Layout], dict[int, dict[str, int]]]:
     return layouts, holdings
 
 
+def commit10(
+    layouts: list[Layout],
+    holdings: dict[int, dict[str, int]],
+    node: int,
+    *,
+    staged: bool = True,
+    kind: str = "periodic",
+    world_size: int = 2,
+    started_at: float = 0.0,
+) -> status.SaveEvent:
+    """Commit node `node`'s part of the two-node checkpoint-10."""
+    layout = layouts[node]
+    return commit_node(
+        layout,
+        layout.checkpoint_dir(10),
+        holdings,
+        node=node,
+        nodes=2,
+        world_size=world_size,
+        step=10,
+        kind=kind,
+        started_at=started_at,
+        run_id="r",
+        stage_for_upload=staged,
+    )
+
+
 def test_commit_node_writes_every_manifest_stages_owned_files_and_records_the_save(tmp_path):
     """Each node's volume gets every node's manifest (committed there for every node's own
     part), its staged directory only the files it owns (ready for upload), and a save event."""
     layouts, holdings = two_nodes(tmp_path)
     events = [
-        commit_node(
-            layout,
-            layout.checkpoint_dir(10),
-            holdings,
-            node=node,
-            nodes=2,
-            world_size=4,
-            step=10,
-            kind="jit",
-            started_at=100.0,
-            run_id="r",
-            stage_for_upload=True,
-        )
-        for node, layout in enumerate(layouts)
+        commit10(layouts, holdings, node, kind="jit", world_size=4, started_at=100.0)
+        for node in range(len(layouts))
     ]
     for node, layout in enumerate(layouts):
         manifests = validity.committed(layout.checkpoint_dir(10), node)
@@ -101,19 +116,7 @@ def test_commit_node_writes_every_manifest_stages_owned_files_and_records_the_sa
 
 def test_without_upload_nothing_is_staged(tmp_path):
     layouts, holdings = two_nodes(tmp_path)
-    commit_node(
-        layouts[0],
-        layouts[0].checkpoint_dir(10),
-        holdings,
-        node=0,
-        nodes=2,
-        world_size=2,
-        step=10,
-        kind="periodic",
-        started_at=0.0,
-        run_id="r",
-        stage_for_upload=False,
-    )
+    commit10(layouts, holdings, 0, staged=False)
     assert checkpoint_steps(layouts[0].staging) == []
     assert validity.committed(layouts[0].checkpoint_dir(10), 0) is not None
 
@@ -123,19 +126,7 @@ def test_a_staged_directory_is_ready_only_whole_and_of_its_kind(tmp_path):
     step; the final model (kind output) only when asked for as the final model."""
     layouts, holdings = two_nodes(tmp_path)
     layout = layouts[1]
-    commit_node(
-        layout,
-        layout.checkpoint_dir(10),
-        holdings,
-        node=1,
-        nodes=2,
-        world_size=2,
-        step=10,
-        kind="periodic",
-        started_at=0.0,
-        run_id="r",
-        stage_for_upload=True,
-    )
+    commit10(layouts, holdings, 1, staged=True)
     staged = layout.staged_dir(10)
     assert validity.staged(staged) is not None
     assert validity.staged(staged, final=True) is None
