@@ -29,7 +29,8 @@ PYTHON39 ?= $(shell for p in python3.9 $$(pyenv root 2>/dev/null)/versions/3.9*/
 	$$p -c '' 2>/dev/null && { command -v $$p; break; }; done)
 PY39_TESTS := tests/unit/test_config.py tests/unit/test_settings.py tests/unit/test_manifest.py \
 	tests/unit/test_status.py tests/unit/test_registry.py tests/unit/test_grace.py \
-	tests/unit/test_hook_parts.py tests/integration/test_entrypoint.py
+	tests/unit/test_hook_parts.py tests/unit/test_protocol.py tests/unit/test_s3_validity.py \
+	tests/integration/test_entrypoint.py
 test-py39:
 	@test -n "$(PYTHON39)" || { echo "make: no working python3.9 (set PYTHON39=/path/to/python3.9)" >&2; exit 2; }
 	@test -x .venv39/bin/pytest || { $(PYTHON39) -m venv .venv39 && \

@@ -424,7 +424,7 @@ class Sidecar:
         return path
 
     def upload(self, src: Path, prefix: str) -> float:
-        from jitckpt_entrypoint import status
+        from jitckpt_entrypoint.protocol import status
 
         jdir = self._jdir("sidecar-up")
         layout = commit_and_stage(jdir, src)
@@ -456,19 +456,30 @@ class Sidecar:
 def commit_and_stage(jdir: Path, src: Path) -> Any:
     """checkpoint-1 under `jdir`, committed and staged as the trainer's hook does it (hard
     links to the source files: no copy)."""
-    from jitckpt_entrypoint import manifest as m
-    from jitckpt_entrypoint.hook.commit import stage
+    from jitckpt_entrypoint.protocol import manifest as m
+    from jitckpt_entrypoint.protocol.commit import commit_node
+    from jitckpt_entrypoint.protocol.layout import Layout
 
-    layout = m.Layout(str(jdir))
+    layout = Layout(str(jdir))
     layout.ensure()
     ckpt = Path(layout.checkpoint_dir(1))
     ckpt.mkdir(parents=True)
     for p in src.iterdir():
         (ckpt / p.name).hardlink_to(p)
-    files = m.assign_owners({0: m.list_files(str(ckpt))})[0]
-    own = m.new_manifest(1, "periodic", node=0, nodes=1, world_size=1, files=files)
-    m.write_manifest(str(ckpt), own)
-    stage(layout, str(ckpt), own)
+    holdings = {0: m.list_files(str(ckpt))}
+    commit_node(
+        layout,
+        str(ckpt),
+        holdings,
+        node=0,
+        nodes=1,
+        world_size=1,
+        step=1,
+        kind="periodic",
+        started_at=time.time(),
+        run_id="bench",
+        stage_for_upload=True,
+    )
     return layout
 
 
@@ -551,12 +562,12 @@ def idle_cost(
     """(phase, RSS MB, CPU %) of a running sidecar: idle after start-up, idle after an upload."""
     import psutil
 
-    from jitckpt_entrypoint import manifest as m
+    from jitckpt_entrypoint.protocol.layout import Layout
 
     out = []
     jdir = work / "idle"
     shutil.rmtree(jdir, ignore_errors=True)
-    m.Layout(str(jdir)).ensure()
+    Layout(str(jdir)).ensure()
     env = {
         **base_env(store),
         "JITCKPT_DIR": str(jdir),

@@ -33,6 +33,7 @@ import report
 import timeline
 from harness.pod import Pod, final_weights, last_step, resumed_from
 from harness.s3 import Bucket, MotoServer
+from jitckpt_entrypoint.protocol import status
 from observe import MetricsTap, PodRun, read_status
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,7 +90,7 @@ class Demo:
         run.tap.start()
         self.say(f"{name}: created (empty emptyDir); sidecar /metrics at {run.tap.url}")
         pod.start()
-        run.ready = read_status(pod, "sidecar-ready.json")
+        run.ready = read_status(pod, status.SIDECAR_READY)
         run.begin = resumed_from(pod)
         if run.ready.get("restore") == "s3":
             self.say(

@@ -18,6 +18,8 @@ import urllib.error
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from jitckpt_entrypoint.protocol import status
+
 if TYPE_CHECKING:
     from harness.pod import Pod, PodExit
     from harness.procs import Proc
@@ -149,8 +151,8 @@ class PodRun:
         """Read what the pod left behind once it has exited."""
         self.ended_at = time.monotonic()
         self.tap.stop()
-        self.jit = read_status(self.pod, "jit.json")
-        self.ready = read_status(self.pod, "sidecar-ready.json")
+        self.jit = read_status(self.pod, status.JIT)
+        self.ready = read_status(self.pod, status.SIDECAR_READY)
         steps = [e.step for e in events(self.pod.trainer) if e.kind == "step"]
         self.last_done = steps[-1] if steps else -1
         after = bucket.keys()

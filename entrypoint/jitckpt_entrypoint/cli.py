@@ -12,19 +12,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from jitckpt_entrypoint import (
-    __version__,
-    final,
-    grace,
-    log,
-    registry,
-    settings,
-    status,
-    supervisor,
-)
+from jitckpt_entrypoint import __version__, final, grace, log, settings, supervisor
 from jitckpt_entrypoint.config import OPTIONS, Config, parse_s3_uri
 from jitckpt_entrypoint.errors import JitckptError
-from jitckpt_entrypoint.manifest import FINAL_NAME, Layout
+from jitckpt_entrypoint.protocol import registry, status
+from jitckpt_entrypoint.protocol.layout import FINAL_NAME, Layout
 from jitckpt_entrypoint.shutdown import Shutdown
 
 PROG = "jitckpt-entrypoint"

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from jitckpt_entrypoint.errors import JitckptError
+from jitckpt_entrypoint.protocol.layout import S3Uri
 from jitckpt_entrypoint.settings import (
     BOOLEAN,
     INTEGER,
@@ -41,18 +42,6 @@ _USERINFO = re.compile(r"//[^/@]*@")
 def redact_userinfo(url: str) -> str:
     """`url` with the user:password@ of its authority (a secret, maybe) replaced by ***@."""
     return _USERINFO.sub("//***@", url)
-
-
-@dataclasses.dataclass(frozen=True)
-class S3Uri:
-    bucket: str
-    prefix: str  # no leading or trailing slash; "" for the bucket root
-
-    def key(self, *parts: str) -> str:
-        return "/".join(p for p in (self.prefix, *parts) if p)
-
-    def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
 
 
 def parse_s3_uri(value: str, name: str = "JITCKPT_STORAGE_URI") -> S3Uri:

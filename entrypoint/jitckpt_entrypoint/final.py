@@ -14,17 +14,17 @@ stay where the script put them.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import shutil
-import stat
 import time
 from typing import Optional
 
-from jitckpt_entrypoint import atomic
-from jitckpt_entrypoint import manifest as m
 from jitckpt_entrypoint.errors import JitckptError
-from jitckpt_entrypoint.status import OutputRecord
+from jitckpt_entrypoint.protocol import atomic
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol.commit import link_or_copy, remove_checkpoint
+from jitckpt_entrypoint.protocol.layout import FINAL_NAME, Layout, step_of
+from jitckpt_entrypoint.protocol.status import OutputRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,31 +36,21 @@ class StagedFinal:
     seconds: float
 
 
-def output_files(output_dir: str, layout: m.Layout) -> dict[str, int]:
+def output_files(output_dir: str, layout: Layout) -> dict[str, int]:
     """Relative path -> size of what the final model holds."""
     ours = {os.path.realpath(p) for p in (layout.checkpoints, layout.staging, layout.status)}
-    found: dict[str, int] = {}
-    for dirpath, dirnames, filenames in os.walk(output_dir):
-        rel_dir = os.path.relpath(dirpath, output_dir)
-        dirnames[:] = sorted(
-            d
-            for d in dirnames
-            if os.path.realpath(os.path.join(dirpath, d)) not in ours
-            and not (rel_dir == "." and m.step_of(d) is not None)
-            and not d.startswith(".jitckpt")  # a restore's temp directory, and the like
+
+    def prune(parent: str, name: str) -> bool:
+        return (
+            os.path.realpath(os.path.join(parent, name)) in ours
+            or (parent == output_dir and step_of(name) is not None)
+            or name.startswith(".jitckpt")  # a restore's temp directory, and the like
         )
-        for name in sorted(filenames):
-            if m.is_manifest_name(name) or atomic.is_temp_name(name):
-                continue
-            st = os.lstat(os.path.join(dirpath, name))
-            if not stat.S_ISREG(st.st_mode):
-                continue
-            rel = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
-            found[rel] = st.st_size
-    return found
+
+    return m.list_files(output_dir, prune)
 
 
-def stage(layout: m.Layout, record: OutputRecord) -> Optional[StagedFinal]:
+def stage(layout: Layout, record: OutputRecord) -> Optional[StagedFinal]:
     """Stage `record.output_dir` as staging/final/; None when it holds nothing to upload."""
     started = time.monotonic()
     source = record.output_dir
@@ -69,7 +59,7 @@ def stage(layout: m.Layout, record: OutputRecord) -> Optional[StagedFinal]:
     files = output_files(source, layout)
     if not files:
         return None
-    tmp = os.path.join(layout.staging, f".{m.FINAL_NAME}.{atomic.unique_suffix()}")
+    tmp = os.path.join(layout.staging, f".{FINAL_NAME}.{atomic.unique_suffix()}")
     copied = 0
     try:
         for rel in files:
@@ -83,22 +73,10 @@ def stage(layout: m.Layout, record: OutputRecord) -> Optional[StagedFinal]:
         )
         m.write_manifest(tmp, manifest)
         if os.path.lexists(layout.final):
-            m.remove_checkpoint(layout.final)  # an earlier run's, not uploaded: this one wins
+            remove_checkpoint(layout.final)  # an earlier run's, not uploaded: this one wins
         os.rename(tmp, layout.final)
         atomic.fsync_dir(layout.staging)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return StagedFinal(len(files), sum(files.values()), copied, time.monotonic() - started)
-
-
-def link_or_copy(src: str, dst: str) -> bool:
-    """Hard-link `src` as `dst` (no extra bytes); copy it across filesystems. True if linked."""
-    try:
-        os.link(src, dst)
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-            raise
-        shutil.copy2(src, dst)
-        return False
-    return True

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Optional
 
-from jitckpt_entrypoint import atomic
-from jitckpt_entrypoint import manifest as m
-
-SIDECAR_READY = "sidecar-ready.json"
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name, checkpoint_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +30,9 @@ class Estimate:
         return self.save_seconds + (self.upload_seconds or 0.0)
 
 
-def estimate(layout: m.Layout) -> Optional[Estimate]:
+def estimate(layout: Layout) -> Optional[Estimate]:
     """From the newest checkpoint that has a manifest; None when there is none."""
-    for step in reversed(m.checkpoint_steps(layout.checkpoints)):
+    for step in reversed(checkpoint_steps(layout.checkpoints)):
         manifests = m.read_manifests(layout.checkpoint_dir(step))
         if not manifests:
             continue
@@ -42,18 +40,15 @@ def estimate(layout: m.Layout) -> Optional[Estimate]:
         save = max(man.save_seconds for man in manifests.values())
         rate = _upload_rate(layout)
         upload = size / rate if rate else None
-        return Estimate(m.checkpoint_name(step), size, save, upload)
+        return Estimate(checkpoint_name(step), size, save, upload)
     return None
 
 
-def _upload_rate(layout: m.Layout) -> Optional[float]:
+def _upload_rate(layout: Layout) -> Optional[float]:
     """Bytes/s the sidecar measured (its restore), as a stand-in for the upload throughput."""
-    ready = atomic.read_json(os.path.join(layout.status, SIDECAR_READY))
-    try:
-        rate = float(ready["restore_bytes_per_second"])
-    except (TypeError, KeyError, ValueError):
-        return None
-    return rate if rate > 0 else None
+    ready = status.read_sidecar_ready(layout.status)
+    rate = None if ready is None else ready.restore_bytes_per_second
+    return rate if rate is not None and rate > 0 else None
 
 
 def warning(est: Estimate, grace_seconds: int, shutdown_timeout: int) -> Optional[str]:

@@ -21,8 +21,8 @@ import signal
 import time
 from typing import Callable, Optional
 
-from jitckpt_entrypoint import registry, status
 from jitckpt_entrypoint.config import Config
+from jitckpt_entrypoint.protocol import registry, status
 from jitckpt_entrypoint.supervisor import ChildExit, signal_name
 
 POLL_SECONDS = 0.1

@@ -1,5 +1,8 @@
 """Per-file checksums, '<algorithm>:<hex>', as the uploader records them in S3 manifests.
 
+The algorithms are the manifest format's (protocol.manifest.CHECKSUM_ALGORITHMS); this module
+computes them.
+
 xxh128 (XXH3, 128 bits): the checksum guards against truncated, torn or bit-flipped objects,
 not against an adversary, and it runs at memory speed (several GB/s on one core, 30-60x
 sha256 on the machines we measured), so hashing a 1 GiB shard costs a fraction of a second of
@@ -12,6 +15,8 @@ import hashlib
 from typing import Callable, Protocol
 
 import xxhash
+
+from jitckpt_entrypoint.protocol.manifest import checksum_supported
 
 ALGORITHM = "xxh128"
 _BLOCK = 8 * 1024 * 1024
@@ -53,12 +58,6 @@ def algorithm_of(checksum: str) -> str:
     return checksum.partition(":")[0]
 
 
-def supported(checksum: str) -> bool:
-    """Whether we can verify `checksum` ('<known algorithm>:<hex>')."""
-    algorithm, sep, digest = checksum.partition(":")
-    return bool(sep and digest) and algorithm in _HASHERS
-
-
 def matches(path: str, checksum: str) -> bool:
     """Whether the file at `path` has `checksum`; False for an unknown algorithm."""
-    return supported(checksum) and file_checksum(path, algorithm_of(checksum)) == checksum
+    return checksum_supported(checksum) and file_checksum(path, algorithm_of(checksum)) == checksum

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 from jitckpt_entrypoint import log, settings
 from jitckpt_entrypoint.cli import write_termination_log
 from jitckpt_entrypoint.errors import JitckptError
-from jitckpt_entrypoint.manifest import Layout
+from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar import __version__, s3
 from jitckpt_sidecar.config import OPTIONS, Config
 from jitckpt_sidecar.errors import ConfigError, SidecarError

@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from jitckpt_entrypoint import config as trainer
-from jitckpt_entrypoint.config import S3Uri, parse_s3_uri, redact_userinfo
+from jitckpt_entrypoint.config import parse_s3_uri, redact_userinfo
+from jitckpt_entrypoint.protocol.layout import S3Uri
 from jitckpt_entrypoint.settings import (
     BOOLEAN,
     INTEGER,

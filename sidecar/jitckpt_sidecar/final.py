@@ -25,11 +25,13 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol.layout import FINAL_NAME, Layout
+from jitckpt_entrypoint.protocol.validity import s3_problems
 from jitckpt_sidecar import checksum, staging, transfers
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.errors import SidecarError
-from jitckpt_sidecar.remote import Remote, problems
+from jitckpt_sidecar.remote import Remote
 from jitckpt_sidecar.staging import Staged
 from jitckpt_sidecar.uploader import CHECKSUM_META, Uploader
 
@@ -60,12 +62,12 @@ class FinalUploader:
 
     @property
     def uri(self) -> str:
-        return f"s3://{self.remote.uri.bucket}/{self.remote.dir_key(m.FINAL_NAME)}/"
+        return f"s3://{self.remote.uri.bucket}/{self.remote.dir_key(FINAL_NAME)}/"
 
-    def committed(self, name: str = m.FINAL_NAME) -> Optional[m.Manifest]:
+    def committed(self, name: str = FINAL_NAME) -> Optional[m.Manifest]:
         """The manifest of the model committed in directory `name`, else None."""
         ckpt = self.remote.load_dir(name)
-        if problems(ckpt, (m.OUTPUT_KIND,)):
+        if s3_problems(ckpt, (m.OUTPUT_KIND,)):
             return None
         return ckpt.manifests[0]
 
@@ -73,8 +75,8 @@ class FinalUploader:
         """Commit `staged` as final/; returns the manifest S3 now holds there."""
         current = self.committed()
         if current is None:
-            self._clear(m.FINAL_NAME, keep={e.path for e in staged.manifest.files})
-            self.uploader.upload(staged, cancel, dest=m.FINAL_NAME)
+            self._clear(FINAL_NAME, keep={e.path for e in staged.manifest.files})
+            self.uploader.upload(staged, cancel, dest=FINAL_NAME)
             self._clear(INCOMING)
             new = self.committed()
             if new is None:
@@ -96,11 +98,11 @@ class FinalUploader:
         self, new: m.Manifest, old: m.Manifest, cancel: Callable[[], Optional[str]]
     ) -> None:
         """Replace final/'s model by the complete one in .final-incoming/."""
-        self.remote.delete_dir(m.FINAL_NAME, only={m.manifest_name(0)})  # final/: not committed
+        self.remote.delete_dir(FINAL_NAME, only={m.manifest_name(0)})  # final/: not committed
         kept = {(e.path, e.size, e.checksum) for e in old.files}
         changed = [e for e in new.files if (e.path, e.size, e.checksum) not in kept]
         progress = transfers.Progress(
-            f"replacing {m.FINAL_NAME}/", sum(e.size for e in changed), self.log
+            f"replacing {FINAL_NAME}/", sum(e.size for e in changed), self.log
         )
         with transfers.manager(self.client, transfers.upload_config(self.cfg)) as tm:
             batch = transfers.Batch(progress)
@@ -111,7 +113,7 @@ class FinalUploader:
                         "Key": self.remote.dir_key(INCOMING, entry.path),
                     },
                     self.remote.uri.bucket,
-                    self.remote.dir_key(m.FINAL_NAME, entry.path),
+                    self.remote.dir_key(FINAL_NAME, entry.path),
                     extra_args={
                         "Metadata": {CHECKSUM_META: entry.checksum or ""},
                         "MetadataDirective": "REPLACE",
@@ -119,10 +121,10 @@ class FinalUploader:
                     subscribers=[batch.subscriber()],
                 )
             batch.wait(cancel)
-        self._clear(m.FINAL_NAME, keep={e.path for e in new.files})
+        self._clear(FINAL_NAME, keep={e.path for e in new.files})
         self.client.put_object(
             Bucket=self.remote.uri.bucket,
-            Key=self.remote.dir_key(m.FINAL_NAME, m.manifest_name(0)),
+            Key=self.remote.dir_key(FINAL_NAME, m.manifest_name(0)),
             Body=new.to_bytes(),
             ContentType="application/json",
         )
@@ -152,7 +154,7 @@ class FinalModel:
 
     def __init__(
         self,
-        layout: m.Layout,
+        layout: Layout,
         uploader: FinalUploader,
         logger: logging.Logger,
         *,

@@ -1,65 +1,175 @@
-"""The metrics the sidecar exports: the contract that k8s/monitoring/ is checked against.
+"""The metrics the sidecar exports, each defined once: name, type, HELP, labels, buckets.
 
-One place for the names, types and labels, so that the dashboard, the alert rules and the
-sidecar's own collectors can be reconciled with one import (tests/k8s checks the first two).
+metrics.py builds its collectors from these definitions; k8s/monitoring/ (tests/k8s), the
+README's metrics table and every scrape in the tests are checked against them. Standard library
+only, so tools and docs can read it without prometheus_client.
 """
 
 from __future__ import annotations
 
-# name -> (type, label names). "histogram" means the _bucket/_sum/_count series exist. The
-# contract types only the two histograms; the other types are read off the names (`_total` =
-# counter) and matter nowhere but here.
-METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "jitckpt_checkpoint_last_step": ("gauge", ()),
-    "jitckpt_checkpoint_saves_total": ("counter", ("kind",)),
-    "jitckpt_checkpoint_save_seconds": ("histogram", ("kind",)),
-    "jitckpt_jit_trigger_to_commit_seconds": ("gauge", ()),
-    "jitckpt_uploads_total": ("counter", ("result",)),
-    "jitckpt_upload_bytes_total": ("counter", ()),
-    "jitckpt_upload_seconds": ("histogram", ()),
-    "jitckpt_upload_queue_length": ("gauge", ()),
-    "jitckpt_last_uploaded_step": ("gauge", ()),
-    "jitckpt_upload_lag_seconds": ("gauge", ()),
-    "jitckpt_upload_oldest_pending_age_seconds": ("gauge", ()),
-    "jitckpt_restore_seconds": ("gauge", ()),
-    "jitckpt_storage_capacity_bytes": ("gauge", ()),
-    "jitckpt_storage_used_bytes": ("gauge", ()),
-    "jitckpt_storage_peak_used_bytes": ("gauge", ()),
-    "jitckpt_storage_pressure_ratio": ("gauge", ()),
-    "jitckpt_storage_pressure_threshold_ratio": ("gauge", ()),
-    "jitckpt_upload_retries_total": ("counter", ()),
-    "jitckpt_restores_total": ("counter", ("result",)),
-    "jitckpt_storage_pruned_total": ("counter", ()),
-    "jitckpt_storage_save_peak_bytes": ("gauge", ()),
-    "jitckpt_s3_deleted_total": ("counter", ()),
-    "jitckpt_sidecar_ready": ("gauge", ()),
-}
+import dataclasses
 
-# Label values the contract fixes, per metric and label.
-LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
-    ("jitckpt_checkpoint_saves_total", "kind"): ("periodic", "jit", "final"),
-    ("jitckpt_checkpoint_save_seconds", "kind"): ("periodic", "jit", "final"),
-    ("jitckpt_uploads_total", "result"): ("success", "failure", "skipped"),
-    ("jitckpt_restores_total", "result"): ("success", "failure", "none"),
-}
+from jitckpt_entrypoint.protocol.manifest import KINDS
 
-# Gauges with no sample until their value is known: "no JIT checkpoint yet" must not read as a
-# 0 s SIGTERM-to-commit, nor "nothing restored yet" as step 0.
-ABSENT_UNTIL_KNOWN = (
+UPLOAD_RESULTS = ("success", "failure", "skipped")
+RESTORE_RESULTS = ("success", "failure", "none")
+SECONDS_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600, 1200, 3600
+)  # fmt: skip
+"""10 ms to an hour: saves of small models take 20-250 ms, uploads of large ones many minutes."""
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    name: str
+    """As exported: counters end in _total; a histogram's series add HISTOGRAM_SUFFIXES."""
+    type: str
+    """gauge, counter or histogram."""
+    help: str
+    labels: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """(label name, the values the contract fixes), each value exported from the start."""
+    buckets: tuple[float, ...] = ()
+    late: bool = False
+    """No sample until the value is known: "no JIT checkpoint yet" must not read as a 0 s
+    SIGTERM-to-commit, nor "nothing restored yet" as step 0."""
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.labels)
+
+
+METRICS: dict[str, Metric] = {}
+"""Every metric, by exported name, in the order defined below (the order of a scrape)."""
+Label = tuple[str, tuple[str, ...]]
+
+
+def _define(metric: Metric) -> Metric:
+    if metric.name in METRICS:
+        raise ValueError(f"metric {metric.name} defined twice")
+    METRICS[metric.name] = metric
+    return metric
+
+
+def _gauge(name: str, text: str, *, late: bool = False) -> Metric:
+    return _define(Metric(name, "gauge", text, late=late))
+
+
+def _counter(name: str, text: str, *labels: Label) -> Metric:
+    return _define(Metric(name, "counter", text, labels))
+
+
+def _histogram(name: str, text: str, *labels: Label) -> Metric:
+    return _define(Metric(name, "histogram", text, labels, SECONDS_BUCKETS))
+
+
+# Checkpoints (from the trainer's status files and the restore).
+CHECKPOINT_LAST_STEP = _gauge(
     "jitckpt_checkpoint_last_step",
+    "Step of the newest committed checkpoint on the shared volume (saved or restored).",
+    late=True,
+)
+CHECKPOINT_SAVES = _counter(
+    "jitckpt_checkpoint_saves_total",
+    "Checkpoints the trainer committed locally, by kind (periodic, jit, final).",
+    ("kind", KINDS),
+)
+CHECKPOINT_SAVE_SECONDS = _histogram(
+    "jitckpt_checkpoint_save_seconds",
+    "Seconds from the start of a save to its local commit, by kind.",
+    ("kind", KINDS),
+)
+JIT_TRIGGER_TO_COMMIT = _gauge(
     "jitckpt_jit_trigger_to_commit_seconds",
+    "Seconds from SIGTERM to the commit of the last JIT checkpoint.",
+    late=True,
+)
+# Uploads and S3 retention.
+UPLOADS = _counter(
+    "jitckpt_uploads_total",
+    "Checkpoint uploads by result: success, failure (retried later) or skipped "
+    "(superseded; retention would delete it).",
+    ("result", UPLOAD_RESULTS),
+)
+UPLOAD_BYTES = _counter("jitckpt_upload_bytes_total", "Bytes sent to S3 by uploads.")
+UPLOAD_SECONDS = _histogram("jitckpt_upload_seconds", "Seconds per successful checkpoint upload.")
+UPLOAD_QUEUE_LENGTH = _gauge(
+    "jitckpt_upload_queue_length", "Committed checkpoints not yet in S3 (waiting or uploading)."
+)
+LAST_UPLOADED_STEP = _gauge(
     "jitckpt_last_uploaded_step",
+    "Step of the newest checkpoint committed in S3 that this sidecar uploaded or restored.",
+    late=True,
+)
+UPLOAD_LAG = _gauge(
+    "jitckpt_upload_lag_seconds",
+    "Age of the newest committed checkpoint not yet in S3 (0 when none).",
+)
+UPLOAD_OLDEST_PENDING_AGE = _gauge(
+    "jitckpt_upload_oldest_pending_age_seconds",
+    "Age of the oldest committed checkpoint not yet in S3 (0 when none): grows through "
+    "an S3 outage while new checkpoints keep arriving.",
+)
+UPLOAD_RETRIES = _counter(
+    "jitckpt_upload_retries_total",
+    "S3 requests retried (throttling, 5xx, resets), uploads and restores retried.",
+)
+S3_DELETED = _counter(
+    "jitckpt_s3_deleted_total", "Checkpoints deleted from S3 by retention (JITCKPT_S3_KEEP)."
+)
+# The start-up restore and readiness.
+RESTORE_SECONDS = _gauge(
     "jitckpt_restore_seconds",
+    "Seconds the last start-up restore attempt took (listing, download, verification).",
+    late=True,
+)
+RESTORES = _counter(
+    "jitckpt_restores_total",
+    "Start-up restore attempts by result: success (downloaded), failure (tried again "
+    "while the sidecar stays not ready), none (nothing newer in S3).",
+    ("result", RESTORE_RESULTS),
+)
+SIDECAR_READY = _gauge("jitckpt_sidecar_ready", "1 once the restore finished (readiness).")
+# The shared volume (read from the disk at scrape time).
+STORAGE_CAPACITY = _gauge(
+    "jitckpt_storage_capacity_bytes",
+    "Capacity of the shared volume: the emptyDir sizeLimit, else the filesystem size.",
+)
+STORAGE_USED = _gauge(
+    "jitckpt_storage_used_bytes", "Bytes allocated under JITCKPT_DIR (hard links counted once)."
+)
+STORAGE_PEAK_USED = _gauge(
+    "jitckpt_storage_peak_used_bytes", "Highest used bytes seen by this sidecar."
+)
+STORAGE_PRESSURE = _gauge("jitckpt_storage_pressure_ratio", "Used bytes / capacity.")
+STORAGE_PRESSURE_THRESHOLD = _gauge(
+    "jitckpt_storage_pressure_threshold_ratio",
+    "JITCKPT_DISK_PRESSURE_THRESHOLD: at this pressure ratio uploaded local checkpoints "
+    "are deleted.",
+)
+STORAGE_PRUNED = _counter(
+    "jitckpt_storage_pruned_total",
+    "Local checkpoints deleted by per-node retention (save_total_limit) or under disk "
+    "pressure, each once S3 held it.",
+)
+STORAGE_SAVE_PEAK = _gauge(
+    "jitckpt_storage_save_peak_bytes",
+    "Peak used bytes during the last checkpoint save over the usage when it began (the "
+    "new checkpoint plus what the save wrote and removed again).",
 )
 
-HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
+    (m.name, label): values for m in METRICS.values() for label, values in m.labels
+}
+"""The label values the contract fixes, per metric and label."""
+ABSENT_UNTIL_KNOWN = tuple(m.name for m in METRICS.values() if m.late)
 
 
 def series_names() -> dict[str, str]:
     """Every series name a scrape can contain -> the metric it belongs to."""
     out = {}
-    for name, (kind, _) in METRICS.items():
-        out[name] = name
-        if kind == "histogram":
-            out.update({name + suffix: name for suffix in HISTOGRAM_SUFFIXES})
+    for metric in METRICS.values():
+        out[metric.name] = metric.name
+        if metric.type == "histogram":
+            out.update({metric.name + suffix: metric.name for suffix in HISTOGRAM_SUFFIXES})
     return out

@@ -27,8 +27,9 @@ import stat
 import threading
 from typing import Callable, Optional
 
-from jitckpt_entrypoint import manifest as m
-from jitckpt_entrypoint import status
+from jitckpt_entrypoint.protocol import status, validity
+from jitckpt_entrypoint.protocol.commit import remove_checkpoint
+from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +108,7 @@ class Storage:
 class Pruner:
     def __init__(
         self,
-        layout: m.Layout,
+        layout: Layout,
         storage: Storage,
         *,
         threshold: float,
@@ -136,7 +137,7 @@ class Pruner:
         """Apply retention, then relieve pressure; the steps deleted, oldest first."""
         node = self.node()
         mine = None if node is None else node.node
-        committed = m.committed_steps(self.layout.checkpoints, mine)
+        committed = validity.committed_steps(self.layout.checkpoints, mine)
         keep = set(committed[-1:])
         if node is not None and node.best_step is not None:
             keep.add(node.best_step)
@@ -156,7 +157,7 @@ class Pruner:
         """Delete checkpoint-<step>; the bytes freed (the trainer may write meanwhile) and the
         sample after."""
         before = self.storage.sample().used
-        m.remove_checkpoint(self.layout.checkpoint_dir(step))
+        remove_checkpoint(self.layout.checkpoint_dir(step))
         self.on_pruned(step)
         after = self.storage.sample()
         return max(0, before - after.used), after
@@ -176,7 +177,7 @@ class Pruner:
             pruned.append(step)
             self.log.info(
                 "retention: deleted local %s (save_total_limit=%d on node %d, %s), %.1f MB freed",
-                m.checkpoint_name(step),
+                checkpoint_name(step),
                 limit,
                 node.node,
                 _why(node),
@@ -202,7 +203,7 @@ class Pruner:
                 "disk pressure %.2f >= %.2f: deleted local %s (%s), %.1f MB freed, now %.2f",
                 ratio,
                 self.threshold,
-                m.checkpoint_name(step),
+                checkpoint_name(step),
                 _why(node),
                 freed / 1e6,
                 sample.ratio,
@@ -225,9 +226,9 @@ class Pruner:
 
     def _advice(self, left: list[int], keep: set[int]) -> str:
         """What holds the bytes on this node, and what can free them here."""
-        held = [f"{m.checkpoint_name(s)} is the newest" for s in left[-1:]]
-        held += [f"{m.checkpoint_name(s)} is HF's best" for s in left[:-1] if s in keep]
-        not_in_s3 = [m.checkpoint_name(s) for s in left if s not in keep]
+        held = [f"{checkpoint_name(s)} is the newest" for s in left[-1:]]
+        held += [f"{checkpoint_name(s)} is HF's best" for s in left[:-1] if s in keep]
+        not_in_s3 = [checkpoint_name(s) for s in left if s not in keep]
         waiting = self.waiting()
         if not_in_s3:
             held.append(f"{', '.join(not_in_s3)} not in S3 yet")

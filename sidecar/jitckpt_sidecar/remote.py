@@ -1,102 +1,24 @@
-"""The commit protocol on the S3 side: which checkpoints under the prefix are committed.
+"""Lists, reads and deletes the checkpoint directories under the S3 prefix.
 
-`s3://bucket/prefix/checkpoint-<step>/` is committed when it holds the manifest of every node
-0..nodes-1 (one consistent set), every manifest's owned entries carry a checksum we can verify,
-and every owned entry's object is present with the listed size. Each node's uploader writes
-its manifest after its files, so a missing manifest means "not (yet) committed"; retention
-deletes manifests first, so a half-deleted checkpoint is never committed either.
+What counts as committed there is the protocol's (validity.s3_problems); this module reads what
+it needs for that from S3: one listing per directory and its manifests.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
 from typing import Any, Optional
 
-from jitckpt_entrypoint import manifest as m
-from jitckpt_entrypoint.config import S3Uri
-from jitckpt_sidecar import checksum
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol.layout import S3Uri, checkpoint_name, step_of
+from jitckpt_entrypoint.protocol.validity import RemoteCheckpoint, s3_part_problems
 from jitckpt_sidecar.errors import SidecarError
 from jitckpt_sidecar.s3 import error_code
 
 log = logging.getLogger("jitckpt.jitckpt-sidecar.remote")
 _DELETE_BATCH = 1000  # DeleteObjects' limit
-
-
-@dataclasses.dataclass(frozen=True)
-class RemoteCheckpoint:
-    step: int
-    objects: dict[str, int]
-    """Relative path -> size of every object under checkpoint-<step>/ (manifests included)."""
-    manifests: dict[int, m.Manifest]
-    """The parsable manifests present, by node."""
-
-    @property
-    def committed(self) -> bool:
-        return problems(self) == []
-
-    def owner_entry(self, path: str, owner: int) -> Optional[m.FileEntry]:
-        manifest = self.manifests.get(owner)
-        if manifest is None:
-            return None
-        return next((e for e in manifest.owned if e.path == path), None)
-
-    def files(self) -> dict[str, m.FileEntry]:
-        """Every file named by any manifest (the union), as its owner's entry."""
-        union: dict[str, m.FileEntry] = {}
-        for manifest in self.manifests.values():
-            for entry in manifest.files:
-                owned = self.owner_entry(entry.path, entry.owner)
-                if owned is not None:
-                    union[entry.path] = owned
-        return union
-
-
-def problems(ckpt: RemoteCheckpoint, kinds: tuple[str, ...] = m.KINDS) -> list[str]:
-    """Why `ckpt` is not committed in S3 (empty when it is); the final model passes
-    kinds=(OUTPUT_KIND,) and its manifest's step."""
-    manifests = ckpt.manifests
-    if not manifests:
-        return ["no manifest"]
-    nodes = next(iter(manifests.values())).nodes
-    missing = sorted(set(range(nodes)) - set(manifests))
-    if missing:
-        return [f"manifest of node {', '.join(map(str, missing))} missing"]
-    if not m.complete_set(manifests, ckpt.step, kinds):
-        return ["manifests disagree on the step, the node count or the kind"]
-    found = []
-    for manifest in manifests.values():
-        for entry in manifest.files:
-            owned = ckpt.owner_entry(entry.path, entry.owner)
-            if owned is None or owned.size != entry.size:
-                found.append(f"{entry.path}: not listed by its owner node {entry.owner}")
-            else:
-                found += _object_problems(ckpt, owned)
-    return found
-
-
-def part_problems(ckpt: RemoteCheckpoint, node: int) -> list[str]:
-    """Why S3 does not hold node `node`'s part of `ckpt`: its manifest and every file it
-    uploads, with a checksum we can verify (empty when it does). The files it holds but another
-    node uploads are that node's part."""
-    manifest = ckpt.manifests.get(node)
-    if manifest is None:
-        return [f"manifest of node {node} missing"]
-    return [p for entry in manifest.owned for p in _object_problems(ckpt, entry)]
-
-
-def _object_problems(ckpt: RemoteCheckpoint, owned: m.FileEntry) -> list[str]:
-    size = ckpt.objects.get(owned.path)
-    if size != owned.size:
-        return [
-            f"{owned.path}: object "
-            + ("missing" if size is None else f"has {size} bytes, not {owned.size}")
-        ]
-    if owned.checksum is None or not checksum.supported(owned.checksum):
-        return [f"{owned.path}: no checksum we can verify"]
-    return []
 
 
 class Remote:
@@ -109,7 +31,7 @@ class Remote:
         self._lock = threading.Lock()
 
     def key(self, step: int, relpath: str = "") -> str:
-        return self.dir_key(m.checkpoint_name(step), relpath)
+        return self.dir_key(checkpoint_name(step), relpath)
 
     def dir_key(self, name: str, relpath: str = "") -> str:
         """The key of `relpath` in directory `name` (checkpoint-<step>, final) of the prefix."""
@@ -126,13 +48,13 @@ class Remote:
         paginator = self.client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.uri.bucket, Prefix=prefix, Delimiter="/"):
             for entry in page.get("CommonPrefixes", []):
-                step = m.step_of(entry["Prefix"][len(prefix) :].rstrip("/"))
+                step = step_of(entry["Prefix"][len(prefix) :].rstrip("/"))
                 if step is not None:
                     found.append(step)
         return sorted(found)
 
     def objects(self, step: int) -> dict[str, int]:
-        return self.objects_in(m.checkpoint_name(step))
+        return self.objects_in(checkpoint_name(step))
 
     def objects_in(self, name: str) -> dict[str, int]:
         """Relative path -> size of every object in directory `name`."""
@@ -146,18 +68,19 @@ class Remote:
 
     def load(self, step: int) -> RemoteCheckpoint:
         """The objects and parsable manifests of checkpoint-<step> as S3 has them now."""
-        return self.load_dir(m.checkpoint_name(step), step)
+        return self.load_dir(checkpoint_name(step), step)
 
     def load_dir(self, name: str, step: Optional[int] = None) -> RemoteCheckpoint:
         """Directory `name` as S3 has it now; without `step`, the step its manifests name."""
         objects = self.objects_in(name)
         manifests = {}
         for rel in objects:
-            if "/" in rel or not m.is_manifest_name(rel):
+            node = None if "/" in rel else m.node_of(rel)
+            if node is None:
                 continue
             parsed = self.read_manifest(self.dir_key(name, rel))
-            if parsed is not None and m.manifest_name(parsed.node) == rel:
-                manifests[parsed.node] = parsed
+            if parsed is not None and parsed.node == node:
+                manifests[node] = parsed
         if step is None:
             step = min((man.step for man in manifests.values()), default=0)
         return RemoteCheckpoint(step, objects, manifests)
@@ -197,7 +120,7 @@ class Remote:
             with self._lock:
                 self._committed[step] = ckpt
             return True
-        return node is not None and part_problems(ckpt, node) == []
+        return node is not None and s3_part_problems(ckpt, node) == []
 
     def committed_steps(self) -> list[int]:
         """Steps committed in S3 now, ascending (one listing plus one look per checkpoint)."""
@@ -213,7 +136,7 @@ class Remote:
         file goes); returns the number of objects deleted."""
         with self._lock:
             self._committed.pop(step, None)
-        return self.delete_dir(m.checkpoint_name(step))
+        return self.delete_dir(checkpoint_name(step))
 
     def delete_dir(self, name: str, only: Optional[set[str]] = None) -> int:
         """Delete directory `name` (or just the relative paths in `only`), manifests first;

@@ -23,12 +23,14 @@ import shutil
 import time
 from typing import Any, Callable, Optional
 
-from jitckpt_entrypoint import atomic
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.protocol import atomic, validity
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol.commit import remove_checkpoint
+from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name
 from jitckpt_sidecar import checksum, transfers
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.errors import SidecarError
-from jitckpt_sidecar.remote import Remote, RemoteCheckpoint, problems
+from jitckpt_sidecar.remote import Remote
 from jitckpt_sidecar.s3 import describe, error_code, is_storage_error, is_transient
 
 TEMP_PREFIX = ".jitckpt-restore-"
@@ -56,7 +58,7 @@ class Restorer:
         client: Any,
         remote: Remote,
         cfg: Config,
-        layout: m.Layout,
+        layout: Layout,
         logger: logging.Logger,
         *,
         monotonic: Callable[[], float] = time.monotonic,
@@ -106,22 +108,22 @@ class Restorer:
         started = self.monotonic()
         self.layout.ensure()
         self._remove_leftovers()
-        local = m.newest_committed(self.layout.checkpoints)
+        local = validity.newest_committed(self.layout.checkpoints)
         for step in reversed(self.remote.steps()):
             if local is not None and step <= local:
                 break
             ckpt = self.remote.load(step)
-            found = problems(ckpt)
+            found = validity.s3_problems(ckpt)
             if found:
                 self.log.info(
-                    "skipping %s in S3: not committed (%s)", m.checkpoint_name(step), found[0]
+                    "skipping %s in S3: not committed (%s)", checkpoint_name(step), found[0]
                 )
                 continue
             try:
                 result = self._download(ckpt, cancel)
             except VerificationError as exc:
                 self.log.warning(
-                    "discarding %s from S3: %s; trying an older one", m.checkpoint_name(step), exc
+                    "discarding %s from S3: %s; trying an older one", checkpoint_name(step), exc
                 )
                 continue
             self.remote.remember(ckpt)
@@ -130,7 +132,7 @@ class Restorer:
         if local is not None:
             self.log.info(
                 "local %s is committed and at least as new as S3's; nothing to download",
-                m.checkpoint_name(local),
+                checkpoint_name(local),
             )
             return RestoreResult("local", local, seconds=seconds)
         self.log.info("no committed checkpoint in %s; starting fresh", self.remote.uri)
@@ -143,10 +145,10 @@ class Restorer:
                 shutil.rmtree(os.path.join(self.layout.checkpoints, name), ignore_errors=True)
 
     def _download(
-        self, ckpt: RemoteCheckpoint, cancel: Callable[[], Optional[str]]
+        self, ckpt: validity.RemoteCheckpoint, cancel: Callable[[], Optional[str]]
     ) -> RestoreResult:
         started = self.monotonic()
-        name = m.checkpoint_name(ckpt.step)
+        name = checkpoint_name(ckpt.step)
         tmp = os.path.join(self.layout.checkpoints, f"{TEMP_PREFIX}{ckpt.step}-{os.getpid()}")
         files = sorted(ckpt.files().values(), key=lambda e: e.size, reverse=True)
         total = sum(e.size for e in files)
@@ -183,7 +185,7 @@ class Restorer:
                 m.write_manifest(tmp, ckpt.manifests[node])
             final = self.layout.checkpoint_dir(ckpt.step)
             if os.path.lexists(final):  # an uncommitted leftover (a committed one is newer)
-                m.remove_checkpoint(final)
+                remove_checkpoint(final)
             os.rename(tmp, final)
             atomic.fsync_dir(self.layout.checkpoints)
         except BaseException:

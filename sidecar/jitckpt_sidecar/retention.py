@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.protocol.layout import checkpoint_name
 from jitckpt_sidecar.remote import Remote
 
 
@@ -45,7 +45,7 @@ class Retention:
             self.on_deleted(step)
             self.log.info(
                 "retention: deleted %s from %s (%d objects; JITCKPT_S3_KEEP=%d)",
-                m.checkpoint_name(step),
+                checkpoint_name(step),
                 self.remote.uri,
                 objects,
                 self.keep,

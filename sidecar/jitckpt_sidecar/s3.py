@@ -18,7 +18,6 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
-from jitckpt_entrypoint.config import S3Uri
 from jitckpt_sidecar import __version__
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.errors import StorageAccessError
@@ -355,7 +354,3 @@ def describe(  # noqa: PLR0911 - one return per failure kind reads better than a
 def _one_line(text: str, limit: int = 300) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def object_key(uri: S3Uri, checkpoint: str, relpath: str) -> str:
-    return uri.key(checkpoint, relpath)

@@ -27,8 +27,8 @@ from typing import Any, Callable, Optional
 
 from prometheus_client import CollectorRegistry
 
-from jitckpt_entrypoint import manifest as m
-from jitckpt_entrypoint import status
+from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.protocol.layout import FINAL_NAME, Layout, checkpoint_name
 from jitckpt_sidecar import memory, s3, sizing, staging, transfers
 from jitckpt_sidecar.backlog import Backlog
 from jitckpt_sidecar.config import Config
@@ -59,7 +59,7 @@ class Service:
     def __init__(
         self,
         cfg: Config,
-        layout: m.Layout,
+        layout: Layout,
         *,
         client: Any,
         registry: CollectorRegistry,
@@ -159,7 +159,7 @@ class Service:
         self.log.info(
             "ready (restore: %s%s); watching %s",
             result.source,
-            "" if result.step is None else f" {m.checkpoint_name(result.step)}",
+            "" if result.step is None else f" {checkpoint_name(result.step)}",
             self.layout.staging,
         )
         worker = threading.Thread(target=self._work, name="jitckpt-upload", daemon=True)
@@ -300,7 +300,7 @@ class Service:
             if elapsed >= self.cfg.drain_seconds:
                 pending = ", ".join(
                     [s.name for s in self.backlog.pending()]
-                    + ([f"the final model ({m.FINAL_NAME}/)"] if self.final.pending() else [])
+                    + ([f"the final model ({FINAL_NAME}/)"] if self.final.pending() else [])
                 )
                 left = f"not committed in S3: {pending}" if pending else "nothing left to upload"
                 if trainer_known and not trainer_exited:
@@ -320,7 +320,7 @@ class Service:
                     self.log.info(
                         "drain: %s is newer than %s in flight; pausing that upload to send it "
                         "first",
-                        m.checkpoint_name(newest),
+                        checkpoint_name(newest),
                         in_flight.name,
                     )
                 self._preempt_for = newest
@@ -379,7 +379,7 @@ class Service:
             self.log.info(
                 "skipping %s: %s newer and committed in S3, so JITCKPT_S3_KEEP=%d would delete it",
                 staged.name,
-                ", ".join(m.checkpoint_name(s) for s in newer),
+                ", ".join(checkpoint_name(s) for s in newer),
                 self.cfg.s3_keep,
             )
             self.metrics.uploads.skipped()
@@ -450,7 +450,7 @@ class Service:
             return "the sidecar is stopping"
         newer = self._preempt_for
         if newer is not None and newer > staged.step:
-            return f"{m.checkpoint_name(newer)} is newer and goes first during the drain"
+            return f"{checkpoint_name(newer)} is newer and goes first during the drain"
         if self._store_failures:
             waiting = self.backlog.waiting()
             if waiting and waiting[0].step > staged.step:
@@ -471,7 +471,7 @@ class Service:
                 superseded(self.remote, step, self.cfg.s3_keep)
             )
         except Exception as exc:  # noqa: BLE001 - unknown means no: never delete what S3 may not hold
-            self.log.debug("cannot tell whether %s is in S3: %s", m.checkpoint_name(step), exc)
+            self.log.debug("cannot tell whether %s is in S3: %s", checkpoint_name(step), exc)
             return False
 
     def _estimate(self) -> Optional[sizing.Estimate]:

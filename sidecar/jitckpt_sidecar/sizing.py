@@ -31,8 +31,9 @@ import threading
 import time
 from typing import Optional
 
-from jitckpt_entrypoint import manifest as m
-from jitckpt_entrypoint import status
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import status, validity
+from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name
 from jitckpt_sidecar.pressure import Storage
 
 SAMPLE_SECONDS = 0.05
@@ -108,7 +109,7 @@ class SavePeaks:
         self.highest = max(self.highest, self.last)
         self.log.debug(
             "save of %s: peak %.1f MB over the %.1f MB used before it",
-            m.checkpoint_name(started.step),
+            checkpoint_name(started.step),
             self.last / 1e6,
             base / 1e6,
         )
@@ -144,7 +145,7 @@ class Estimate:
     def line(self, capacity: Optional[int]) -> str:
         now = "" if capacity is None else f" (now {quantity(capacity)})"
         return (
-            f"storage sizing for node {self.node} ({m.checkpoint_name(self.step)}): restored "
+            f"storage sizing for node {self.node} ({checkpoint_name(self.step)}): restored "
             f"checkpoint {_mb(self.restored)} + {self.keep} x checkpoint {_mb(self.checkpoint)} "
             f"({self.keep_from}) + save peak {_mb(self.save_peak)} + final model "
             f"{_mb(self.final)} + 10% = {_mb(self.total)}; set the emptyDir sizeLimit and "
@@ -153,11 +154,11 @@ class Estimate:
 
 
 def estimate(
-    layout: m.Layout, node: Optional[status.NodeStatus], save_peak: int, restored: int
+    layout: Layout, node: Optional[status.NodeStatus], save_peak: int, restored: int
 ) -> Optional[Estimate]:
     """The sizing of this node's volume from its newest checkpoint; None before the first one."""
     mine = 0 if node is None else node.node
-    step = m.newest_committed(layout.checkpoints, None if node is None else mine)
+    step = validity.newest_committed(layout.checkpoints, None if node is None else mine)
     if step is None:
         return None
     manifests = m.read_manifests(layout.checkpoint_dir(step))

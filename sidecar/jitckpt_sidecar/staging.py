@@ -1,8 +1,8 @@
 """Checkpoints staged for upload: `JITCKPT_DIR/staging/checkpoint-<step>/`; and `final/`.
 
 After each local commit the trainer hard-links this node's owned files into the staged
-directory, then its own manifest, last. A staged checkpoint is ready once that manifest is
-present and every owned file it lists is present with its size; the sidecar removes the
+directory, then its own manifest, last (protocol.commit.stage); when a staged directory is
+ready for upload is the protocol's rule (protocol.validity.staged). The sidecar removes the
 directory (manifest first) once the checkpoint is committed in S3, which frees the bytes when
 the Trainer's rotation already deleted the original. The final model (`staging/final/`, one
 manifest of kind output, staged by the entrypoint after training) is read by `read_final`.
@@ -14,7 +14,10 @@ import dataclasses
 import os
 from typing import Optional
 
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import validity
+from jitckpt_entrypoint.protocol.commit import remove_checkpoint
+from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,38 +51,21 @@ class Staged:
 
 def read(path: str) -> Optional[Staged]:
     """The staged checkpoint at `path` when it is ready, else None."""
-    step = m.step_of(os.path.basename(os.path.normpath(path)))
-    if step is None:
-        return None
-    return _ready(path, m.KINDS, step)
+    manifest = validity.staged(path)
+    return None if manifest is None else Staged(path, manifest)
 
 
-def read_final(layout: m.Layout) -> Optional[Staged]:
+def read_final(layout: Layout) -> Optional[Staged]:
     """The staged final model when it is ready, else None."""
-    return _ready(layout.final, (m.OUTPUT_KIND,), None)
+    manifest = validity.staged(layout.final, final=True)
+    return None if manifest is None else Staged(layout.final, manifest)
 
 
-def _ready(path: str, kinds: tuple[str, ...], step: Optional[int]) -> Optional[Staged]:
-    manifests = m.read_manifests(path)
-    if len(manifests) != 1:
-        return None
-    (manifest,) = manifests.values()
-    if manifest.kind not in kinds or (step is not None and manifest.step != step):
-        return None
-    for entry in manifest.owned:
-        try:
-            if os.stat(os.path.join(path, entry.path)).st_size != entry.size:
-                return None
-        except OSError:
-            return None
-    return Staged(path, manifest)
-
-
-def scan(layout: m.Layout) -> dict[int, Staged]:
+def scan(layout: Layout) -> dict[int, Staged]:
     """Every ready staged checkpoint, by step."""
     found = {}
-    for step in m.checkpoint_steps(layout.staging):
-        staged = read(os.path.join(layout.staging, m.checkpoint_name(step)))
+    for step in checkpoint_steps(layout.staging):
+        staged = read(layout.staged_dir(step))
         if staged is not None:
             found[step] = staged
     return found
@@ -87,4 +73,4 @@ def scan(layout: m.Layout) -> dict[int, Staged]:
 
 def remove(staged: Staged) -> None:
     """Drop the staged links, manifest first (a half-removed directory is never ready)."""
-    m.remove_checkpoint(staged.path)
+    remove_checkpoint(staged.path)

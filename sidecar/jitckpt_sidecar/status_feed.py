@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from jitckpt_entrypoint import status
+from jitckpt_entrypoint.protocol import status
 from jitckpt_sidecar.metrics import CheckpointMetrics
 
 

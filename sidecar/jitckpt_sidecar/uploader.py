@@ -17,7 +17,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Optional
 
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_sidecar import checksum, transfers
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.remote import Remote

@@ -25,7 +25,7 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
-from jitckpt_entrypoint.manifest import Layout
+from jitckpt_entrypoint.protocol.layout import Layout
 
 # What changes readiness: links and manifests appearing (create, rename of an atomic write),
 # staged copies going away, a file finished. Not opens/reads: our own uploads read staging/.

@@ -1,9 +1,9 @@
 """Checkpoints the way the trainer side writes them, for sidecar tests without a real trainer.
 
-`commit` does what the hook's `commit` does on each node, with the hook's own functions: write
-the files, exchange holdings so each file has one owner, write every node's manifest (its own
-last), hard-link the owned files and then the manifest into staging/ (`hook.commit.stage`), and
-record a save event. Plus the sidecar command line and log helpers used by the tests.
+`commit` writes each node's files, then commits every node's part through the production
+commit (protocol.commit.commit_node, what the hook runs once every rank's files are on disk):
+every node's manifest (its own last), the owned files and then the manifest hard-linked into
+staging/, a save event. Plus the sidecar command line and log helpers used by the tests.
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from harness.procs import Proc, wait_for
-from jitckpt_entrypoint import manifest as m
-from jitckpt_entrypoint import status
-from jitckpt_entrypoint.hook.commit import stage
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.protocol.commit import commit_node
+from jitckpt_entrypoint.protocol.layout import Layout
 
 if TYPE_CHECKING:
     from harness.s3 import Bucket
+    from jitckpt_sidecar.remote import Remote
 
 SIDECAR = [sys.executable, "-m", "jitckpt_sidecar"]
 Content = Union[bytes, int]
@@ -57,43 +59,56 @@ def commit(
     *,
     kind: str = "periodic",
     staged: bool = True,
-    event: bool = True,
     save_seconds: float = 1.0,
 ) -> dict[int, m.Manifest]:
-    """Commit checkpoint-<step> on every node (roots[k] is node k's JITCKPT_DIR)."""
+    """Commit checkpoint-<step> on every node (roots[k] is node k's JITCKPT_DIR, files[k] what
+    node k's ranks saved); returns each node's own manifest as written."""
     nodes = len(roots)
-    layouts = [m.Layout(str(root)) for root in roots]
-    dirs = []
+    layouts = [Layout(str(root)) for root in roots]
+    now = time.time()  # every node's save took exactly `save_seconds`
     for node, layout in enumerate(layouts):
         layout.ensure()
-        ckpt = layout.checkpoint_dir(step)
         for rel, content in files[node].items():
-            path = os.path.join(ckpt, rel)
+            path = os.path.join(layout.checkpoint_dir(step), rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:
                 f.write(content if isinstance(content, bytes) else data(content, step))
-        dirs.append(ckpt)
-    entries = m.assign_owners({node: m.list_files(d) for node, d in enumerate(dirs)})
-    manifests = {
-        node: m.new_manifest(
-            step, kind, node=node, nodes=nodes, world_size=nodes, files=entries[node]
-        )
-        for node in range(nodes)
+    holdings = {
+        node: m.list_files(layout.checkpoint_dir(step)) for node, layout in enumerate(layouts)
     }
-    now = time.time()
     for node, layout in enumerate(layouts):
-        for other in sorted(manifests, key=lambda n: n == node):  # own manifest last
-            m.write_manifest(dirs[node], manifests[other])
-        if staged:
-            stage(layout, dirs[node], manifests[node])
-        if event:
-            status.write_save_event(
-                layout.status,
-                status.SaveEvent(
-                    kind, step, now - save_seconds, now, manifests[node].total_bytes, "run", node
-                ),
-            )
-    return manifests
+        commit_node(
+            layout,
+            layout.checkpoint_dir(step),
+            holdings,
+            node=node,
+            nodes=nodes,
+            world_size=nodes,
+            step=step,
+            kind=kind,
+            started_at=now - save_seconds,
+            run_id="run",
+            stage_for_upload=staged,
+            clock=lambda: now,
+        )
+    return {
+        node: m.read_manifests(layout.checkpoint_dir(step))[node]
+        for node, layout in enumerate(layouts)
+    }
+
+
+def remote(bucket: Bucket, client: Any = None) -> Remote:
+    """The sidecar's view of `bucket`'s prefix: its listing, and the protocol's commit rule."""
+    from jitckpt_entrypoint.config import parse_s3_uri
+    from jitckpt_sidecar.remote import Remote
+
+    return Remote(client or bucket.client, parse_s3_uri(bucket.uri))
+
+
+def committed_in_s3(bucket: Bucket) -> list[int]:
+    """Steps committed in S3 (every node's manifest, every owned object at its size with a
+    checksum): what a restore may use."""
+    return remote(bucket).committed_steps()
 
 
 def upload_directly(bucket: Bucket, root: Path, step: int, uri: Optional[str] = None) -> None:
@@ -111,7 +126,7 @@ def upload_directly(bucket: Bucket, root: Path, step: int, uri: Optional[str] = 
         s3_endpoint=bucket.server.endpoint,
         multipart_chunk=5 * 1024**2,
     )
-    staged = staging.read(os.path.join(root, "staging", m.checkpoint_name(step)))
+    staged = staging.read(Layout(str(root)).staged_dir(step))
     assert staged is not None, f"checkpoint-{step} is not staged in {root}"
     client = bucket.client
     Uploader(client, Remote(client, cfg.uri), cfg, logging.getLogger("test")).upload(
@@ -124,10 +139,11 @@ def write_trainer(
     root: Path, *, exited: bool = False, sigterm: bool = False, sigterm_ago: float = 0.0
 ) -> None:
     """status/trainer.json as the entrypoint writes it (running, or exited)."""
-    m.Layout(str(root)).ensure()
+    layout = Layout(str(root))
+    layout.ensure()
     now = time.time()
     status.write_trainer(
-        os.path.join(root, "status"),
+        layout.status,
         status.TrainerStatus(
             run_id="run",
             pid=12345,
@@ -192,17 +208,23 @@ def http_get(port: int, path: str) -> tuple[int, str]:
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """/metrics as {(sample name, sorted labels): value}."""
+    """/metrics as {(sample name, sorted labels): value}; every sample is one of
+    metric_names.METRICS' series (prometheus_client's own `_created` series aside), so a test
+    that looks up a name the contract lacks fails here, not with a KeyError."""
     from prometheus_client.parser import text_string_to_metric_families
+
+    from jitckpt_sidecar.metric_names import series_names
 
     code, text = http_get(port, "/metrics")
     assert code == 200, text
+    known = series_names()
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            assert sample.name in known or sample.name.endswith("_created"), sample.name
             out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return out
 
 
 def ready(root: Path) -> bool:
-    return (root / "status" / "sidecar-ready.json").exists()
+    return status.read_sidecar_ready(Layout(str(root)).status) is not None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import sys
@@ -27,9 +26,8 @@ import torch
 from safetensors.torch import load_file
 
 from harness.procs import ENTRYPOINT, UNSHARE_PID, Proc, children_of, free_port, wait_for
-from harness.s3 import Bucket
 from harness.training import TORCHRUN, TRAIN_HF, steps_seen
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.protocol import status
 
 SIDECAR = [str(Path(sys.executable).parent / "jitckpt-sidecar")]
 
@@ -230,8 +228,9 @@ def finish_resumed_job(members: list[Pod], step: int) -> None:
     for pod in members:
         assert pod.finish().trainer == 0, pod.output()
     for pod in members:
-        ready = json.loads((pod.jdir / "status" / "sidecar-ready.json").read_text())
-        assert (ready["restore"], ready["step"]) == ("s3", step)
+        ready = status.read_sidecar_ready(str(pod.jdir / "status"))
+        assert ready is not None, pod.output()
+        assert (ready.restore, ready.step) == ("s3", step)
 
 
 def _clean_env() -> dict[str, str]:
@@ -261,27 +260,3 @@ def last_step(pod: Pod) -> int:
 
 def final_weights(jdir: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(jdir / "checkpoints" / f"checkpoint-{step}" / "model.safetensors"))
-
-
-def committed_in_s3(bucket: Bucket) -> list[int]:
-    """Steps whose checkpoint is committed in S3: every node's manifest, every listed file at
-    its listed size (what a restore may use)."""
-    keys = bucket.keys()
-    steps = []
-    for key in keys:
-        name, _, rest = key.partition("/")
-        if rest != "jitckpt-manifest.node-0.json":
-            continue
-        first = json.loads(bucket.get(key))
-        manifests = [first] + [
-            json.loads(bucket.get(name, f"jitckpt-manifest.node-{n}.json"))
-            for n in range(1, first["nodes"])
-            if f"{name}/jitckpt-manifest.node-{n}.json" in keys
-        ]
-        if len(manifests) == first["nodes"] and all(
-            keys.get(f"{name}/{f['path']}") == f["size"] for man in manifests for f in man["files"]
-        ):
-            step = m.step_of(name)
-            if step is not None:  # final/ (the final model) is not a checkpoint
-                steps.append(step)
-    return sorted(steps)

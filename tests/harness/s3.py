@@ -6,7 +6,8 @@
 store of one test: moto, unless the test is marked `s3_stores("moto", "rgw", ...)`, which runs
 it once per named store (ids `[moto]`, `[rgw]`; RGW runs also carry the `rgw` mark).
 `s3_bucket` gives each test a fresh bucket on its store and the environment (credentials,
-endpoint, CA bundle, JITCKPT_STORAGE_URI) for processes under test. `MotoServer(auth=True)`
+endpoint, CA bundle, JITCKPT_STORAGE_URI) for processes under test; `proxy`, a recording,
+fault-injecting proxy in front of that store (harness/s3proxy.py). `MotoServer(auth=True)`
 starts one that checks credentials, for the bad-credentials test.
 
 Without Ceph's binaries the RGW runs are skipped, saying what to install; with
@@ -340,3 +341,12 @@ def s3_bucket(s3_store: S3Store) -> Iterator[Bucket]:
             if keys:
                 client.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
         client.delete_bucket(Bucket=name)
+
+
+@pytest.fixture
+def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
+    """A recording, fault-injecting proxy in front of the test's S3 store (processes reach S3
+    through it when given `s3_bucket.env(..., endpoint=proxy.url)`)."""
+    started = s3_bucket.server.proxy().start()
+    yield started
+    started.stop()

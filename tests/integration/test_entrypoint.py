@@ -148,7 +148,7 @@ def test_status_file_and_termination_log_record_the_run(spawn, base_env, jdir):
 def _fake_trainer_writing_jit(run_id_expr: str) -> list[str]:
     code = (
         "import os, time\n"
-        "from jitckpt_entrypoint import status\n"
+        "from jitckpt_entrypoint.protocol import status\n"
         "d = os.path.join(os.environ['JITCKPT_DIR'], 'status')\n"
         f"rec = status.JitRecord({run_id_expr}, 12, 'checkpoint-12', time.time(), "
         "time.time() - 1.5, 0.5)\n"

@@ -17,7 +17,7 @@ from harness.checkpoints import (
     write_trainer,
 )
 from harness.s3 import Bucket
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.protocol import validity
 from jitckpt_sidecar.uploader import CHECKSUM_META
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw", "rgw-http")]
@@ -77,7 +77,7 @@ def test_upload_then_restore_on_a_fresh_volume_is_byte_for_byte(
     )
     assert down.wait(120) == 0, down.output()
     restored = fresh / "checkpoints" / "checkpoint-10"
-    assert m.committed(str(restored)) is not None
+    assert validity.committed(str(restored)) is not None
     for rel, content in files.items():
         assert isinstance(content, bytes)
         assert (restored / rel).read_bytes() == content, rel

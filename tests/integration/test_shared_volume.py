@@ -23,7 +23,8 @@ from harness.training import (
     torchrun_node,
     wait_for_step,
 )
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.protocol import validity
+from jitckpt_entrypoint.protocol.layout import checkpoint_name
 
 pytestmark = pytest.mark.integration
 JIT_EXIT = 143
@@ -59,8 +60,8 @@ def test_two_nodes_on_one_shared_directory_commit_resume_and_rotate(spawn, base_
         assert proc.wait(timeout=120) == JIT_EXIT, proc.output()
     step = jit_record(shared)["step"]  # type: ignore[index]
     assert max(steps_seen(node0, 0)) == max(steps_seen(node1, 2)) == step
-    ckpt = shared / "checkpoints" / m.checkpoint_name(step)
-    assert m.committed(str(ckpt)) is not None
+    ckpt = shared / "checkpoints" / checkpoint_name(step)
+    assert validity.committed(str(ckpt)) is not None
     kinds = {manifest(shared, step, n)["kind"] for n in (0, 1)}
     # At a periodic step the one save is the JIT one, unless the periodic commit came first.
     assert kinds == {"jit"} or (kinds == {"periodic"} and step % 4 == 0), kinds
@@ -71,7 +72,7 @@ def test_two_nodes_on_one_shared_directory_commit_resume_and_rotate(spawn, base_
     assert checkpoint_steps(shared) == saved[-2:]  # rotated by world rank 0 only
     for n in (0, 1):
         text = (tmp_path / f"tlog-{n}").read_text()
-        assert text.startswith(f"JIT checkpoint {m.checkpoint_name(step)} committed"), text
+        assert text.startswith(f"JIT checkpoint {checkpoint_name(step)} committed"), text
 
     total = step + 6
     again = two_nodes(spawn, base_env, shared, tmp_path, "--max-steps", str(total), *args[2:])

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from harness.checkpoints import (
     SIDECAR,
     commit,
+    committed_in_s3,
     hf_files,
     log_line,
     metrics_port,
@@ -20,21 +20,12 @@ from harness.checkpoints import (
     write_trainer,
 )
 from harness.procs import wait_for
-from harness.s3 import Bucket
-from harness.s3proxy import S3Proxy, is_key
-from jitckpt_entrypoint import manifest as m
-from jitckpt_entrypoint import status
-from jitckpt_entrypoint.config import parse_s3_uri
-from jitckpt_sidecar.remote import Remote
+from harness.s3proxy import is_key
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.protocol.layout import checkpoint_name, step_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
-
-
-@pytest.fixture
-def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
-    proxy = s3_bucket.server.proxy().start()
-    yield proxy
-    proxy.stop()
 
 
 def env_for(base_env, s3_bucket, root, endpoint=None, **extra):
@@ -42,15 +33,11 @@ def env_for(base_env, s3_bucket, root, endpoint=None, **extra):
     return sidecar_env(env, **extra)
 
 
-def committed_in_s3(s3_bucket: Bucket) -> list[int]:
-    return Remote(s3_bucket.client, parse_s3_uri(s3_bucket.uri)).committed_steps()
-
-
 def write_jit(root, step: int, trigger_to_commit: float) -> None:
     now = time.time()
     status.write_jit(
         os.path.join(root, "status"),
-        status.JitRecord("run", step, m.checkpoint_name(step), now, now - trigger_to_commit, 1.0),
+        status.JitRecord("run", step, checkpoint_name(step), now, now - trigger_to_commit, 1.0),
     )
 
 
@@ -106,7 +93,7 @@ def test_during_the_drain_the_jit_checkpoint_preempts_an_older_upload(
     assert proc.wait(60) == 0, proc.output()
     log_line(proc, r"paused the upload of checkpoint-10: checkpoint-12 is newer")
     manifests = [
-        m.step_of(r.key.split("/")[1])
+        step_of(r.key.split("/")[1])
         for r in proxy.log()
         if r.writes_object and "/checkpoint-" in r.key and m.is_manifest_name(r.key.split("/")[-1])
     ]

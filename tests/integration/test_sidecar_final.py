@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,18 +13,11 @@ import pytest
 from harness.checkpoints import SIDECAR, commit, data, hf_files, log_line, sidecar_env
 from harness.checkpoints import write_trainer as write_trainer_status
 from harness.s3 import Bucket
-from harness.s3proxy import S3Proxy
-from jitckpt_entrypoint import final, status
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint import final
+from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.protocol.layout import Layout
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
-
-
-@pytest.fixture
-def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
-    proxy = s3_bucket.server.proxy().start()
-    yield proxy
-    proxy.stop()
 
 
 def model_dir(path: Path, seed: int, extra: bool = False) -> Path:
@@ -49,7 +41,7 @@ def model_dir(path: Path, seed: int, extra: bool = False) -> Path:
 
 
 def stage(root: Path, output: Path, step: int) -> final.StagedFinal:
-    layout = m.Layout(str(root))
+    layout = Layout(str(root))
     layout.ensure()
     staged = final.stage(layout, status.OutputRecord("run", str(output), step, time.time()))
     assert staged is not None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -21,20 +20,12 @@ from harness.checkpoints import (
     write_trainer,
 )
 from harness.procs import wait_for
-from harness.s3 import Bucket
-from harness.s3proxy import S3Proxy, is_key
-from jitckpt_entrypoint import manifest as m
-from jitckpt_entrypoint import status
+from harness.s3proxy import is_key
+from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.protocol.layout import checkpoint_name
 
 pytestmark = pytest.mark.integration
 CAPACITY = 1024**3
-
-
-@pytest.fixture
-def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
-    proxy = s3_bucket.server.proxy().start()
-    yield proxy
-    proxy.stop()
 
 
 def du_bytes(path) -> int:
@@ -69,7 +60,7 @@ def test_metrics_report_saves_uploads_retention_restore_and_storage(
             now = time.time()
             status.write_jit(
                 os.path.join(root, "status"),
-                status.JitRecord("run", step, m.checkpoint_name(step), now, now - 4.0, 3.0),
+                status.JitRecord("run", step, checkpoint_name(step), now, now - 4.0, 3.0),
             )
         log_line(proc, rf"uploaded checkpoint-{step} ")
     log_line(proc, r"retention: deleted checkpoint-10 ")

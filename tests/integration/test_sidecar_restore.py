@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,9 @@ from harness.checkpoints import (
     upload_directly,
 )
 from harness.procs import wait_for
-from harness.s3 import Bucket
 from harness.s3proxy import S3Proxy
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import status, validity
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
 
@@ -72,15 +71,15 @@ def test_restore_picks_the_newest_committed_checkpoint_and_passes_over_broken_on
 
     checkpoints = str(root / "checkpoints")
     assert sorted(os.listdir(checkpoints)) == ["checkpoint-10"]
-    assert m.newest_committed(checkpoints, node=0) == 10
-    assert m.newest_committed(checkpoints, node=1) == 10
-    manifests = m.committed(os.path.join(checkpoints, "checkpoint-10"))
+    assert validity.newest_committed(checkpoints, node=0) == 10
+    assert validity.newest_committed(checkpoints, node=1) == 10
+    manifests = validity.committed(os.path.join(checkpoints, "checkpoint-10"))
     assert manifests is not None
     assert sorted(manifests) == [0, 1]
     for node_files in originals[10]:
         for rel, content in node_files.items():
             assert (root / "checkpoints" / "checkpoint-10" / rel).read_bytes() == content, rel
-    ready = json.loads((root / "status" / "sidecar-ready.json").read_text())
+    ready = json.loads((root / "status" / status.SIDECAR_READY).read_text())
     assert (ready["restore"], ready["step"]) == ("s3", 10)
     sizes = {f.path: f.size for man in manifests.values() for f in man.files}
     assert ready["restore_bytes"] == sum(sizes.values())
@@ -98,7 +97,7 @@ def test_restore_with_nothing_in_s3_is_ready_at_once(spawn, base_env, s3_bucket,
     proc = spawn([*SIDECAR, "restore"], env=s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}))
     assert proc.wait(60) == 0, proc.output()
     assert os.listdir(root / "checkpoints") == []
-    ready = json.loads((root / "status" / "sidecar-ready.json").read_text())
+    ready = json.loads((root / "status" / status.SIDECAR_READY).read_text())
     assert (ready["restore"], ready["step"]) == ("none", None)
     assert "restore_bytes_per_second" not in ready
 
@@ -132,15 +131,8 @@ def test_restore_replaces_an_uncommitted_local_directory_of_the_same_step(
     (torn / "model.safetensors").write_bytes(b"torn")
     proc = spawn([*SIDECAR, "restore"], env=s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}))
     assert proc.wait(60) == 0, proc.output()
-    assert m.committed(str(torn)) is not None
+    assert validity.committed(str(torn)) is not None
     assert (torn / "model.safetensors").read_bytes() == hf_files(3)["model.safetensors"]
-
-
-@pytest.fixture
-def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
-    proxy = s3_bucket.server.proxy().start()
-    yield proxy
-    proxy.stop()
 
 
 def denied_reads(proxy: S3Proxy, times: int | None) -> None:
@@ -221,4 +213,4 @@ def test_sigterm_after_failed_restores_exits_1_with_the_error_as_termination_mes
     assert init.wait(30) == 1, init.output()
     message = termination_log.read_text()
     assert message.startswith("jitckpt-sidecar restore: access denied: GetObject on s3://")
-    assert not (root / "status" / "sidecar-ready.json").exists()
+    assert not (root / "status" / status.SIDECAR_READY).exists()

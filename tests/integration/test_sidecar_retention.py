@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
 
 import pytest
 
@@ -14,31 +13,19 @@ from harness.checkpoints import (
     hf_files,
     log_line,
     metrics_port,
+    remote,
     scrape,
     sidecar_env,
     upload_directly,
     write_trainer,
 )
 from harness.procs import wait_for
-from harness.s3 import Bucket
-from harness.s3proxy import S3Proxy
-from jitckpt_entrypoint import manifest as m
-from jitckpt_entrypoint.config import parse_s3_uri
-from jitckpt_sidecar.remote import Remote
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import validity
+from jitckpt_entrypoint.protocol.layout import checkpoint_steps
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
 MiB = 1024 * 1024
-
-
-@pytest.fixture
-def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
-    proxy = s3_bucket.server.proxy().start()
-    yield proxy
-    proxy.stop()
-
-
-def remote(s3_bucket: Bucket) -> Remote:
-    return Remote(s3_bucket.client, parse_s3_uri(s3_bucket.uri))
 
 
 def test_retention_keeps_the_newest_committed_and_deletes_manifests_first(
@@ -90,8 +77,8 @@ def test_a_superseded_checkpoint_in_the_backlog_is_skipped(spawn, base_env, s3_b
     got = wait_for(counted, what="two skipped uploads")
     assert got[("jitckpt_uploads_total", (("result", "success"),))] == 1
     assert remote(s3_bucket).committed_steps() == [30]
-    assert m.checkpoint_steps(str(root / "staging")) == []
-    assert m.committed_steps(str(root / "checkpoints")) == [10, 20, 30]  # local copies stay
+    assert checkpoint_steps(str(root / "staging")) == []
+    assert validity.committed_steps(str(root / "checkpoints")) == [10, 20, 30]  # local copies stay
 
 
 def test_disk_pressure_deletes_only_old_local_checkpoints_already_committed_in_s3(
@@ -153,5 +140,5 @@ def test_disk_pressure_stops_deleting_once_below_the_threshold(
     port = metrics_port(proc)
     log_line(proc, r"deleted local checkpoint-10 \(committed in S3\)")
     wait_for(lambda: scrape(port)[("jitckpt_storage_pruned_total", ())] == 1, what="one prune")
-    assert m.committed_steps(str(root / "checkpoints")) == [20, 30]
+    assert validity.committed_steps(str(root / "checkpoints")) == [20, 30]
     assert scrape(port)[("jitckpt_storage_pressure_ratio", ())] < 0.6

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -14,27 +13,20 @@ from harness.checkpoints import (
     hf_files,
     log_line,
     metrics_port,
+    remote,
     scrape,
     sidecar_env,
     write_trainer,
 )
 from harness.procs import wait_for
 from harness.s3 import Bucket
-from harness.s3proxy import Request, S3Proxy, is_key
-from jitckpt_entrypoint import manifest as m
-from jitckpt_entrypoint.config import parse_s3_uri
-from jitckpt_sidecar.remote import Remote, problems
+from harness.s3proxy import Request, is_key
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol.layout import checkpoint_steps, step_of
+from jitckpt_entrypoint.protocol.validity import s3_problems
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
 BIG = 11 * 1024 * 1024  # three 5 MiB parts: the multipart path
-
-
-@pytest.fixture
-def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
-    """A recording, fault-injecting proxy in front of the test's S3 server."""
-    proxy = s3_bucket.server.proxy().start()
-    yield proxy
-    proxy.stop()
 
 
 def env_for(base_env, s3_bucket, proxy, root, **extra):
@@ -43,7 +35,7 @@ def env_for(base_env, s3_bucket, proxy, root, **extra):
 
 
 def step_of_key(key: str) -> int:
-    step = m.step_of(key.split("/")[1])
+    step = step_of(key.split("/")[1])
     assert step is not None, key
     return step
 
@@ -92,9 +84,9 @@ def test_a_backlog_is_uploaded_newest_first_with_each_manifest_written_last(
             r.started for r in writes if step_of_key(r.key) == older
         )
     assert any(r.operation == "part" for r in log)  # the large shard went multipart
-    assert sorted(m.checkpoint_steps(str(root / "staging"))) == []  # staged links removed
-    remote = Remote(s3_bucket.client, parse_s3_uri(s3_bucket.uri))
-    assert remote.committed_steps() == [10, 20, 30, 40]
+    assert sorted(checkpoint_steps(str(root / "staging"))) == []  # staged links removed
+    in_s3 = remote(s3_bucket)
+    assert in_s3.committed_steps() == [10, 20, 30, 40]
     for line in ("uploaded checkpoint-40", "uploaded checkpoint-10"):
         log_line(proc, line + r" \(node 0\) to s3://\S+: 6 files \(0 already there\), [\d.]+ MB")
 
@@ -131,7 +123,7 @@ class CommitWatch:
     manifest present) while some object it names is missing or short."""
 
     def __init__(self, bucket: Bucket, step: int) -> None:
-        self.remote = Remote(bucket.server.client(), parse_s3_uri(bucket.uri))
+        self.remote = remote(bucket, bucket.server.client())
         self.step = step
         self.violations: list[list[str]] = []
         self.polls = 0
@@ -153,7 +145,7 @@ class CommitWatch:
             self.polls += 1
             if ckpt.manifests:
                 self.saw_manifest = True
-                found = problems(ckpt)
+                found = s3_problems(ckpt)
                 if found:
                     self.violations.append(found)
             self._stop.wait(0.02)
@@ -210,7 +202,7 @@ def test_killed_mid_upload_and_restarted_finishes_without_resending_finished_obj
     assert s3_bucket.client.list_multipart_uploads(Bucket=s3_bucket.name).get("Uploads", []) == []
     assert watch.saw_manifest
     assert watch.violations == []
-    assert Remote(s3_bucket.client, parse_s3_uri(s3_bucket.uri)).committed(10) is not None
+    assert remote(s3_bucket).committed(10) is not None
     log_line(second, r"uploaded checkpoint-10 \(node 0\) .*: 6 files \(5 already there\)")
 
 
@@ -261,7 +253,7 @@ def test_a_two_node_checkpoint_is_committed_in_s3_only_once_both_sidecars_upload
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     shared = {"trainer_state.json": b'{"global_step": 8}\n'}
     commit(nodes, 8, [{**hf_files(8), **shared}, {**shared, "rng_state_1.pth": 900}])
-    remote = Remote(s3_bucket.client, parse_s3_uri(s3_bucket.uri))
+    in_s3 = remote(s3_bucket)
     for node, root in enumerate(nodes):
         write_trainer(root, exited=True)
         env = sidecar_env(
@@ -271,9 +263,9 @@ def test_a_two_node_checkpoint_is_committed_in_s3_only_once_both_sidecars_upload
         assert proc.wait(60) == 0, proc.output()
         log_line(proc, rf"uploaded checkpoint-8 \(node {node}\)")
         if node == 0:
-            assert remote.committed(8) is None
-            assert problems(remote.load(8)) == ["manifest of node 1 missing"]
-    ckpt = remote.committed(8)
+            assert in_s3.committed(8) is None
+            assert s3_problems(in_s3.load(8)) == ["manifest of node 1 missing"]
+    ckpt = in_s3.committed(8)
     assert ckpt is not None
     assert sorted(ckpt.manifests) == [0, 1]
     assert s3_bucket.keys("checkpoint-8").keys() >= {"checkpoint-8/rng_state_1.pth"}

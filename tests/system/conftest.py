@@ -10,7 +10,6 @@ import pytest
 
 from harness.pod import Pod
 from harness.s3 import Bucket
-from harness.s3proxy import S3Proxy
 
 PodFactory = Callable[..., Pod]
 
@@ -33,12 +32,3 @@ def pods(tmp_path: Path, s3_bucket: Bucket) -> Iterator[PodFactory]:
         pod.close()
     for pod in made:
         print(pod.output())
-
-
-@pytest.fixture
-def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
-    """A fault-injecting proxy in front of the test's S3 server (pods reach S3 through it when
-    given `s3_env=s3_bucket.env({}, endpoint=proxy.url)`)."""
-    p = s3_bucket.server.proxy().start()
-    yield p
-    p.stop()

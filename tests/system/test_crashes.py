@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from harness.pod import committed_in_s3, final_weights, resumed_from
+from harness.checkpoints import committed_in_s3
+from harness.pod import final_weights, resumed_from
 from harness.procs import wait_for
 from harness.s3proxy import is_key
 

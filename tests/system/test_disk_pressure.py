@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from harness.checkpoints import scrape
-from harness.pod import committed_in_s3
+from harness.checkpoints import committed_in_s3, scrape
 from harness.procs import wait_for
 from harness.s3proxy import is_key
 from harness.training import checkpoint_steps

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.pod import committed_in_s3, resumed_from
+from harness.checkpoints import committed_in_s3
+from harness.pod import resumed_from
 from harness.procs import wait_for
 
 pytestmark = pytest.mark.integration

@@ -29,7 +29,9 @@ from harness.procs import wait_for
 from harness.prometheus import DASHBOARD, Prometheus, needs_prometheus, rule_file, rule_groups
 from harness.s3 import Bucket
 from harness.s3proxy import S3Proxy
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import status, validity
+from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name, step_of
 from jitckpt_sidecar import staging
 
 pytestmark = [pytest.mark.integration, needs_prometheus]
@@ -97,7 +99,7 @@ def normal(run: Run, first: Pod, second: Pod, proxy: S3Proxy) -> None:
     jit = json.loads((first.jdir / "status" / "jit.json").read_text())["step"]
     slow.times = slow.hits
     second.start()
-    ready = json.loads((second.jdir / "status" / "sidecar-ready.json").read_text())
+    ready = json.loads((second.jdir / "status" / status.SIDECAR_READY).read_text())
     assert (ready["restore"], ready["step"]) == ("s3", jit)
     wait_for(lambda: (value(second.metrics_port, uploaded) or 0) > jit + 50, 240, "two uploads")
     proxy.delay(manifest_put, 2.0, times=None)
@@ -120,7 +122,7 @@ def outage(run: Run, pod: Pod, proxy: S3Proxy, prom: Prometheus) -> None:
     run.notes["oldest pending s"] = during[("jitckpt_upload_oldest_pending_age_seconds", ())]
     run.notes["newest pending s"] = during[("jitckpt_upload_lag_seconds", ())]
     run.notes["queued"] = during[("jitckpt_upload_queue_length", ())]
-    newest = max(staging.scan(m.Layout(str(pod.jdir))))
+    newest = max(staging.scan(Layout(str(pod.jdir))))
     mark = len(proxy.log())
     dead.times = dead.hits  # S3 is back
     run.notes["back"] = time.time()
@@ -129,7 +131,7 @@ def outage(run: Run, pod: Pod, proxy: S3Proxy, prom: Prometheus) -> None:
     )
     run.notes["resolved"] = time.time()
     commits = [
-        m.step_of(r.key.split("/")[-2])
+        step_of(r.key.split("/")[-2])
         for r in proxy.log()[mark:]
         if r.writes_object and manifest_put(r.method, r.key, r.query)
     ]
@@ -146,14 +148,14 @@ def disk(run: Run, pod: Pod, model_of: Pod, prom: Prometheus) -> None:
     """A volume 5 % larger than one checkpoint (measured on the normal run's first one): the
     newest checkpoint alone is above the threshold, so pruning cannot relieve it."""
     root = model_of.jdir / "checkpoints"
-    step = wait_for(lambda: m.newest_committed(str(root)), 240, "a checkpoint to measure")
-    capacity = int(du(root / m.checkpoint_name(step)) * 1.05)
+    step = wait_for(lambda: validity.newest_committed(str(root)), 240, "a checkpoint to measure")
+    capacity = int(du(root / checkpoint_name(step)) * 1.05)
     pod.env["JITCKPT_STORAGE_CAPACITY"] = str(capacity)
     run.notes["capacity"] = capacity
     run.started = time.time()
     pod.start()
     volume = str(pod.jdir / "checkpoints")
-    wait_for(lambda: m.newest_committed(volume), 240, "the first checkpoint")
+    wait_for(lambda: validity.newest_committed(volume), 240, "the first checkpoint")
     run.fault = time.time()  # above the threshold from the first checkpoint on
     prom.wait_firing("JitckptDiskPressure", 240, pod=run.pods[0])
     assert pod.sidecar is not None

@@ -24,10 +24,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.checkpoints import scrape
-from harness.pod import Node, Pod, committed_in_s3, finish_resumed_job, resumed_from, start_job
+from harness.checkpoints import committed_in_s3, scrape
+from harness.pod import Node, Pod, finish_resumed_job, resumed_from, start_job
 from harness.procs import Proc, free_port, wait_for
 from harness.training import TRAIN_HF, strategy_env, torchrun
+from jitckpt_entrypoint.protocol import status
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -91,7 +92,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def jit_step(pod: Pod) -> int:
-    return int(json.loads((pod.jdir / "status" / "jit.json").read_text())["step"])
+    return int(json.loads((pod.jdir / "status" / status.JIT).read_text())["step"])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from jitckpt_entrypoint import grace
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.protocol.layout import Layout
 
 
-def make(tmp_path, step: int, size: int, save_seconds: float) -> m.Layout:
-    layout = m.Layout(str(tmp_path))
+def make(tmp_path, step: int, size: int, save_seconds: float) -> Layout:
+    layout = Layout(str(tmp_path))
     layout.ensure()
     d = layout.checkpoint_dir(step)
     os.makedirs(d)
@@ -26,7 +27,7 @@ def make(tmp_path, step: int, size: int, save_seconds: float) -> m.Layout:
 
 def test_no_checkpoint_no_estimate(tmp_path):
     """Nothing saved yet: nothing to estimate, no warning."""
-    layout = m.Layout(str(tmp_path))
+    layout = Layout(str(tmp_path))
     layout.ensure()
     assert grace.estimate(layout) is None
 
@@ -47,9 +48,8 @@ def test_a_save_longer_than_torchruns_timeout_warns_with_the_fix(tmp_path):
 def test_the_upload_counts_when_the_sidecar_measured_a_throughput(tmp_path):
     """With the sidecar's measured rate, save + upload must fit the grace period."""
     layout = make(tmp_path, 5, 100_000_000, 1.0)
-    (tmp_path / "status" / "sidecar-ready.json").write_text(
-        json.dumps({"restore_bytes_per_second": 10_000_000})
-    )
+    ready = status.SidecarReady(0.0, 1, "s3", 5, 10.0, 100_000_000, 10_000_000)
+    status.write_sidecar_ready(layout.status, ready)
     est = grace.estimate(layout)
     assert est is not None
     assert est.upload_seconds == 10.0

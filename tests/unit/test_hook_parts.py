@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from jitckpt_entrypoint import manifest as m
-from jitckpt_entrypoint import postimport, status
+from jitckpt_entrypoint import postimport
 from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.hook import resume, torchrun
 from jitckpt_entrypoint.hook.commit import commit
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.signals import SigtermFlag
 from jitckpt_entrypoint.hook.topology import Topology
+from jitckpt_entrypoint.protocol import status, validity
+from jitckpt_entrypoint.protocol.layout import checkpoint_steps
 
 
 @pytest.fixture
@@ -143,7 +144,7 @@ def test_commit_writes_the_manifest_stages_hard_links_and_records_the_save(tmp_p
     session = session_for(tmp_path, "s3://bucket/run")
     path = write_ckpt(session, 7)
     commit(session, path, 7, "periodic", time.time() - 1)
-    assert m.committed(path) is not None
+    assert validity.committed(path) is not None
     staged = Path(session.layout.staging, "checkpoint-7")
     assert (
         os.stat(staged / "sub" / "optim.pt").st_ino == os.stat(Path(path, "sub", "optim.pt")).st_ino
@@ -171,7 +172,7 @@ def test_resume_picks_the_newest_committed_and_removes_newer_partials(tmp_path):
     step = resume.agreed_step(session)
     assert step == 10
     assert resume.remove_newer(session, step) == ["checkpoint-15"]
-    assert m.checkpoint_steps(session.layout.checkpoints) == [5, 10]
+    assert checkpoint_steps(session.layout.checkpoints) == [5, 10]
 
 
 def test_env_save_settings_win_and_output_dir_stays_the_scripts(tmp_path):

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import validity
+from jitckpt_entrypoint.protocol.commit import remove_checkpoint
 
 
 def make_ckpt(root: Path, step: int, files: dict[str, bytes]) -> Path:
@@ -30,8 +32,8 @@ def commit(d: Path, step: int, node: int = 0, nodes: int = 1, kind: str = "perio
 def test_a_directory_without_manifest_is_not_committed(tmp_path):
     """Files alone do not make a checkpoint committed."""
     d = make_ckpt(tmp_path, 5, {"model.safetensors": b"x" * 10})
-    assert m.committed(str(d)) is None
-    assert m.newest_committed(str(tmp_path)) is None
+    assert validity.committed(str(d)) is None
+    assert validity.newest_committed(str(tmp_path)) is None
 
 
 def test_manifest_written_last_commits_and_lists_every_file(tmp_path):
@@ -39,8 +41,8 @@ def test_manifest_written_last_commits_and_lists_every_file(tmp_path):
     d = make_ckpt(tmp_path, 7, {"a.bin": b"1234", "sub/b.bin": b"12", ".x.123.tmp": b"junk"})
     man = commit(d, 7)
     assert [(f.path, f.size, f.owner) for f in man.files] == [("a.bin", 4, 0), ("sub/b.bin", 2, 0)]
-    assert m.committed(str(d)) is not None
-    assert m.committed_steps(str(tmp_path)) == [7]
+    assert validity.committed(str(d)) is not None
+    assert validity.committed_steps(str(tmp_path)) == [7]
 
 
 def test_short_or_missing_file_uncommits(tmp_path):
@@ -48,10 +50,10 @@ def test_short_or_missing_file_uncommits(tmp_path):
     d = make_ckpt(tmp_path, 3, {"a.bin": b"1234", "b.bin": b"5678"})
     commit(d, 3)
     (d / "a.bin").write_bytes(b"12")
-    assert m.committed(str(d)) is None
+    assert validity.committed(str(d)) is None
     (d / "a.bin").write_bytes(b"1234")
     os.unlink(d / "b.bin")
-    assert m.committed(str(d)) is None
+    assert validity.committed(str(d)) is None
 
 
 def test_newest_committed_skips_newer_partial_directories(tmp_path):
@@ -59,7 +61,7 @@ def test_newest_committed_skips_newer_partial_directories(tmp_path):
     for step in (10, 20):
         commit(make_ckpt(tmp_path, step, {"w": b"w"}), step)
     make_ckpt(tmp_path, 30, {"w": b"partial"})
-    assert m.newest_committed(str(tmp_path)) == 20
+    assert validity.newest_committed(str(tmp_path)) == 20
 
 
 def test_every_node_manifest_is_required(tmp_path):
@@ -69,13 +71,13 @@ def test_every_node_manifest_is_required(tmp_path):
     m.write_manifest(
         str(d), m.new_manifest(4, "jit", node=0, nodes=2, world_size=4, files=owned[0])
     )
-    assert m.committed(str(d), node=0) is None
+    assert validity.committed(str(d), node=0) is None
     m.write_manifest(
         str(d), m.new_manifest(4, "jit", node=1, nodes=2, world_size=4, files=owned[1])
     )
-    assert m.committed(str(d), node=0) is not None
+    assert validity.committed(str(d), node=0) is not None
     # node 1's files are not here: committed from node 0's view only
-    assert m.committed(str(d)) is None
+    assert validity.committed(str(d)) is None
 
 
 def test_owner_is_the_lowest_node_holding_a_path():
@@ -117,6 +119,6 @@ def test_remove_checkpoint_uncommits_before_deleting_files(tmp_path):
     """Removal deletes the manifests first and then the whole directory."""
     d = make_ckpt(tmp_path, 2, {"a": b"a"})
     commit(d, 2)
-    m.remove_checkpoint(str(d))
+    remove_checkpoint(str(d))
     assert not d.exists()
-    assert m.committed_steps(str(tmp_path)) == []
+    assert validity.committed_steps(str(tmp_path)) == []

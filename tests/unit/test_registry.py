@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from jitckpt_entrypoint import final, registry, status
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint import final
 from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.errors import JitckptError
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import registry, status, validity
+from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_steps
 from jitckpt_entrypoint.shutdown import Shutdown
 from jitckpt_entrypoint.supervisor import ChildExit
 
@@ -146,7 +148,7 @@ def output_dir(path: Path) -> Path:
 def test_the_final_model_is_staged_without_checkpoints_manifest_last(tmp_path):
     """staging/final/ gets output_dir's files (not checkpoint-*, not temp files) as hard links
     and one manifest of kind output; a newer stage replaces it; none of it is a checkpoint."""
-    layout = m.Layout(str(tmp_path / "jitckpt"))
+    layout = Layout(str(tmp_path / "jitckpt"))
     layout.ensure()
     out = output_dir(tmp_path / "jitckpt" / "model")  # on the shared volume: hard links
     staged = final.stage(layout, status.OutputRecord("r", str(out), 42, time.time()))
@@ -160,8 +162,8 @@ def test_the_final_model_is_staged_without_checkpoints_manifest_last(tmp_path):
         os.stat(layout.final + "/model.safetensors").st_ino
         == os.stat(out / "model.safetensors").st_ino
     )
-    assert m.committed(layout.final) is None
-    assert m.checkpoint_steps(layout.staging) == []
+    assert validity.committed(layout.final) is None
+    assert checkpoint_steps(layout.staging) == []
 
     (out / "config.json").write_bytes(b'{"new": 1}')
     final.stage(layout, status.OutputRecord("r", str(out), 50, time.time()))
@@ -173,7 +175,7 @@ def test_the_final_model_is_staged_without_checkpoints_manifest_last(tmp_path):
 def test_an_output_dir_holding_jitckpt_dir_leaves_its_directories_out(tmp_path):
     """output_dir = JITCKPT_DIR (a script that kept the old default): checkpoints/, staging/
     and status/ are not part of the model."""
-    layout = m.Layout(str(tmp_path))
+    layout = Layout(str(tmp_path))
     layout.ensure()
     (tmp_path / "checkpoints" / "checkpoint-3").mkdir()
     (tmp_path / "checkpoints" / "checkpoint-3" / "a.bin").write_bytes(b"x")
@@ -187,7 +189,7 @@ def test_an_output_dir_on_another_filesystem_is_copied(tmp_path):
     shm = Path("/dev/shm")
     if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
         pytest.skip("no second filesystem at /dev/shm")
-    layout = m.Layout(str(tmp_path / "jitckpt"))
+    layout = Layout(str(tmp_path / "jitckpt"))
     layout.ensure()
     out = shm / f"jitckpt-test-{os.getpid()}"
     try:
@@ -203,7 +205,7 @@ def test_an_output_dir_on_another_filesystem_is_copied(tmp_path):
 
 
 def test_a_missing_or_empty_output_dir_stages_nothing(tmp_path):
-    layout = m.Layout(str(tmp_path / "jitckpt"))
+    layout = Layout(str(tmp_path / "jitckpt"))
     layout.ensure()
     with pytest.raises(JitckptError, match="does not exist after training"):
         final.stage(layout, status.OutputRecord("r", str(tmp_path / "gone"), 1, time.time()))

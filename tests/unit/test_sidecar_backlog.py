@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jitckpt_entrypoint import manifest as m
+from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_sidecar.backlog import Backlog
 from jitckpt_sidecar.staging import Staged
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+from jitckpt_entrypoint.protocol.manifest import CHECKSUM_ALGORITHMS, checksum_supported
 from jitckpt_sidecar import checksum
 
 
@@ -25,6 +26,17 @@ def test_matches_verifies_xxh128_and_sha256_and_rejects_unknown_algorithms(tmp_p
     assert checksum.matches(str(path), good)
     assert checksum.matches(str(path), "sha256:" + hashlib.sha256(b"checkpoint bytes").hexdigest())
     assert not checksum.matches(str(path), "md5:00")
-    assert not checksum.supported("xxh128")
+    assert not checksum_supported("xxh128")
     path.write_bytes(b"checkpoint bytez")
     assert not checksum.matches(str(path), good)
+
+
+def test_the_sidecar_computes_every_algorithm_the_manifest_format_names(tmp_path):
+    """protocol.manifest.CHECKSUM_ALGORITHMS (what S3's commit rule accepts) and the sidecar's
+    hashers are the same set, the default among them."""
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    assert set(checksum._HASHERS) == set(CHECKSUM_ALGORITHMS)
+    assert checksum.ALGORITHM in CHECKSUM_ALGORITHMS
+    for algorithm in CHECKSUM_ALGORITHMS:
+        assert checksum.matches(str(path), checksum.file_checksum(str(path), algorithm))

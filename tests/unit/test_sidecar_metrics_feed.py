@@ -3,34 +3,26 @@
 from __future__ import annotations
 
 import os
+import re
 import time
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from harness.prometheus import needs_promtool, promtool
-from jitckpt_entrypoint import status
+from jitckpt_entrypoint.protocol import status
 from jitckpt_sidecar.metric_names import ABSENT_UNTIL_KNOWN, METRICS, series_names
 from jitckpt_sidecar.metrics import Metrics
 from jitckpt_sidecar.pressure import Storage
 from jitckpt_sidecar.status_feed import StatusFeed
 
-DESIGN_NAMES = (  # DESIGN.md's contract: these names must keep existing
-    "jitckpt_checkpoint_last_step",
-    "jitckpt_checkpoint_saves_total",
-    "jitckpt_checkpoint_save_seconds",
-    "jitckpt_jit_trigger_to_commit_seconds",
-    "jitckpt_uploads_total",
-    "jitckpt_upload_bytes_total",
-    "jitckpt_upload_seconds",
-    "jitckpt_upload_queue_length",
-    "jitckpt_last_uploaded_step",
-    "jitckpt_upload_lag_seconds",
-    "jitckpt_restore_seconds",
-    "jitckpt_storage_capacity_bytes",
-    "jitckpt_storage_used_bytes",
-    "jitckpt_storage_peak_used_bytes",
-    "jitckpt_storage_pressure_ratio",
-)
+README = Path(__file__).resolve().parents[2] / "README.md"
+METRIC_ROW = re.compile(r"^\| `(jitckpt_\w+)` \| (gauge|counter|histogram) \|", re.MULTILINE)
+
+
+def documented_metrics() -> dict[str, str]:
+    """The README's metrics table (the users' contract): name -> type."""
+    return dict(METRIC_ROW.findall(README.read_text(encoding="utf-8")))
 
 
 def build(tmp_path, threshold: float = 0.85) -> tuple[CollectorRegistry, Metrics]:
@@ -64,8 +56,15 @@ def test_every_metric_is_exposed_on_a_fresh_registry_except_the_unknown_ones(tmp
     the start, except the gauges whose value is not known yet: no sample, not a 0."""
     registry, _ = build(tmp_path)
     build(tmp_path)  # no global state: a second set registers fine
-    assert set(DESIGN_NAMES) <= set(METRICS)
     assert exposed(registry) == set(METRICS) - set(ABSENT_UNTIL_KNOWN)
+
+
+def test_the_readme_documents_every_metric_with_its_type():
+    """Removing or renaming a metric changes the users' contract: the README's table must say
+    so too (dashboards and alerts are checked against metric_names.METRICS in tests/k8s)."""
+    documented = documented_metrics()
+    assert len(documented) >= 20, "the README's metrics table was not found"
+    assert documented == {m.name: m.type for m in METRICS.values()}
 
 
 def test_unknown_gauges_appear_with_their_first_value(tmp_path):

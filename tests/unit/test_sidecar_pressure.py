@@ -9,8 +9,11 @@ from pathlib import Path
 from typing import Optional
 
 from harness.checkpoints import commit
-from jitckpt_entrypoint import manifest as m
-from jitckpt_entrypoint import status
+from jitckpt_entrypoint.protocol import commit as protocol_commit
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import status, validity
+from jitckpt_entrypoint.protocol.commit import remove_checkpoint
+from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_steps
 from jitckpt_sidecar.pressure import Pruner, Storage, used_bytes
 
 MiB = 1024 * 1024
@@ -21,7 +24,7 @@ def du(path) -> int:
     return int(out.stdout.split()[0])
 
 
-def committed_checkpoint(layout: m.Layout, step: int, size: int = MiB) -> None:
+def committed_checkpoint(layout: Layout, step: int, size: int = MiB) -> None:
     ckpt = layout.checkpoint_dir(step)
     os.makedirs(ckpt)
     with open(os.path.join(ckpt, "model.bin"), "wb") as f:
@@ -34,7 +37,7 @@ def committed_checkpoint(layout: m.Layout, step: int, size: int = MiB) -> None:
 
 def test_used_bytes_counts_hard_links_once_and_agrees_with_du(tmp_path):
     """A staged hard link adds no bytes; the total is what du (and the kubelet) reports."""
-    layout = m.Layout(str(tmp_path))
+    layout = Layout(str(tmp_path))
     layout.ensure()
     committed_checkpoint(layout, 10)
     before = used_bytes(str(tmp_path))
@@ -73,7 +76,7 @@ def test_a_file_linked_while_the_volume_is_walked_is_counted_once(tmp_path, monk
 
 
 def pruner(
-    layout: m.Layout,
+    layout: Layout,
     capacity: int,
     threshold: float,
     in_s3: set[int],
@@ -96,19 +99,19 @@ def pruner(
 
 def test_relief_deletes_oldest_first_and_stops_below_the_threshold(tmp_path):
     """Four 1 MiB checkpoints in 5 MiB at 0.6: deleting 10 and 20 brings it under 3 MiB."""
-    layout = m.Layout(str(tmp_path))
+    layout = Layout(str(tmp_path))
     layout.ensure()
     for step in (10, 20, 30, 40):
         committed_checkpoint(layout, step)
     pruned: list[int] = []
     assert pruner(layout, 5 * MiB, 0.6, {10, 20, 30, 40}, pruned).prune() == [10, 20]
     assert pruned == [10, 20]
-    assert m.committed_steps(layout.checkpoints) == [30, 40]
+    assert validity.committed_steps(layout.checkpoints) == [30, 40]
 
 
 def test_relief_never_deletes_the_newest_one_not_in_s3_or_one_being_written(tmp_path):
     """Only committed, uploaded, not-newest checkpoints go, however high the pressure."""
-    layout = m.Layout(str(tmp_path))
+    layout = Layout(str(tmp_path))
     layout.ensure()
     for step in (10, 20, 30):
         committed_checkpoint(layout, step)
@@ -126,12 +129,12 @@ def test_relief_never_deletes_the_newest_one_not_in_s3_or_one_being_written(tmp_
 
 def test_no_pressure_no_deletion(tmp_path):
     """Below the threshold nothing is touched."""
-    layout = m.Layout(str(tmp_path))
+    layout = Layout(str(tmp_path))
     layout.ensure()
     committed_checkpoint(layout, 10)
     committed_checkpoint(layout, 20)
     assert pruner(layout, 100 * MiB, 0.85, {10, 20}, []).prune() == []
-    assert m.committed_steps(layout.checkpoints) == [10, 20]
+    assert validity.committed_steps(layout.checkpoints) == [10, 20]
 
 
 def test_storage_remembers_its_peak_and_uses_the_filesystem_size_without_a_limit(tmp_path):
@@ -146,7 +149,7 @@ def test_storage_remembers_its_peak_and_uses_the_filesystem_size_without_a_limit
     assert storage.peak == high > low.used
 
 
-def node_parts(root: Path, steps: list[int]) -> tuple[m.Layout, m.Layout]:
+def node_parts(root: Path, steps: list[int]) -> tuple[Layout, Layout]:
     """Two nodes' volumes after saving `steps`: each holds only its own part (FSDP shards)."""
     roots = [root / "node0", root / "node1"]
     for step in steps:
@@ -155,9 +158,8 @@ def node_parts(root: Path, steps: list[int]) -> tuple[m.Layout, m.Layout]:
             step,
             [{"shard-0.distcp": 300_000, "trainer_state.json": 50}, {"shard-1.distcp": 300_000}],
             staged=False,
-            event=False,
         )
-    return m.Layout(str(roots[0])), m.Layout(str(roots[1]))
+    return Layout(str(roots[0])), Layout(str(roots[1]))
 
 
 def node1(limit: Optional[int], best: Optional[int] = None) -> status.NodeStatus:
@@ -170,7 +172,7 @@ def test_retention_keeps_save_total_limit_parts_on_a_node_hf_does_not_rotate(tmp
     _, layout = node_parts(tmp_path, [5, 10, 15, 20])
     pruned: list[int] = []
     assert pruner(layout, 100 * MiB, 0.85, {5, 10, 15, 20}, pruned, node1(2)).prune() == [5, 10]
-    assert m.checkpoint_steps(layout.checkpoints) == [15, 20]
+    assert checkpoint_steps(layout.checkpoints) == [15, 20]
     assert pruned == [5, 10]
 
 
@@ -182,12 +184,12 @@ def test_retention_waits_for_s3_and_keeps_the_best_and_one_being_written(tmp_pat
     in_s3 = {5, 15, 20, 25}
     prune = pruner(layout, 100 * MiB, 0.85, in_s3, [], node1(2, best=5))
     assert prune.prune() == [15]
-    assert m.checkpoint_steps(layout.checkpoints) == [5, 10, 20, 25, 30]
+    assert checkpoint_steps(layout.checkpoints) == [5, 10, 20, 25, 30]
     in_s3.add(10)
     assert prune.prune() == [], "S3's answer is remembered until the next upload or rescan"
     prune.forget()
     assert prune.prune() == [10]
-    assert m.checkpoint_steps(layout.checkpoints) == [5, 20, 25, 30]
+    assert checkpoint_steps(layout.checkpoints) == [5, 20, 25, 30]
 
 
 def test_without_a_limit_or_node_status_retention_keeps_everything(tmp_path):
@@ -196,7 +198,7 @@ def test_without_a_limit_or_node_status_retention_keeps_everything(tmp_path):
     _, layout = node_parts(tmp_path, [5, 10, 15])
     assert pruner(layout, 100 * MiB, 0.85, {5, 10, 15}, [], node1(None)).prune() == []
     assert pruner(layout, 100 * MiB, 0.85, {5, 10, 15}, [], None).prune() == []
-    assert m.checkpoint_steps(layout.checkpoints) == [5, 10, 15]
+    assert checkpoint_steps(layout.checkpoints) == [5, 10, 15]
 
 
 def test_pressure_relief_deletes_a_nodes_parts_that_s3_holds(tmp_path):
@@ -205,7 +207,7 @@ def test_pressure_relief_deletes_a_nodes_parts_that_s3_holds(tmp_path):
     pruned: list[int] = []
     prune = pruner(layout, 700_000, 0.5, {5, 10, 15}, pruned, node1(None))
     assert prune.prune() == [5, 10]
-    assert m.checkpoint_steps(layout.checkpoints) == [15]
+    assert checkpoint_steps(layout.checkpoints) == [15]
 
 
 def test_stuck_pressure_names_what_holds_the_bytes_and_a_fix_that_works_on_this_node(
@@ -227,10 +229,10 @@ def test_stuck_pressure_names_what_holds_the_bytes_and_a_fix_that_works_on_this_
 
 def test_removing_a_checkpoint_another_process_is_removing_is_not_an_error(tmp_path, monkeypatch):
     """HF's rotation on process 0 may delete the same directory while we list it."""
-    layout = m.Layout(str(tmp_path))
+    layout = Layout(str(tmp_path))
     layout.ensure()
     committed_checkpoint(layout, 10)
     listed = [m.manifest_name(0), m.manifest_name(1)]  # node 1's is gone by the time we unlink
-    monkeypatch.setattr(m, "_listdir", lambda _path: listed)
-    m.remove_checkpoint(layout.checkpoint_dir(10))
+    monkeypatch.setattr(protocol_commit, "_listdir", lambda _path: listed)
+    remove_checkpoint(layout.checkpoint_dir(10))
     assert not os.path.exists(layout.checkpoint_dir(10))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from harness.checkpoints import commit
 from harness.procs import wait_for
-from jitckpt_entrypoint import manifest as m
-from jitckpt_entrypoint import status
+from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar import sizing
 from jitckpt_sidecar.pressure import Storage
 
@@ -35,9 +35,9 @@ def test_estimate_is_restored_plus_n_checkpoints_plus_peak_plus_final_plus_ten_p
         {"pytorch_model_fsdp_0/__0_0.distcp": 2 * MB, "optimizer_0/__0_0.distcp": 4 * MB},
         {"pytorch_model_fsdp_0/__1_0.distcp": 2 * MB, "optimizer_0/__1_0.distcp": 4 * MB},
     ]
-    commit(roots, 10, files, staged=False, event=False)
+    commit(roots, 10, files, staged=False)
     node = status.NodeStatus("run", 1, 2, 3)
-    got = sizing.estimate(m.Layout(str(roots[1])), node, save_peak=7 * MB, restored=0)
+    got = sizing.estimate(Layout(str(roots[1])), node, save_peak=7 * MB, restored=0)
     assert got is not None
     assert (got.node, got.step, got.restored, got.checkpoint) == (1, 10, 12 * MB, 6 * MB)
     assert (got.keep, got.final, got.save_peak) == (3, 2 * MB, 7 * MB)
@@ -50,7 +50,7 @@ def test_estimate_is_restored_plus_n_checkpoints_plus_peak_plus_final_plus_ten_p
 
 def test_no_estimate_before_the_first_checkpoint_and_n_is_one_without_a_limit(tmp_path):
     """Nothing saved yet: no line. Without save_total_limit pressure keeps one checkpoint."""
-    layout = m.Layout(str(tmp_path))
+    layout = Layout(str(tmp_path))
     layout.ensure()
     assert sizing.estimate(layout, None, 0, 0) is None
     commit([tmp_path], 5, [{"model.safetensors": MB, "optimizer.pt": 2 * MB}], staged=False)
@@ -63,7 +63,7 @@ def test_no_estimate_before_the_first_checkpoint_and_n_is_one_without_a_limit(tm
 def test_save_peak_is_the_highest_usage_during_a_save_over_its_start(tmp_path: Path):
     """A save that writes 3 MB of checkpoint plus a 2 MB temporary file it removes again: the
     peak over the start is at least 5 MB; the save event of that step ends the sampling."""
-    layout = m.Layout(str(tmp_path))
+    layout = Layout(str(tmp_path))
     layout.ensure()
     peaks = sizing.SavePeaks(Storage(str(tmp_path), None), layout.status, logging.getLogger("t"))
     peaks.start()
@@ -89,7 +89,7 @@ def test_save_peak_is_the_highest_usage_during_a_save_over_its_start(tmp_path: P
 
 def test_a_save_seen_after_its_commit_is_not_measured(tmp_path: Path):
     """A sidecar that starts after the save finished has no baseline: it measures nothing."""
-    layout = m.Layout(str(tmp_path))
+    layout = Layout(str(tmp_path))
     layout.ensure()
     status.write_save_start(layout.status, status.SaveStart("run", 3, time.time()))
     status.write_save_event(layout.status, status.SaveEvent("periodic", 3, 0.0, 1.0, 10, "run"))
@@ -107,7 +107,7 @@ def test_a_save_seen_after_its_commit_is_not_measured(tmp_path: Path):
 def test_bytes_a_save_wrote_before_the_sampler_saw_it_still_count(tmp_path: Path):
     """A fast save writes much before inotify wakes the sampler: the baseline is the volume at
     rest before the save, not the first sample after saving.json appeared."""
-    layout = m.Layout(str(tmp_path))
+    layout = Layout(str(tmp_path))
     layout.ensure()
     peaks = sizing.SavePeaks(Storage(str(tmp_path), None), layout.status, logging.getLogger("t"))
     peaks.start()

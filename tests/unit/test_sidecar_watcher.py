@@ -7,7 +7,7 @@ import os
 import threading
 import time
 
-from jitckpt_entrypoint.manifest import Layout
+from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar.watcher import Watcher
 
 LOG = logging.getLogger("test")

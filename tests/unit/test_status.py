@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from jitckpt_entrypoint import status
+from jitckpt_entrypoint.protocol import atomic, status
 
 
 def test_jit_record_is_only_returned_for_its_own_run(tmp_path):
@@ -52,3 +52,40 @@ def test_node_status_and_save_start_round_trip(tmp_path):
     assert status.read_save_start(str(tmp_path)) == start
     (tmp_path / "node.json").write_text('{"run_id": "r", "node": "x"}')
     assert status.read_node(str(tmp_path)) is None
+
+
+def test_a_record_reads_back_with_defaults_for_missing_optional_keys_and_none_otherwise(tmp_path):
+    """A key the writer may leave out takes its default (None for Optional fields); a missing
+    required key, a value of the wrong type or a file that is not an object reads as None."""
+    path = str(tmp_path / "jit.json")
+    base = {"run_id": "r", "step": 5, "checkpoint": "checkpoint-5", "committed_at": 2.0}
+    atomic.write_json(path, {**base, "save_seconds": 0.5})
+    assert status.read_jit(str(tmp_path)) == status.JitRecord(
+        "r", 5, "checkpoint-5", 2.0, None, 0.5
+    )
+    atomic.write_json(path, base)  # save_seconds is required
+    assert status.read_jit(str(tmp_path)) is None
+    atomic.write_json(path, {**base, "save_seconds": 0.5, "step": "five"})
+    assert status.read_jit(str(tmp_path)) is None
+    atomic.write_json(path, [1, 2])
+    assert status.read_jit(str(tmp_path)) is None
+    event = str(tmp_path / status.save_event_name(3))
+    atomic.write_json(
+        event, {"kind": "jit", "step": 3, "started_at": 1, "committed_at": 2, "bytes": 9}
+    )
+    assert status.read_save_event(event) == status.SaveEvent("jit", 3, 1.0, 2.0, 9, "", 0)
+
+
+def test_sidecar_ready_round_trips_and_names_a_rate_only_for_s3_restores(tmp_path):
+    """sidecar-ready.json holds restore_bytes_per_second only when the sidecar measured one
+    (what the entrypoint's grace estimate reads); removing it makes the sidecar not ready."""
+    local = status.SidecarReady(1.0, 7, "local", 10, 0.01, 0)
+    status.write_sidecar_ready(str(tmp_path), local)
+    assert "restore_bytes_per_second" not in (tmp_path / status.SIDECAR_READY).read_text()
+    assert status.read_sidecar_ready(str(tmp_path)) == local
+    s3 = status.SidecarReady(1.0, 7, "s3", 10, 2.0, 10**9, 5 * 10**8)
+    status.write_sidecar_ready(str(tmp_path), s3)
+    assert status.read_sidecar_ready(str(tmp_path)) == s3
+    status.remove_sidecar_ready(str(tmp_path))
+    status.remove_sidecar_ready(str(tmp_path))  # already gone: not an error
+    assert status.read_sidecar_ready(str(tmp_path)) is None

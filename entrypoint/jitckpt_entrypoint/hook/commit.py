@@ -1,22 +1,22 @@
 """Commit a checkpoint every rank has finished writing: manifests, staging, status events.
 
 Collective: every rank calls `commit` after its own part of the checkpoint is on disk. After
-a barrier, each node's local rank 0 lists what the node holds; the lists are exchanged so each
-file gets one uploading owner; every node writes all nodes' manifests (its own last), hard-links
-its owned files into staging/ for the sidecar, and records a save event. A final barrier keeps
-any rank from exiting before its node's checkpoint is committed.
+a barrier, each node's local rank 0 lists what the node holds; the lists are exchanged, and each
+node commits its part with them (protocol.commit.commit_node: every node's manifests, its own
+last, its owned files staged for the sidecar, a save event). A final barrier keeps any rank
+from exiting before its node's checkpoint is committed.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from typing import NoReturn, Optional
 
-from jitckpt_entrypoint import manifest as m
-from jitckpt_entrypoint import status
-from jitckpt_entrypoint.final import link_or_copy
 from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.protocol.commit import commit_node
+from jitckpt_entrypoint.protocol.layout import checkpoint_name
 
 
 def commit(session: Session, ckpt_dir: str, step: int, kind: str, started_at: float) -> None:
@@ -25,59 +25,29 @@ def commit(session: Session, ckpt_dir: str, step: int, kind: str, started_at: fl
     holding = (topo.node, m.list_files(ckpt_dir)) if topo.is_leader else None
     holdings = dict(filter(None, control.all_gather(holding)))
     if topo.is_leader:
-        entries = m.assign_owners(holdings)
-        save_seconds = time.time() - started_at
-        manifests = {
-            node: m.new_manifest(
-                step,
-                kind,
-                node=node,
-                nodes=topo.nodes,
-                world_size=topo.world_size,
-                files=files,
-                save_seconds=save_seconds,
-            )
-            for node, files in entries.items()
-        }
-        for node in sorted(manifests, key=lambda n: n == topo.node):  # our own manifest last
-            m.write_manifest(ckpt_dir, manifests[node])
-        own = manifests[topo.node]
-        if session.cfg.storage_uri:
-            stage(session.layout, ckpt_dir, own)
-        committed_at = time.time()
-        status.write_save_event(
-            session.layout.status,
-            status.SaveEvent(
-                kind, step, started_at, committed_at, own.total_bytes, session.run_id, topo.node
-            ),
+        event = commit_node(
+            session.layout,
+            ckpt_dir,
+            holdings,
+            node=topo.node,
+            nodes=topo.nodes,
+            world_size=topo.world_size,
+            step=step,
+            kind=kind,
+            started_at=started_at,
+            run_id=session.run_id,
+            stage_for_upload=bool(session.cfg.storage_uri),
         )
         session.announce()
         session.log.info(
             "committed %s (%s, %.1f MB, %.2f s)",
-            m.checkpoint_name(step),
+            checkpoint_name(step),
             kind,
-            own.total_bytes / 1e6,
-            committed_at - started_at,
+            event.bytes / 1e6,
+            event.seconds,
         )
     session.committed_steps.add(step)
     control.barrier()  # no rank leaves before the manifests exist
-
-
-def stage(layout: m.Layout, ckpt_dir: str, own: m.Manifest) -> str:
-    """Hard-link this node's owned files, then its manifest, into staging/ (no extra bytes)."""
-    dest = os.path.join(layout.staging, m.checkpoint_name(own.step))
-    if os.path.exists(dest):
-        m.remove_checkpoint(dest)
-    for entry in own.owned:
-        target = os.path.join(dest, entry.path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        link_or_copy(os.path.join(ckpt_dir, entry.path), target)
-    os.makedirs(dest, exist_ok=True)
-    link_or_copy(
-        os.path.join(ckpt_dir, m.manifest_name(own.node)),
-        os.path.join(dest, m.manifest_name(own.node)),
-    )
-    return dest
 
 
 def record_jit(session: Session, step: int, save_seconds: float) -> None:
@@ -87,7 +57,7 @@ def record_jit(session: Session, step: int, save_seconds: float) -> None:
     record = status.JitRecord(
         run_id=session.run_id,
         step=step,
-        checkpoint=m.checkpoint_name(step),
+        checkpoint=checkpoint_name(step),
         committed_at=time.time(),
         sigterm_at=session.flag.received_at,
         save_seconds=save_seconds,

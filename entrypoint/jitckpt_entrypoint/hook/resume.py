@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from jitckpt_entrypoint import manifest as m
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.protocol.commit import remove_checkpoint
+from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
+from jitckpt_entrypoint.protocol.validity import committed_steps
 
 
 def agreed_step(session: Session) -> Optional[int]:
@@ -20,14 +22,14 @@ def agreed_step(session: Session) -> Optional[int]:
     silently starting over.
     """
     topo, checkpoints = session.topo, session.layout.checkpoints
-    complete = m.committed_steps(checkpoints)
-    own = m.committed_steps(checkpoints, topo.node)
+    complete = committed_steps(checkpoints)
+    own = committed_steps(checkpoints, topo.node)
     reports = session.control.all_gather((complete, own[-1] if own else None))
     common = set.intersection(*(set(c) for c, _ in reports)) if reports else set()
     step = max(common) if common else None
     newest = max((n for _, n in reports if n is not None), default=None)
     if newest is not None and (step is None or newest > step):
-        name = m.checkpoint_name(newest)
+        name = checkpoint_name(newest)
         if step is None:
             raise JitckptError(
                 f"{name} is committed but no node holds all of its files; restart the pods so "
@@ -38,7 +40,7 @@ def agreed_step(session: Session) -> Optional[int]:
                 "%s is committed but not held in full by every node; resuming from %s "
                 "(a new pod restores the newest one from S3 on every node)",
                 name,
-                m.checkpoint_name(step),
+                checkpoint_name(step),
             )
     return step
 
@@ -53,10 +55,10 @@ def remove_newer(session: Session, resume_step: Optional[int]) -> list[str]:
     if not session.topo.is_leader:
         return []
     removed = []
-    for step in m.checkpoint_steps(session.layout.checkpoints):
+    for step in checkpoint_steps(session.layout.checkpoints):
         if resume_step is None or step > resume_step:
-            m.remove_checkpoint(session.layout.checkpoint_dir(step))
-            removed.append(m.checkpoint_name(step))
+            remove_checkpoint(session.layout.checkpoint_dir(step))
+            removed.append(checkpoint_name(step))
     if removed:
         session.log.info(
             "removed checkpoint directories past the resume point: %s", ", ".join(removed)

@@ -13,12 +13,12 @@ import sys
 from collections.abc import Mapping
 from typing import NoReturn, Optional
 
-from jitckpt_entrypoint import registry, status
 from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.hook.control import ControlGroup
 from jitckpt_entrypoint.hook.signals import SigtermFlag
 from jitckpt_entrypoint.hook.topology import Topology
-from jitckpt_entrypoint.manifest import Layout
+from jitckpt_entrypoint.protocol import registry, status
+from jitckpt_entrypoint.protocol.layout import Layout
 
 
 class Session:

@@ -63,10 +63,10 @@ def patch_launch_agent(launcher_api: ModuleType) -> None:
 
 
 def register_agent(shutdown_timeout: Optional[int]) -> None:
-    from jitckpt_entrypoint import registry
     from jitckpt_entrypoint.config import Config
-    from jitckpt_entrypoint.manifest import Layout
-    from jitckpt_entrypoint.status import RUN_ID_ENV
+    from jitckpt_entrypoint.protocol import registry
+    from jitckpt_entrypoint.protocol.layout import Layout
+    from jitckpt_entrypoint.protocol.status import RUN_ID_ENV
 
     run_id = os.environ.get(RUN_ID_ENV, "")
     if not run_id:

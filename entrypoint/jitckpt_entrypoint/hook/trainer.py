@@ -27,11 +27,11 @@ from typing import Any, NoReturn, Optional
 
 from transformers.trainer_callback import TrainerCallback
 
-from jitckpt_entrypoint import status
 from jitckpt_entrypoint.hook import resume
 from jitckpt_entrypoint.hook.commit import commit, finish_jit
 from jitckpt_entrypoint.hook.session import Session, current
-from jitckpt_entrypoint.manifest import step_of
+from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.protocol.layout import step_of
 
 _logged_overrides = False
 

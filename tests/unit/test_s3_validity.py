@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from jitckpt_entrypoint import manifest as m
-from jitckpt_sidecar.remote import RemoteCheckpoint, part_problems, problems
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol.validity import RemoteCheckpoint, s3_part_problems, s3_problems
 
 CHECKSUM = "xxh128:" + "0" * 32
 
@@ -42,7 +42,7 @@ def test_a_complete_two_node_checkpoint_is_committed_and_its_union_names_every_f
     """Both manifests, every owned object with its size and checksum: committed; the union
     holds each file once, as its owner's entry."""
     ckpt = RemoteCheckpoint(10, objects(), two_nodes())
-    assert problems(ckpt) == []
+    assert s3_problems(ckpt) == []
     assert ckpt.committed
     union = ckpt.files()
     assert sorted(union) == ["model.safetensors", "rng_1.pth", "trainer_state.json"]
@@ -53,17 +53,17 @@ def test_a_missing_node_manifest_is_not_committed():
     """Node 1 has not uploaded its manifest yet."""
     manifests = two_nodes()
     del manifests[1]
-    assert problems(RemoteCheckpoint(10, objects(), manifests)) == ["manifest of node 1 missing"]
+    assert s3_problems(RemoteCheckpoint(10, objects(), manifests)) == ["manifest of node 1 missing"]
 
 
 def test_a_missing_or_short_object_is_not_committed():
     """An owned object absent or shorter than listed makes the checkpoint uncommitted."""
     short = {**objects(), "model.safetensors": 99}
-    assert problems(RemoteCheckpoint(10, short, two_nodes())) == [
+    assert s3_problems(RemoteCheckpoint(10, short, two_nodes())) == [
         "model.safetensors: object has 99 bytes, not 100"
     ]
     gone = {k: v for k, v in objects().items() if k != "rng_1.pth"}
-    assert problems(RemoteCheckpoint(10, gone, two_nodes())) == ["rng_1.pth: object missing"]
+    assert s3_problems(RemoteCheckpoint(10, gone, two_nodes())) == ["rng_1.pth: object missing"]
 
 
 def test_an_owned_entry_without_a_checksum_we_can_verify_is_not_committed():
@@ -71,7 +71,7 @@ def test_an_owned_entry_without_a_checksum_we_can_verify_is_not_committed():
     manifests = two_nodes()
     files = (m.FileEntry("model.safetensors", 100, 0, "md5:abc"), manifests[0].files[1])
     manifests[0] = manifests[0].with_files(files)
-    assert problems(RemoteCheckpoint(10, objects(), manifests)) == [
+    assert s3_problems(RemoteCheckpoint(10, objects(), manifests)) == [
         "model.safetensors: no checksum we can verify"
     ]
 
@@ -80,7 +80,7 @@ def test_manifests_that_disagree_are_not_committed():
     """A manifest of another step under checkpoint-10/ breaks the set."""
     manifests = two_nodes()
     manifests[1] = two_nodes(step=11)[1]
-    assert problems(RemoteCheckpoint(10, objects(), manifests)) == [
+    assert s3_problems(RemoteCheckpoint(10, objects(), manifests)) == [
         "manifests disagree on the step, the node count or the kind"
     ]
 
@@ -91,9 +91,9 @@ def test_a_final_model_manifest_is_never_a_committed_checkpoint():
     import dataclasses
 
     manifests = {n: dataclasses.replace(man, kind=m.OUTPUT_KIND) for n, man in two_nodes().items()}
-    assert problems(RemoteCheckpoint(10, objects(), manifests))
-    assert problems(RemoteCheckpoint(10, objects(), manifests), (m.OUTPUT_KIND,)) == []
-    assert problems(RemoteCheckpoint(10, objects(), two_nodes()), (m.OUTPUT_KIND,))
+    assert s3_problems(RemoteCheckpoint(10, objects(), manifests))
+    assert s3_problems(RemoteCheckpoint(10, objects(), manifests), (m.OUTPUT_KIND,)) == []
+    assert s3_problems(RemoteCheckpoint(10, objects(), two_nodes()), (m.OUTPUT_KIND,))
 
 
 def test_a_nodes_part_is_in_s3_before_the_whole_checkpoint_is_committed():
@@ -103,8 +103,8 @@ def test_a_nodes_part_is_in_s3_before_the_whole_checkpoint_is_committed():
     del manifests[0]
     only_node1 = {"rng_1.pth": 7, m.manifest_name(1): 1}
     ckpt = RemoteCheckpoint(10, only_node1, manifests)
-    assert part_problems(ckpt, 1) == []
+    assert s3_part_problems(ckpt, 1) == []
     assert not ckpt.committed
-    assert part_problems(ckpt, 0) == ["manifest of node 0 missing"]
+    assert s3_part_problems(ckpt, 0) == ["manifest of node 0 missing"]
     short = RemoteCheckpoint(10, {**only_node1, "rng_1.pth": 6}, manifests)
-    assert part_problems(short, 1) == ["rng_1.pth: object has 6 bytes, not 7"]
+    assert s3_part_problems(short, 1) == ["rng_1.pth: object has 6 bytes, not 7"]

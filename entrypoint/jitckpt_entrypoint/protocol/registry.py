@@ -27,7 +27,7 @@ import shutil
 import socket
 from typing import Any, Optional
 
-from jitckpt_entrypoint import atomic
+from jitckpt_entrypoint.protocol import atomic
 
 RUN_PREFIX = "run-"
 PROC_PREFIX = "proc-"

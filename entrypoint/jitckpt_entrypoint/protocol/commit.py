@@ -1,0 +1,122 @@
+"""Committing and uncommitting: manifests last on the way in, first on the way out.
+
+Once every rank's files of a checkpoint are on disk, each node's local rank 0 calls
+`commit_node` with what every node holds (the hook gathers it; the tests' harness builds it):
+every node's manifest is written into the checkpoint directory, this node's last (a node's
+volume holds all manifests, so either node may tell whether the checkpoint is committed); this
+node's owned files and then its manifest are hard-linked into staging/ for the sidecar; a save
+event is recorded. `remove_checkpoint` undoes a commit before it deletes any file, so a
+half-deleted checkpoint is never committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import time
+from typing import Callable
+
+from jitckpt_entrypoint.protocol import atomic, status
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol.layout import Layout
+
+
+def commit_node(
+    layout: Layout,
+    ckpt_dir: str,
+    holdings: dict[int, dict[str, int]],
+    *,
+    node: int,
+    nodes: int,
+    world_size: int,
+    step: int,
+    kind: str,
+    started_at: float,
+    run_id: str,
+    stage_for_upload: bool,
+    clock: Callable[[], float] = time.time,
+) -> status.SaveEvent:
+    """Commit node `node`'s copy of `ckpt_dir`; `holdings`: per node, relative path -> size of
+    every file it holds (one entry per node). Returns the save event it recorded. `clock` gives
+    the wall time (a fixed one makes the recorded save time exact in tests)."""
+    entries = m.assign_owners(holdings)
+    save_seconds = clock() - started_at
+    manifests = {
+        n: m.new_manifest(
+            step,
+            kind,
+            node=n,
+            nodes=nodes,
+            world_size=world_size,
+            files=files,
+            save_seconds=save_seconds,
+        )
+        for n, files in entries.items()
+    }
+    for n in sorted(manifests, key=lambda n: n == node):  # our own manifest last
+        m.write_manifest(ckpt_dir, manifests[n])
+    own = manifests[node]
+    if stage_for_upload:
+        stage(layout, ckpt_dir, own)
+    event = status.SaveEvent(
+        kind, step, started_at, clock(), own.total_bytes, run_id=run_id, node=node
+    )
+    status.write_save_event(layout.status, event)
+    return event
+
+
+def stage(layout: Layout, ckpt_dir: str, own: m.Manifest) -> str:
+    """Hard-link this node's owned files, then its manifest, into staging/ (no extra bytes)."""
+    dest = layout.staged_dir(own.step)
+    if os.path.exists(dest):
+        remove_checkpoint(dest)
+    for entry in own.owned:
+        target = os.path.join(dest, entry.path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        link_or_copy(os.path.join(ckpt_dir, entry.path), target)
+    os.makedirs(dest, exist_ok=True)
+    link_or_copy(
+        os.path.join(ckpt_dir, m.manifest_name(own.node)),
+        os.path.join(dest, m.manifest_name(own.node)),
+    )
+    return dest
+
+
+def link_or_copy(src: str, dst: str) -> bool:
+    """Hard-link `src` as `dst` (no extra bytes); copy it across filesystems. True if linked."""
+    try:
+        os.link(src, dst)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        shutil.copy2(src, dst)
+        return False
+    return True
+
+
+def remove_checkpoint(ckpt_dir: str) -> None:
+    """Delete a checkpoint directory, manifests first, so a half-deleted one is never committed.
+
+    Another process may delete it at the same time (HF's rotation on process 0): what is
+    already gone is not an error.
+    """
+    removed = False
+    for name in _listdir(ckpt_dir):
+        if m.is_manifest_name(name):
+            # Another node may remove the same directory of a shared (PVC) volume at once.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(ckpt_dir, name))
+            removed = True
+    if removed:
+        with contextlib.suppress(FileNotFoundError):
+            atomic.fsync_dir(ckpt_dir)
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []

@@ -1,0 +1,295 @@
+"""Status files under JITCKPT_DIR/status/: how the trainer side tells the sidecar what happened.
+
+- `trainer.json` (entrypoint): started_at, sigterm_at, exited_at, exit_code. The sidecar drains
+  until `exited_at` is set.
+- `jit.json` (hook, one per node): the JIT checkpoint committed after SIGTERM in run `run_id`,
+  for the sidecar; the same record in the run's own directory (`run-<run id>/jit.json`, see
+  registry.py) decides whether the entrypoint exits with JITCKPT_EXIT_CODE (two pods sharing a
+  PVC write the shared file at the same moment; the run's file is theirs alone).
+- `run-<run id>/output.json` (hook, world rank 0): the output_dir of the Trainer whose training
+  ended; after the command exits 0 the entrypoint stages what it holds as the final model.
+- `save-<step>.json` (hook): one per committed save (kind, step, start/end, bytes), for metrics.
+- `saving.json` (hook, one per node): a save of `step` started; the sidecar samples the volume
+  until that step's save event appears (the save's peak usage).
+- `node.json` (hook, one per node): this node's place in the job and what the trainer keeps
+  (save_total_limit, HF's best checkpoint), for the sidecar's per-node retention: HF rotates
+  checkpoints only on process 0, so the other nodes' parts are the sidecar's to delete.
+- `sidecar-ready.json` (sidecar): its start-up restore finished (what it restored, how fast),
+  for anything that waits on the volume rather than on /readyz, and for the entrypoint's
+  grace-period estimate.
+
+Every file is written atomically (temp file, rename); times are Unix epoch seconds. A reader
+gets None for a file that is missing, torn or not of the record's shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import secrets
+import time
+import typing
+from typing import Any, Callable, Optional, TypeVar
+
+from jitckpt_entrypoint.protocol import atomic, registry
+
+TRAINER = "trainer.json"
+JIT = "jit.json"
+OUTPUT = "output.json"
+SAVING = "saving.json"
+NODE = "node.json"
+SIDECAR_READY = "sidecar-ready.json"
+SAVE_PREFIX = "save-"
+KEEP_SAVE_EVENTS = 100
+RUN_ID_ENV = "JITCKPT_RUN_ID"
+
+Record = TypeVar("Record")
+
+
+def new_run_id() -> str:
+    return f"{int(time.time())}-{secrets.token_hex(4)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerStatus:
+    run_id: str
+    pid: int
+    command: tuple[str, ...]
+    started_at: float
+    sigterm_at: Optional[float] = None
+    exited_at: Optional[float] = None
+    exit_code: Optional[int] = None
+    summary: Optional[str] = None
+    version: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class JitRecord:
+    run_id: str
+    step: int
+    checkpoint: str
+    committed_at: float
+    sigterm_at: Optional[float]
+    """When this process saw SIGTERM; None when another rank's signal stopped it."""
+    save_seconds: float
+    """0 when the step was already committed (a periodic save at the same step)."""
+
+    @property
+    def trigger_to_commit(self) -> Optional[float]:
+        return None if self.sigterm_at is None else self.committed_at - self.sigterm_at
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveEvent:
+    kind: str
+    step: int
+    started_at: float
+    committed_at: float
+    bytes: int
+    run_id: str = ""
+    node: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return self.committed_at - self.started_at
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveStart:
+    run_id: str
+    step: int
+    started_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeStatus:
+    run_id: str
+    node: int
+    """torchrun's GROUP_RANK: which part of each checkpoint this volume holds."""
+    nodes: int
+    save_total_limit: Optional[int]
+    """Checkpoints the trainer keeps (the script's, or JITCKPT_SAVE_TOTAL_LIMIT); None: all."""
+    best_step: Optional[int] = None
+    """HF's best_model_checkpoint, kept beyond the limit (load_best_model_at_end reads it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputRecord:
+    """Where the script's Trainer writes its model: its output_dir, when training ended."""
+
+    run_id: str
+    output_dir: str
+    """Absolute."""
+    step: int
+    """The last optimizer step of training."""
+    finished_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SidecarReady:
+    """The sidecar's start-up restore finished; it is ready."""
+
+    ready_at: float
+    pid: int
+    restore: str
+    """'s3' (downloaded), 'local' (a local checkpoint is as new) or 'none' (nothing in S3)."""
+    step: Optional[int]
+    restore_seconds: float
+    restore_bytes: int
+    restore_bytes_per_second: Optional[float] = None
+    """S3 restores only: the entrypoint's grace-period estimate takes it as upload throughput."""
+
+
+def write_record(path: str, record: Any, *, durable: bool) -> None:
+    """Write the dataclass `record` as a JSON object, atomically."""
+    atomic.write_json(path, dataclasses.asdict(record), durable=durable)
+
+
+def read_record(path: str, cls: type[Record]) -> Optional[Record]:
+    """The `cls` record in `path`; None when the file is missing, torn or of another shape.
+    A missing key takes the field's default (None for Optional fields)."""
+    obj = atomic.read_json(path)
+    if not isinstance(obj, dict):
+        return None
+    values = {}
+    try:
+        for name, (convert, default) in _fields(cls).items():
+            value = obj.get(name, default)
+            if value is dataclasses.MISSING:
+                return None
+            values[name] = convert(value)
+        return cls(**values)
+    except (TypeError, ValueError):
+        return None
+
+
+_Fields = dict[str, tuple[Callable[[Any], Any], Any]]
+_fields_of: dict[type, _Fields] = {}
+
+
+def _fields(cls: type) -> _Fields:
+    """Per field of the dataclass `cls`: its converter from JSON, and its value when the key is
+    missing (dataclasses.MISSING: the record is not valid without it)."""
+    known = _fields_of.get(cls)
+    if known is not None:
+        return known
+    hints = typing.get_type_hints(cls)
+    found = {}
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        if field.default is not dataclasses.MISSING:
+            default = field.default
+        elif type(None) in typing.get_args(hint):
+            default = None
+        else:
+            default = dataclasses.MISSING
+        found[field.name] = (_converter(hint), default)
+    _fields_of[cls] = found
+    return found
+
+
+def _converter(hint: Any) -> Callable[[Any], Any]:
+    """str, int, float, Optional[...] of one, tuple[str, ...]: what the records hold."""
+    args = typing.get_args(hint)
+    if type(None) in args:
+        (inner,) = (_converter(a) for a in args if a is not type(None))
+        return lambda v: None if v is None else inner(v)
+    if typing.get_origin(hint) is tuple:
+        item = _converter(args[0])
+        return lambda v: tuple(item(x) for x in v)
+    if hint not in (str, int, float):
+        raise TypeError(f"no JSON converter for {hint!r}")
+    return typing.cast("Callable[[Any], Any]", hint)
+
+
+def write_trainer(status_dir: str, status: TrainerStatus) -> None:
+    write_record(os.path.join(status_dir, TRAINER), status, durable=False)
+
+
+def read_trainer(status_dir: str) -> Optional[TrainerStatus]:
+    return read_record(os.path.join(status_dir, TRAINER), TrainerStatus)
+
+
+def write_jit(status_dir: str, record: JitRecord) -> None:
+    mine = registry.run_dir(status_dir, record.run_id)
+    os.makedirs(mine, exist_ok=True)
+    write_record(os.path.join(mine, JIT), record, durable=True)
+    write_record(os.path.join(status_dir, JIT), record, durable=True)
+
+
+def read_jit(status_dir: str, run_id: Optional[str] = None) -> Optional[JitRecord]:
+    """The shared JIT record; with `run_id`, that run's own record (None when it has none)."""
+    directory = status_dir if run_id is None else registry.run_dir(status_dir, run_id)
+    record = read_record(os.path.join(directory, JIT), JitRecord)
+    if record is None or (run_id is not None and record.run_id != run_id):
+        return None
+    return record
+
+
+def write_output(status_dir: str, record: OutputRecord) -> None:
+    mine = registry.run_dir(status_dir, record.run_id)
+    os.makedirs(mine, exist_ok=True)
+    write_record(os.path.join(mine, OUTPUT), record, durable=False)
+
+
+def read_output(status_dir: str, run_id: str) -> Optional[OutputRecord]:
+    return read_record(os.path.join(registry.run_dir(status_dir, run_id), OUTPUT), OutputRecord)
+
+
+def write_save_start(status_dir: str, start: SaveStart) -> None:
+    write_record(os.path.join(status_dir, SAVING), start, durable=False)
+
+
+def read_save_start(status_dir: str) -> Optional[SaveStart]:
+    return read_record(os.path.join(status_dir, SAVING), SaveStart)
+
+
+def write_node(status_dir: str, node: NodeStatus) -> None:
+    write_record(os.path.join(status_dir, NODE), node, durable=False)
+
+
+def read_node(status_dir: str) -> Optional[NodeStatus]:
+    return read_record(os.path.join(status_dir, NODE), NodeStatus)
+
+
+def write_sidecar_ready(status_dir: str, ready: SidecarReady) -> None:
+    obj = dataclasses.asdict(ready)
+    if ready.restore_bytes_per_second is None:
+        del obj["restore_bytes_per_second"]  # absent, as ever, when nothing was downloaded
+    atomic.write_json(os.path.join(status_dir, SIDECAR_READY), obj, durable=True)
+
+
+def read_sidecar_ready(status_dir: str) -> Optional[SidecarReady]:
+    return read_record(os.path.join(status_dir, SIDECAR_READY), SidecarReady)
+
+
+def remove_sidecar_ready(status_dir: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(status_dir, SIDECAR_READY))
+
+
+def save_event_name(step: int) -> str:
+    return f"{SAVE_PREFIX}{step:012d}.json"
+
+
+def write_save_event(status_dir: str, event: SaveEvent) -> None:
+    write_record(os.path.join(status_dir, save_event_name(event.step)), event, durable=False)
+    for stale in save_event_names(status_dir)[:-KEEP_SAVE_EVENTS]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(status_dir, stale))
+
+
+def read_save_event(path: str) -> Optional[SaveEvent]:
+    return read_record(path, SaveEvent)
+
+
+def save_event_names(status_dir: str) -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(status_dir) if _is_save_event(n))
+    except FileNotFoundError:
+        return []
+
+
+def _is_save_event(name: str) -> bool:
+    return name.startswith(SAVE_PREFIX) and name.endswith(".json")
