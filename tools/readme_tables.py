@@ -40,7 +40,27 @@ def configuration() -> list[str]:
     return [*CONFIG_HEADER, *rows, *INTERNAL_ROWS]
 
 
-TABLES: dict[str, Callable[[], list[str]]] = {"configuration": configuration}
+def metrics() -> list[str]:
+    from jitckpt_sidecar.metric_names import METRICS
+
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for metric in METRICS.values():
+        meaning = metric.doc or metric.help
+        labels = []
+        for name, values in metric.labels:
+            label = f"`{name}`"
+            if f"{label}:" not in meaning:  # values with notes are in the meaning already
+                label += ": " + ", ".join(f"`{value}`" for value in values)
+            labels.append(label)
+        cell = f" {'; '.join(labels)} " if labels else " "
+        rows.append(f"| `{metric.name}` | {metric.type} |{cell}| {meaning} |")
+    return rows
+
+
+TABLES: dict[str, Callable[[], list[str]]] = {
+    "configuration": configuration,
+    "metrics": metrics,
+}
 
 
 def render(text: str) -> str:

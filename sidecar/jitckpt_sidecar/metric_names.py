@@ -30,6 +30,8 @@ class Metric:
     labels: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """(label name, the values the contract fixes), each value exported from the start."""
     buckets: tuple[float, ...] = ()
+    doc: str = ""
+    """The README's meaning column (markdown); the HELP text when empty."""
     late: bool = False
     """No sample until the value is known: "no JIT checkpoint yet" must not read as a 0 s
     SIGTERM-to-commit, nor "nothing restored yet" as step 0."""
@@ -51,16 +53,16 @@ def _define(metric: Metric) -> Metric:
     return metric
 
 
-def _gauge(name: str, text: str, *, late: bool = False) -> Metric:
-    return _define(Metric(name, "gauge", text, late=late))
+def _gauge(name: str, text: str, *, doc: str = "", late: bool = False) -> Metric:
+    return _define(Metric(name, "gauge", text, doc=doc, late=late))
 
 
-def _counter(name: str, text: str, *labels: Label) -> Metric:
-    return _define(Metric(name, "counter", text, labels))
+def _counter(name: str, text: str, *labels: Label, doc: str = "") -> Metric:
+    return _define(Metric(name, "counter", text, labels, doc=doc))
 
 
-def _histogram(name: str, text: str, *labels: Label) -> Metric:
-    return _define(Metric(name, "histogram", text, labels, SECONDS_BUCKETS))
+def _histogram(name: str, text: str, *labels: Label, doc: str = "") -> Metric:
+    return _define(Metric(name, "histogram", text, labels, SECONDS_BUCKETS, doc=doc))
 
 
 # Checkpoints (from the trainer's status files and the restore).
@@ -68,21 +70,33 @@ CHECKPOINT_LAST_STEP = _gauge(
     "jitckpt_checkpoint_last_step",
     "Step of the newest committed checkpoint on the shared volume (saved or restored).",
     late=True,
+    doc=(
+        "step of the newest committed checkpoint on the volume: saved by the trainer "
+        "(`status/save-*.json`) or restored; absent before the first"
+    ),
 )
 CHECKPOINT_SAVES = _counter(
     "jitckpt_checkpoint_saves_total",
     "Checkpoints the trainer committed locally, by kind (periodic, jit, final).",
     ("kind", KINDS),
+    doc="local commits by kind",
 )
 CHECKPOINT_SAVE_SECONDS = _histogram(
     "jitckpt_checkpoint_save_seconds",
     "Seconds from the start of a save to its local commit, by kind.",
     ("kind", KINDS),
+    doc="save start to local commit (buckets 10 ms to 1 h)",
 )
 JIT_TRIGGER_TO_COMMIT = _gauge(
     "jitckpt_jit_trigger_to_commit_seconds",
     "Seconds from SIGTERM to the commit of the last JIT checkpoint.",
     late=True,
+    doc=(
+        "SIGTERM to commit of the last JIT checkpoint (`status/jit.json`); absent before "
+        "one. Only the terminating pod's sidecar has it, while it uploads that "
+        "checkpoint: a scrape interval shorter than that upload sees it (the trainer's "
+        "termination message always says it)"
+    ),
 )
 # Uploads and S3 retention.
 UPLOADS = _counter(
@@ -90,72 +104,143 @@ UPLOADS = _counter(
     "Checkpoint uploads by result: success, failure (retried later) or skipped "
     "(superseded; retention would delete it).",
     ("result", UPLOAD_RESULTS),
+    doc=(
+        "checkpoint uploads; `result`: `success`, `failure` (retried later), `skipped` "
+        "(superseded: retention would delete it)"
+    ),
 )
-UPLOAD_BYTES = _counter("jitckpt_upload_bytes_total", "Bytes sent to S3 by uploads.")
-UPLOAD_SECONDS = _histogram("jitckpt_upload_seconds", "Seconds per successful checkpoint upload.")
+UPLOAD_BYTES = _counter(
+    "jitckpt_upload_bytes_total",
+    "Bytes sent to S3 by uploads.",
+    doc="bytes sent by completed uploads",
+)
+UPLOAD_SECONDS = _histogram(
+    "jitckpt_upload_seconds",
+    "Seconds per successful checkpoint upload.",
+    doc=(
+        "duration of each successful checkpoint upload (buckets 10 ms to 1 h); "
+        "`rate(jitckpt_upload_bytes_total) / rate(jitckpt_upload_seconds_sum)` is the "
+        "upload speed"
+    ),
+)
 UPLOAD_QUEUE_LENGTH = _gauge(
-    "jitckpt_upload_queue_length", "Committed checkpoints not yet in S3 (waiting or uploading)."
+    "jitckpt_upload_queue_length",
+    "Committed checkpoints not yet in S3 (waiting or uploading).",
+    doc="committed checkpoints not yet in S3 (waiting or uploading)",
 )
 LAST_UPLOADED_STEP = _gauge(
     "jitckpt_last_uploaded_step",
     "Step of the newest checkpoint committed in S3 that this sidecar uploaded or restored.",
     late=True,
+    doc=(
+        "newest step committed in S3 that this sidecar uploaded or restored; absent "
+        "before the first"
+    ),
 )
 UPLOAD_LAG = _gauge(
     "jitckpt_upload_lag_seconds",
     "Age of the newest committed checkpoint not yet in S3 (0 when none).",
+    doc=(
+        "age of the newest committed checkpoint not yet in S3; 0 when none (it starts "
+        "again near 0 with every commit, so it stays small through an outage)"
+    ),
 )
 UPLOAD_OLDEST_PENDING_AGE = _gauge(
     "jitckpt_upload_oldest_pending_age_seconds",
     "Age of the oldest committed checkpoint not yet in S3 (0 when none): grows through "
     "an S3 outage while new checkpoints keep arriving.",
+    doc=(
+        "age of the oldest committed checkpoint not yet in S3; 0 when none (grows through "
+        "an outage: what `JitckptUploadLag` alerts on)"
+    ),
 )
 UPLOAD_RETRIES = _counter(
     "jitckpt_upload_retries_total",
     "S3 requests retried (throttling, 5xx, resets), uploads and restores retried.",
+    doc=(
+        "S3 requests retried (throttling, 5xx, connection errors) plus whole uploads and "
+        "restores started again"
+    ),
 )
 S3_DELETED = _counter(
-    "jitckpt_s3_deleted_total", "Checkpoints deleted from S3 by retention (JITCKPT_S3_KEEP)."
+    "jitckpt_s3_deleted_total",
+    "Checkpoints deleted from S3 by retention (JITCKPT_S3_KEEP).",
+    doc="checkpoints deleted from S3 by retention (`JITCKPT_S3_KEEP`)",
 )
 # The start-up restore and readiness.
 RESTORE_SECONDS = _gauge(
     "jitckpt_restore_seconds",
     "Seconds the last start-up restore attempt took (listing, download, verification).",
     late=True,
+    doc=(
+        "duration of the last start-up restore attempt (listing, download, verification); "
+        "absent before one ended"
+    ),
 )
 RESTORES = _counter(
     "jitckpt_restores_total",
     "Start-up restore attempts by result: success (downloaded), failure (tried again "
     "while the sidecar stays not ready), none (nothing newer in S3).",
     ("result", RESTORE_RESULTS),
+    doc=(
+        "start-up restore attempts; a restore ends before the first scrape, so count "
+        "series (`count by (result) (jitckpt_restores_total > 0)`) rather than "
+        "`increase()`; `result`: `success` (downloaded), `failure` (tried again, not "
+        "ready meanwhile), `none` (nothing newer in S3)"
+    ),
 )
-SIDECAR_READY = _gauge("jitckpt_sidecar_ready", "1 once the restore finished (readiness).")
+SIDECAR_READY = _gauge(
+    "jitckpt_sidecar_ready",
+    "1 once the restore finished (readiness).",
+    doc="1 once a restore succeeded; 0 while it runs or keeps failing",
+)
 # The shared volume (read from the disk at scrape time).
 STORAGE_CAPACITY = _gauge(
     "jitckpt_storage_capacity_bytes",
     "Capacity of the shared volume: the emptyDir sizeLimit, else the filesystem size.",
+    doc=(
+        "`JITCKPT_STORAGE_CAPACITY` (the emptyDir `sizeLimit`), else the filesystem size; "
+        "read at scrape time"
+    ),
 )
 STORAGE_USED = _gauge(
-    "jitckpt_storage_used_bytes", "Bytes allocated under JITCKPT_DIR (hard links counted once)."
+    "jitckpt_storage_used_bytes",
+    "Bytes allocated under JITCKPT_DIR (hard links counted once).",
+    doc=("allocated bytes under `JITCKPT_DIR`, hard links counted once; read at scrape time"),
 )
 STORAGE_PEAK_USED = _gauge(
-    "jitckpt_storage_peak_used_bytes", "Highest used bytes seen by this sidecar."
+    "jitckpt_storage_peak_used_bytes",
+    "Highest used bytes seen by this sidecar.",
+    doc="highest used bytes seen by this sidecar",
 )
-STORAGE_PRESSURE = _gauge("jitckpt_storage_pressure_ratio", "Used bytes / capacity.")
+STORAGE_PRESSURE = _gauge(
+    "jitckpt_storage_pressure_ratio",
+    "Used bytes / capacity.",
+    doc="used / capacity",
+)
 STORAGE_PRESSURE_THRESHOLD = _gauge(
     "jitckpt_storage_pressure_threshold_ratio",
     "JITCKPT_DISK_PRESSURE_THRESHOLD: at this pressure ratio uploaded local checkpoints "
     "are deleted.",
+    doc=("`JITCKPT_DISK_PRESSURE_THRESHOLD`: at this ratio uploaded local checkpoints are deleted"),
 )
 STORAGE_PRUNED = _counter(
     "jitckpt_storage_pruned_total",
     "Local checkpoints deleted by per-node retention (save_total_limit) or under disk "
     "pressure, each once S3 held it.",
+    doc=(
+        "local checkpoints deleted by per-node retention (`save_total_limit`) or under "
+        "disk pressure, each once S3 held it"
+    ),
 )
 STORAGE_SAVE_PEAK = _gauge(
     "jitckpt_storage_save_peak_bytes",
     "Peak used bytes during the last checkpoint save over the usage when it began (the "
     "new checkpoint plus what the save wrote and removed again).",
+    doc=(
+        "the last save's peak used bytes over the usage when it began: the new checkpoint "
+        "plus what the save wrote and removed again (sampled every 50 ms)"
+    ),
 )
 
 LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {
