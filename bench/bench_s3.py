@@ -367,7 +367,7 @@ def commit_and_stage(jdir: Path, src: Path) -> Any:
     """checkpoint-1 under `jdir`, committed and staged as the trainer's hook does it (hard
     links to the source files: no copy)."""
     from jitckpt_entrypoint import manifest as m
-    from jitckpt_entrypoint.hook.commit import stage
+    from jitckpt_entrypoint.hook.committer import stage
 
     layout = m.Layout(str(jdir))
     layout.ensure()

@@ -18,6 +18,7 @@ from jitckpt_entrypoint.errors import JitckptError
 
 SAVE_STRATEGIES = ("no", "steps", "epoch")
 LOG_FORMATS = ("text", "json")
+ASYNC_BUSY = ("wait", "skip")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 # S3 bucket naming rules (3-63 chars, lowercase, digits, dots, hyphens; starts/ends alnum).
@@ -85,6 +86,18 @@ OPTIONS = (
     Option("jit", "JITCKPT_JIT", "--jit", "1 = save a checkpoint on SIGTERM, 0 = don't"),
     Option(
         "resume", "JITCKPT_RESUME", "--resume", "1 = resume from the newest committed checkpoint"
+    ),
+    Option(
+        "async_save",
+        "JITCKPT_ASYNC_SAVE",
+        "--async-save",
+        "1 = periodic Trainer saves written in the background, 0 = the Trainer's own",
+    ),
+    Option(
+        "async_busy",
+        "JITCKPT_ASYNC_BUSY",
+        "--async-busy",
+        "wait|skip: a periodic save due while the last one is being written",
     ),
     Option(
         "grace_seconds",
@@ -172,6 +185,10 @@ class Config:
     """Save, commit and exit at the next optimizer step boundary after SIGTERM."""
     resume: bool = True
     """Make Trainer.train() resume from the newest committed checkpoint."""
+    async_save: bool = False
+    """Write periodic Trainer saves from a host-memory snapshot on a background thread."""
+    async_busy: str = "wait"
+    """A periodic save due while the previous one is still being written: wait for it, or skip."""
     grace_seconds: int = 30
     """The pod's terminationGracePeriodSeconds: the whole budget from SIGTERM to SIGKILL."""
     exit_code: int = 143
@@ -200,6 +217,8 @@ class Config:
             )
         if not 1 <= self.exit_code <= 255:
             _bad("exit_code", self.exit_code, "an exit code from 1 to 255")
+        if self.async_busy not in ASYNC_BUSY:
+            _bad("async_busy", self.async_busy, "wait or skip")
         if self.log_format not in LOG_FORMATS:
             _bad("log_format", self.log_format, "text or json")
 

@@ -2,7 +2,7 @@
 
 `commit` does what the hook's `commit` does on each node, with the hook's own functions: write
 the files, exchange holdings so each file has one owner, write every node's manifest (its own
-last), hard-link the owned files and then the manifest into staging/ (`hook.commit.stage`), and
+last), hard-link the owned files and then the manifest into staging/ (`hook.committer.stage`), and
 record a save event. Plus the sidecar command line and log helpers used by the tests.
 """
 
@@ -20,7 +20,7 @@ from typing import Optional, Union
 from harness.procs import Proc, wait_for
 from jitckpt_entrypoint import manifest as m
 from jitckpt_entrypoint import status
-from jitckpt_entrypoint.hook.commit import stage
+from jitckpt_entrypoint.hook.committer import stage
 
 SIDECAR = [sys.executable, "-m", "jitckpt_sidecar"]
 Content = Union[bytes, int]

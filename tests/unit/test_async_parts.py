@@ -1,0 +1,89 @@
+"""The async save's parts in one process: host snapshots, the background writer, memory budget."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from jitckpt_entrypoint.hook import memory
+from jitckpt_entrypoint.hook.snapshot import Stager, UnsupportedStateError
+from jitckpt_entrypoint.hook.writer import BackgroundWriter, fsync_tree, write_files
+
+
+def test_a_snapshot_is_the_state_at_the_save_and_keeps_views_and_shared_storages():
+    """Copies finish before the update; views, offsets and tied tensors stay as they were."""
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    state = {"w": weight, "tied": weight, "row": weight[1], "t": weight.t(), "step": 7}
+    stager = Stager()
+    host, staging = stager.plan(state)
+    staging.start()
+    threading.Thread(target=staging.run).start()  # the writer thread's part
+    staging.before_update()
+    weight.add_(100)  # the optimizer step after the save
+    staging.wait()
+    assert torch.equal(host["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert host["tied"].untyped_storage().data_ptr() == host["w"].untyped_storage().data_ptr()
+    assert torch.equal(host["row"], host["w"][1])
+    assert host["row"].storage_offset() == 4
+    assert host["t"].stride() == (1, 4)
+    assert host["step"] == 7
+    assert staging.nbytes == 48
+
+
+def test_buffers_are_reused_from_one_save_to_the_next():
+    weight = torch.zeros(1000)
+    stager = Stager()
+    first, staging = stager.plan({"w": weight})
+    staging.run()
+    second, staging = stager.plan({"w": weight})
+    staging.run()
+    assert first["w"].untyped_storage().data_ptr() == second["w"].untyped_storage().data_ptr()
+    assert stager.nbytes == 4000
+
+
+def test_a_tensor_it_cannot_copy_exactly_is_refused():
+    with pytest.raises(UnsupportedStateError):
+        Stager().plan({"m": torch.empty(3, device="meta")})
+
+
+def test_the_writer_runs_jobs_in_order_and_keeps_errors_for_the_caller(tmp_path: Path):
+    writer = BackgroundWriter("test-writer")
+    seen: list[int] = []
+
+    def failing(job: object) -> None:
+        raise OSError("disk full")
+
+    jobs = [writer.submit(lambda _job, i=i: seen.append(i), f"job {i}") for i in range(3)]
+    bad = writer.submit(failing, "bad")
+    assert all(job.wait(10) for job in [*jobs, bad])
+    writer.close()
+    assert seen == [0, 1, 2]
+    assert isinstance(bad.error, OSError)
+
+
+def test_parallel_writes_then_one_fsync_pass(tmp_path: Path):
+    paths = [tmp_path / "a" / f"f{i}" for i in range(5)]
+    (tmp_path / "a").mkdir()
+    write_files([lambda p=p: p.write_bytes(b"x" * 100) for p in paths])
+    assert fsync_tree(str(tmp_path)) == 500
+
+
+def test_the_memory_budget_is_the_smaller_of_the_node_and_the_cgroup(tmp_path: Path):
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
+    assert memory.budget(str(tmp_path)) == memory.Budget(4_096_000_000, None)
+    cg = tmp_path / "sys" / "fs" / "cgroup"
+    cg.mkdir(parents=True)
+    (cg / "memory.max").write_text("2000000000\n")
+    (cg / "memory.current").write_text("1500000000\n")
+    (cg / "memory.stat").write_text("anon 1\ninactive_file 500000000\n")
+    budget = memory.budget(str(tmp_path))
+    assert budget == memory.Budget(1_000_000_000, 2_000_000_000)  # page cache is reclaimable
+    assert budget.fits(750_000_000)
+    assert not budget.fits(750_000_001)
+    assert budget.describe() == "1.00 GB available (cgroup limit 2.00 GB)"
+    (cg / "memory.max").write_text("max\n")
+    assert memory.budget(str(tmp_path)).limit is None
