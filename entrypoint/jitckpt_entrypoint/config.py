@@ -185,7 +185,7 @@ class Config:
     """Save, commit and exit at the next optimizer step boundary after SIGTERM."""
     resume: bool = True
     """Make Trainer.train() resume from the newest committed checkpoint."""
-    async_save: bool = False
+    async_save: bool = True
     """Write periodic Trainer saves from a host-memory snapshot on a background thread."""
     async_busy: str = "wait"
     """A periodic save due while the previous one is still being written: wait for it, or skip."""

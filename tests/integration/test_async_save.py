@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from harness.training import (
     TRAIN_HF,
+    TRAIN_LOOP,
     checkpoint_steps,
     entrypoint,
     hook_lines,
@@ -170,3 +171,28 @@ def test_skip_policy_skips_a_save_due_while_the_last_is_written(spawn, base_env,
     assert_committed_and_whole(jdir)
     assert 9 in m.committed_steps(str(jdir / "checkpoints"))
     assert len(m.committed_steps(str(jdir / "checkpoints"))) + len(skipped) == 9
+
+
+def test_plain_loop_async_saves_commit_after_dcps_write_and_resume(spawn, base_env, jdir):
+    """jitckpt.save(state, step, async_=True): DCP's async_save writes, jitckpt commits; a
+    SIGTERM stop still commits its JIT step; a rerun resumes from the newest."""
+    command = entrypoint(
+        torchrun(TRAIN_LOOP, "--steps", "5000", "--save-every", "5", "--async-save")
+    )
+    proc = spawn(command, env=base_env)
+    proc.expect(r"^step 23 rank=0$", timeout=120)
+    proc.send(signal.SIGTERM)
+    assert proc.wait(timeout=120) == JIT_EXIT, proc.output()
+    step = jit_record(jdir)["step"]  # type: ignore[index]
+    committed = m.committed_steps(str(jdir / "checkpoints"))
+    assert committed[-1] == step
+    assert {5, 10, 15, 20} <= set(committed)
+    assert manifest(jdir, 10)["kind"] == "periodic"
+    assert ".metadata" in {f["path"] for f in manifest(jdir, 10)["files"]}
+    assert not hook_lines(proc, "failed"), proc.output()
+
+    shutil.rmtree(ckpt(jdir, step))  # resume from an async-written one
+    rerun = spawn(entrypoint(torchrun(TRAIN_LOOP, "--steps", "40", "--async-save")), env=base_env)
+    assert rerun.wait(timeout=300) == 0, rerun.output()
+    assert int(rerun.expect(r"^begin rank=0 pid=\d+ step=(\d+)$").group(1)) == committed[-2]
+    assert manifest(jdir, 40)["kind"] == "final"

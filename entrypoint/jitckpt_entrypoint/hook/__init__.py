@@ -12,7 +12,7 @@ Hugging Face Trainer needs none of this (the hook patches it). A hand-written lo
         if jitckpt.should_stop():               # True on every rank at the same step
             jitckpt.save(state, step, kind="jit")   # saves, commits, exits JITCKPT_EXIT_CODE
         if step % 100 == 0:
-            jitckpt.save(state, step)
+            jitckpt.save(state, step)           # async_=True: written in the background
     jitckpt.save(state, total, kind="final")
     jitckpt.done()
 
@@ -63,17 +63,28 @@ def load(state_dict: dict[str, Any], path: str) -> None:
     dcp.load(state_dict, checkpoint_id=path)
 
 
-def save(state_dict: dict[str, Any], step: int, kind: str = "periodic") -> str:
+def save(
+    state_dict: dict[str, Any], step: int, kind: str = "periodic", async_: bool = False
+) -> str:
     """Save `state_dict` with torch.distributed.checkpoint as `step`, then commit it.
 
     kind is periodic, jit or final. With kind="jit" the process then exits with
-    JITCKPT_EXIT_CODE. A step that is already committed is not written again.
+    JITCKPT_EXIT_CODE. A step that is already committed is not written again. async_=True (a
+    periodic save only): DCP's own `async_save` stages the state to host memory and writes it
+    on a thread; jitckpt commits it once every rank's write is done. The next save (and
+    `done()`) waits for it; a SIGTERM stop abandons it uncommitted when it is older.
     """
     import torch.distributed.checkpoint as dcp
 
     from jitckpt_entrypoint.hook.manager import current
 
-    return current().save(step, lambda path: dcp.save(state_dict, checkpoint_id=path), kind)
+    manager = current()
+    if async_ and kind == "periodic":
+        return manager.save_dcp_async(
+            step,
+            lambda path, group: dcp.async_save(state_dict, checkpoint_id=path, process_group=group),
+        )
+    return manager.save(step, lambda path: dcp.save(state_dict, checkpoint_id=path), kind)
 
 
 def commit(path: str, step: int, kind: str = "periodic") -> None:

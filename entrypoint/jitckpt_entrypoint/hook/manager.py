@@ -70,7 +70,8 @@ class InFlight:
 
     pending: PendingSave
     job: Job
-    staging: Staging
+    staging: Optional[Staging]
+    """The host copy still being made (Trainer saves; DCP stages before it returns)."""
     blocked: float
     """Seconds the training thread spent on it so far (save call, then waits for the copy)."""
 
@@ -129,6 +130,7 @@ class CheckpointManager:
         session.training_started()
 
     def training_ended(self) -> None:
+        self.drain()
         self.session.training_ended()
 
     def record_output(self, output_dir: str, step: int) -> None:
@@ -289,24 +291,22 @@ class CheckpointManager:
         session = self.session
         if not session.cfg.async_save or self._writer_control is not None:
             return self._async
-        reason = unsupported
-        if reason is None:
+        short = None
+        if unsupported is None:
             budget = memory.budget()
             if not budget.fits(snapshot_bytes):
-                reason = (
+                short = (
                     f"a snapshot needs {snapshot_bytes / 1e9:.2f} GB of host memory, more than "
                     f"{memory.HEADROOM:.0%} of the {budget.describe()}"
                 )
-        refused = session.control.any_now(reason is not None)
-        if refused:
-            if reason is not None:
-                session.log.warning("async saves off, saving synchronously: %s", reason)
+                session.log.warning("async saves off, saving synchronously: %s", short)
+        if session.control.any_now(unsupported is not None or short is not None):
+            if unsupported is not None and session.topo.rank == 0:
+                session.log.info("periodic saves stay synchronous: %s", unsupported)
             return False
         from jitckpt_entrypoint.hook.snapshot import Stager
-        from jitckpt_entrypoint.hook.writer import BackgroundWriter
 
-        self._writer_control = ControlGroup()  # collective: every rank creates it here
-        self._writer = BackgroundWriter("jitckpt-writer")
+        self._start_writer()
         self._stager = Stager()
         self._async = True
         if session.topo.rank == 0:
@@ -347,24 +347,52 @@ class CheckpointManager:
         after_commit: Callable[[], None],
     ) -> None:
         """Training thread, after `begin_save`: small files now, the rest in the background."""
-        from jitckpt_entrypoint.hook.writer import CancelledError, fsync_tree, write_files
+        from jitckpt_entrypoint.hook.writer import fsync_tree, write_files
 
-        writer, stager, wctl = self._writer, self._stager, self._writer_control
-        if writer is None or stager is None or wctl is None:
+        stager = self._stager
+        if stager is None:
             raise RuntimeError("save_async before enable_async")
         started = time.monotonic()
         write_small(pending.path)
         host, staging = stager.plan(tensors())
         staging.start()
 
+        def write(job: Job) -> None:
+            staging.run()
+            job.check()
+            write_files(writers(pending.path, host), job)
+            job.check()
+            fsync_tree(pending.path)
+
+        self._submit(pending, write, after_commit, staging, started)
+
+    def _start_writer(self) -> tuple[BackgroundWriter, ControlGroup]:
+        """The background writer and its own control group (collective on first call)."""
+        from jitckpt_entrypoint.hook.writer import BackgroundWriter
+
+        if self._writer is None or self._writer_control is None:
+            self._writer_control = ControlGroup()  # collective: every rank creates it here
+            self._writer = BackgroundWriter("jitckpt-writer")
+        return self._writer, self._writer_control
+
+    def _submit(
+        self,
+        pending: PendingSave,
+        write: Callable[[Job], object],
+        after_commit: Callable[[], None],
+        staging: Optional[Staging],
+        started: float,
+    ) -> None:
+        """Hand `pending` to the writer: `write` it, vote on the writer's group (every rank
+        wrote, none cancelled), commit on that group, `after_commit`."""
+        from jitckpt_entrypoint.hook.writer import CancelledError
+
+        writer, wctl = self._start_writer()
+
         def run(job: Job) -> None:
             ok = False
             try:
-                staging.run()
-                job.check()
-                write_files(writers(pending.path, host), job)
-                job.check()
-                fsync_tree(pending.path)
+                write(job)
                 ok = True
             except CancelledError:
                 pass
@@ -388,10 +416,24 @@ class CheckpointManager:
         self._inflight = inflight
         self._pending = None
 
+    def save_dcp_async(self, step: int, start: Callable[[str, Any], Any]) -> str:
+        """The plain loop's async periodic save (collective): `start(path, process_group)`
+        begins DCP's own `async_save` (it stages to host memory and plans here, then writes on
+        its thread) and returns its future; our writer waits for it, then votes and commits as
+        for the Trainer's saves."""
+        pending = self.begin_save(step)
+        if pending is not None:
+            _, wctl = self._start_writer()
+            started = time.monotonic()
+            future = start(pending.path, wctl.group)
+            self._submit(pending, lambda _job: future.result(), lambda: None, None, started)
+        self.saved(step)
+        return self.checkpoint_dir(step)
+
     def before_update(self) -> None:
         """Training thread, before every optimizer step: the snapshot must be complete."""
         inflight = self._inflight
-        if inflight is None or inflight.staging.copied:
+        if inflight is None or inflight.staging is None or inflight.staging.copied:
             return
         started = time.monotonic()
         inflight.staging.before_update()
