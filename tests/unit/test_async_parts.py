@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from jitckpt_entrypoint import manifest as m
 from jitckpt_entrypoint.hook import memory
 from jitckpt_entrypoint.hook.snapshot import Stager, UnsupportedStateError
 from jitckpt_entrypoint.hook.writer import BackgroundWriter, fsync_tree, write_files
@@ -87,3 +88,71 @@ def test_the_memory_budget_is_the_smaller_of_the_node_and_the_cgroup(tmp_path: P
     assert budget.describe() == "1.00 GB available (cgroup limit 2.00 GB)"
     (cg / "memory.max").write_text("max\n")
     assert memory.budget(str(tmp_path)).limit is None
+
+
+def manager_with_async(root: Path):
+    from jitckpt_entrypoint.config import Config
+    from jitckpt_entrypoint.hook.manager import CheckpointManager
+    from jitckpt_entrypoint.hook.session import Session
+    from jitckpt_entrypoint.hook.topology import Topology
+
+    session = Session(Config(dir=str(root)), Topology(), "run-1")
+    session.layout.ensure()
+    manager = CheckpointManager(session)
+    assert manager.enable_async(1000, None)
+    return manager
+
+
+def async_save(manager, step: int, weight: torch.Tensor, gate: threading.Event) -> None:
+    """An async save of {"w": weight} whose big file waits for `gate`."""
+
+    def writers(path: str, host: dict) -> list:
+        def write() -> None:
+            gate.wait(10)
+            torch.save(host["w"], Path(path, "w.pt"))
+
+        return [write]
+
+    def write_small(path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        Path(path, "small.json").write_text("{}")
+
+    pending = manager.begin_save(step)
+    manager.save_async(
+        pending,
+        write_small,
+        lambda: {"w": weight},
+        writers,
+        lambda: None,
+    )
+
+
+def test_an_async_save_commits_the_state_at_its_step_in_the_background(tmp_path: Path):
+    """The snapshot is the step's state, whatever the next update does; the commit comes
+    after the files, and the next save drains it (one in flight)."""
+    manager = manager_with_async(tmp_path)
+    weight = torch.zeros(4)
+    gate = threading.Event()
+    async_save(manager, 5, weight, gate)
+    manager.saved(5)  # the Trainer's on_save: the writer commits, not this call
+    manager.before_update()
+    weight.add_(1)  # the next optimizer step
+    assert m.committed(manager.checkpoint_dir(5)) is None  # still writing
+    gate.set()
+    manager.drain()
+    assert m.committed(manager.checkpoint_dir(5)) is not None
+    assert torch.equal(torch.load(Path(manager.checkpoint_dir(5), "w.pt")), torch.zeros(4))
+    assert manager.is_committed(5)
+    assert [step for step, _ in manager.blocking] == [5]
+
+
+def test_a_stop_at_a_newer_step_abandons_the_save_in_flight_uncommitted(tmp_path: Path):
+    manager = manager_with_async(tmp_path)
+    gate = threading.Event()
+    async_save(manager, 5, torch.zeros(4), gate)
+    manager.saved(5)
+    threading.Timer(0.2, gate.set).start()
+    manager.stop_at(7)  # cancels 5, waits for its writer to stop
+    assert m.committed(manager.checkpoint_dir(5)) is None
+    assert not manager.is_committed(5)
+    assert manager.begin_save(7).kind == "jit"  # type: ignore[union-attr]
