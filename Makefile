@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.jitckpt-installed
 PYTEST_ARGS ?=
 
-.PHONY: test unit integration lint fmt demo bench image image-test k8s-check clean
+.PHONY: test test-py39 unit integration lint fmt docs demo bench image image-test k8s-check clean
 
 $(STAMP): requirements-dev.txt requirements-deepspeed.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; set PYTHON=/path/to/python3.11" >&2; exit 2; }
@@ -23,6 +23,20 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not podman" $(PYTEST_ARGS)
 
+# The entrypoint and its hook run under the training image's own python3 in swap-in mode
+# (>= 3.9): their own tests on python3.9, in .venv39 (pytest only; no torch). .ci/run calls it.
+PYTHON39 ?= $(shell for p in python3.9 $$(pyenv root 2>/dev/null)/versions/3.9*/bin/python3.9; do \
+	$$p -c '' 2>/dev/null && { command -v $$p; break; }; done)
+PY39_TESTS := tests/unit/test_config.py tests/unit/test_settings.py tests/unit/test_manifest.py \
+	tests/unit/test_status.py tests/unit/test_registry.py tests/unit/test_grace.py \
+	tests/unit/test_hook_parts.py tests/integration/test_entrypoint.py
+test-py39:
+	@test -n "$(PYTHON39)" || { echo "make: no working python3.9 (set PYTHON39=/path/to/python3.9)" >&2; exit 2; }
+	@test -x .venv39/bin/pytest || { $(PYTHON39) -m venv .venv39 && \
+	  .venv39/bin/python -m pip install --quiet "pytest<9" "pytest-timeout<3" && \
+	  .venv39/bin/python -m pip install --quiet --no-deps -e .; }
+	.venv39/bin/python -m pytest -p no:cacheprovider $(PY39_TESTS) $(PYTEST_ARGS)
+
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
@@ -38,6 +52,10 @@ lint: $(STAMP)
 fmt: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# The README's configuration and metrics tables, written from the code (a unit test checks them).
+docs: $(STAMP)
+	$(BIN)/python tools/readme_tables.py
 
 # A job preempted twice at random steps, resumed from S3 (moto on 127.0.0.1) in fresh pods,
 # compared with an uninterrupted run. DEMO_ARGS='--seed N' repeats a run; outputs in demo-out/.
@@ -66,4 +84,4 @@ k8s-check: $(STAMP)
 	$(BIN)/python -m pytest tests/k8s $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .venv39 .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,7 +1,7 @@
 """S3 upload and restore throughput of jitckpt-sidecar against the usual tools, and its idle cost.
 
 A ~1 GiB checkpoint laid out like a Hugging Face Trainer's (two model shards, the optimizer
-state, small JSON/RNG/scheduler files) goes to a local moto S3 server and back with:
+state, small JSON/RNG/scheduler files) goes to a local S3 store and back with:
 
 - jitckpt-sidecar: `run` with JITCKPT_EXIT_WITH_TRAINER=1 (probe, upload of the staged
   checkpoint, manifest last, exit) and `restore` (probe, listing, download, verification);
@@ -9,13 +9,21 @@ state, small JSON/RNG/scheduler files) goes to a local moto S3 server and back w
   AWS_CONFIG_FILE (max_concurrent_requests, multipart_chunksize);
 - `s5cmd cp` (from the venv), default and tuned (--numworkers, -c, -p).
 
-Every figure is the wall time of the whole process (start-up included), median of --runs, all
-against the same moto server in the same run; the first table row is the floor: the same bytes
-through raw HTTP PUT/GET on loopback to that server (no SDK, no signing, no checksums).
-Ratios are (best tool's time) / (sidecar's time): >= 1.0 means the sidecar is at least as fast.
-Then the sidecar's RSS and CPU while idle (after start-up, and after a 1 GiB upload).
+The store (--store): `moto` (moto's server mode, HTTP), `rgw` (a single-host Ceph RGW 16 from
+tests/harness/rgw.py, over HTTPS with its CA in AWS_CA_BUNDLE, as users run it) or `rgw-http`.
+On `rgw`, `aws s3 cp` needs AWS_REQUEST_CHECKSUM_CALCULATION=when_required (RGW 16 refuses
+botocore's aws-chunked uploads over HTTPS), set for it as its users must; the sidecar finds
+that out itself; s5cmd (aws-sdk-go v1) sends no flexible checksums.
 
-    .venv/bin/python bench/bench_s3.py [--size-mib 1024] [--runs 3] [--tune] [--no-idle]
+Every figure is the wall time of the whole process (start-up included), median of --runs, all
+against the same store in the same run; the first table row is the floor: the same bytes
+through raw HTTP(S) PUT/GET on loopback to that store (presigned: no SDK, no payload signing,
+no checksums). Ratios are (best tool's time) / (sidecar's time): >= 1.0 means the sidecar is
+at least as fast. Then the sidecar's RSS and CPU while idle (after start-up, and after a 1 GiB
+upload).
+
+    .venv/bin/python bench/bench_s3.py [--store moto|rgw|rgw-http] [--size-mib 1024] [--runs 3]
+                                       [--tune] [--no-idle]
 
 --tune runs every candidate setting once on a smaller checkpoint to choose the tuned rows.
 Temporary data lives under /tmp (or $TMPDIR) and is deleted at the end.
@@ -26,12 +34,14 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import http.client
 import json
 import os
 import re
 import shutil
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -43,7 +53,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
+FLOOR = "floor: raw HTTP(S) PUT/GET, all files in parallel"
+SIDECAR_ROW = "jitckpt-sidecar (defaults)"
 AWS = str(VENV_BIN / "aws")
 S5CMD = str(VENV_BIN / "s5cmd")
 CREDENTIALS = {
@@ -129,7 +142,51 @@ def total_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-# -- the S3 server -----------------------------------------------------------------------------
+# -- the S3 store ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Store:
+    name: str
+    endpoint: str
+    ca_bundle: Optional[str] = None
+    aws_cli_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    """What `aws` needs on this store beyond endpoint, keys and CA bundle."""
+    collect: Callable[[], None] = lambda: None
+    """Frees the space of deleted objects now (RGW's garbage collection)."""
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"AWS_CA_BUNDLE": self.ca_bundle} if self.ca_bundle else {}
+
+
+@contextlib.contextmanager
+def s3_store(name: str, tmp: Path) -> Iterator[Store]:
+    if name == "moto":
+        with moto_server(tmp) as endpoint:
+            yield Store("moto", endpoint)
+        return
+    sys.path.insert(0, str(REPO / "tests"))
+    from harness import rgw
+
+    if rgw.missing_binaries():
+        raise SystemExit(f"--store {name} needs Ceph: {rgw.INSTALL_HINT}")
+    keys = CREDENTIALS["AWS_ACCESS_KEY_ID"], CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
+    with rgw.running(tmp / "ceph", *keys) as cluster:
+        rss = ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in cluster.rss().items())
+        print(f"Ceph RGW up in {cluster.start_seconds:.1f} s (RSS {rss})", file=sys.stderr)
+        if name == "rgw":
+            yield Store(
+                "Ceph RGW 16 (HTTPS)",
+                cluster.https_endpoint,
+                str(cluster.ca_bundle),
+                {"AWS_REQUEST_CHECKSUM_CALCULATION": "when_required"},
+                cluster.gc,
+            )
+        else:
+            yield Store("Ceph RGW 16 (HTTP)", cluster.http_endpoint, collect=cluster.gc)
+        rss = ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in cluster.rss().items())
+        print(f"Ceph RGW at the end: RSS {rss}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -162,15 +219,22 @@ def moto_server(tmp: Path) -> Iterator[str]:
         proc.wait()
 
 
-def s3_client(endpoint: str) -> Any:
+def s3_client(store: Store) -> Any:
     import boto3
+    from botocore.config import Config
 
     return boto3.client(
         "s3",
-        endpoint_url=endpoint,
+        endpoint_url=store.endpoint,
+        verify=store.ca_bundle,
         aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
         aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
         region_name="us-east-1",
+        config=Config(
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            s3={"addressing_style": "path"},
+        ),
     )
 
 
@@ -184,9 +248,19 @@ def empty_prefix(client: Any, prefix: str) -> None:
 # -- the floor: raw HTTP on loopback -----------------------------------------------------------
 
 
-def raw_put(url: str, path: Path) -> None:
+def _connection(url: str, ca_bundle: Optional[str]) -> http.client.HTTPConnection:
     parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=600)
+    if parts.scheme == "https":
+        context = ssl.create_default_context(cafile=ca_bundle)
+        return http.client.HTTPSConnection(
+            parts.hostname or "", parts.port, timeout=600, context=context
+        )
+    return http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=600)
+
+
+def raw_put(url: str, path: Path, ca_bundle: Optional[str]) -> None:
+    parts = urllib.parse.urlsplit(url)
+    conn = _connection(url, ca_bundle)
     with open(path, "rb") as f:
         headers = {"Content-Length": str(path.stat().st_size)}
         conn.request("PUT", f"{parts.path}?{parts.query}", body=f, headers=headers)
@@ -196,9 +270,9 @@ def raw_put(url: str, path: Path) -> None:
     conn.close()
 
 
-def raw_get(url: str, dest: Path) -> None:
+def raw_get(url: str, dest: Path, ca_bundle: Optional[str]) -> None:
     parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=600)
+    conn = _connection(url, ca_bundle)
     conn.request("GET", f"{parts.path}?{parts.query}")
     resp = conn.getresponse()
     assert resp.status == 200, resp.status
@@ -208,29 +282,42 @@ def raw_get(url: str, dest: Path) -> None:
     conn.close()
 
 
-def floor(src: Path, work: Path, client: Any) -> tuple[float, float]:
-    """Seconds to PUT and to GET every file once, all files in parallel: plain HTTP requests
-    (presigned URLs: no SDK, no payload signing, no checksums)."""
-    files = [p for p in src.rglob("*") if p.is_file()]
+class RawHttp:
+    """The floor: every file PUT (or every object under the prefix GET) once, all in parallel,
+    as plain HTTP(S) requests on presigned URLs (no SDK, no payload signing, no checksums)."""
 
-    def url(method: str, p: Path) -> str:
-        params = {"Bucket": BUCKET, "Key": f"floor/{p.name}"}
-        return str(client.generate_presigned_url(method, Params=params, ExpiresIn=3600))
+    def __init__(self, store: Store, client: Any) -> None:
+        self.store, self.client = store, client
 
-    puts = {p: url("put_object", p) for p in files}
-    gets = {p: url("get_object", p) for p in files}
-    with concurrent.futures.ThreadPoolExecutor(len(files)) as pool:
-        start = time.perf_counter()
-        list(pool.map(lambda p: raw_put(puts[p], p), files))
-        put = time.perf_counter() - start
-        out = work / "floor-get"
-        out.mkdir()
-        start = time.perf_counter()
-        list(pool.map(lambda p: raw_get(gets[p], out / p.name), files))
-        get = time.perf_counter() - start
-    shutil.rmtree(out)
-    empty_prefix(client, "floor/")
-    return put, get
+    def _url(self, method: str, key: str) -> str:
+        params = {"Bucket": BUCKET, "Key": key}
+        return str(self.client.generate_presigned_url(method, Params=params, ExpiresIn=3600))
+
+    def upload(self, src: Path, prefix: str) -> float:
+        files = [p for p in src.rglob("*") if p.is_file()]
+        urls = {p: self._url("put_object", f"{prefix}/{p.relative_to(src)}") for p in files}
+        with concurrent.futures.ThreadPoolExecutor(len(files)) as pool:
+            start = time.perf_counter()
+            list(pool.map(lambda p: raw_put(urls[p], p, self.store.ca_bundle), files))
+            return time.perf_counter() - start
+
+    def download(self, prefix: str, dest: Path) -> float:
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=BUCKET, Prefix=prefix + "/"
+        )
+        keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+        urls = {k: self._url("get_object", k) for k in keys}
+        for key in keys:
+            (dest / key[len(prefix) + 1 :]).parent.mkdir(parents=True, exist_ok=True)
+        with concurrent.futures.ThreadPoolExecutor(len(keys)) as pool:
+            start = time.perf_counter()
+            list(
+                pool.map(
+                    lambda k: raw_get(urls[k], dest / k[len(prefix) + 1 :], self.store.ca_bundle),
+                    keys,
+                )
+            )
+            return time.perf_counter() - start
 
 
 # -- the tools ---------------------------------------------------------------------------------
@@ -245,16 +332,19 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
     return seconds, proc.stderr
 
 
-def base_env(endpoint: str) -> dict[str, str]:
+def base_env(store: Store) -> dict[str, str]:
+    """What a user sets: keys, endpoint, the CA bundle for HTTPS."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "JITCKPT_"))}
     env.update(CREDENTIALS)
-    env["AWS_ENDPOINT_URL"] = endpoint
+    env.update(store.env)
+    env["AWS_ENDPOINT_URL"] = store.endpoint
     return env
 
 
 class Aws:
-    def __init__(self, endpoint: str, work: Path, settings: Optional[dict[str, str]]) -> None:
-        self.env = base_env(endpoint)
+    def __init__(self, store: Store, work: Path, settings: Optional[dict[str, str]]) -> None:
+        self.env = {**base_env(store), **store.aws_cli_env}
+        endpoint = store.endpoint
         config = work / f"aws-config-{os.getpid()}-{id(self)}"
         lines = ["[default]", "region = us-east-1"]
         if settings:
@@ -293,9 +383,9 @@ class Aws:
 
 
 class S5cmd:
-    def __init__(self, endpoint: str, args: Optional[list[str]]) -> None:
-        self.env = base_env(endpoint)
-        self.endpoint = endpoint
+    def __init__(self, store: Store, args: Optional[list[str]]) -> None:
+        self.env = base_env(store)
+        self.endpoint = store.endpoint
         self.args = args or ["cp"]
 
     def _argv(self, src: str, dest: str) -> list[str]:
@@ -322,8 +412,8 @@ class Sidecar:
     """jitckpt-sidecar as shipped: `run` uploads the staged checkpoint and exits (the trainer
     has exited, JITCKPT_EXIT_WITH_TRAINER=1); `restore` downloads and verifies."""
 
-    def __init__(self, endpoint: str, work: Path, settings: Optional[dict[str, str]]) -> None:
-        self.env = base_env(endpoint)
+    def __init__(self, store: Store, work: Path, settings: Optional[dict[str, str]]) -> None:
+        self.env = base_env(store)
         self.env.update(settings or {})
         self.work = work
         self.last_transfer = 0.0
@@ -390,6 +480,7 @@ def measure(
     src: Path,
     work: Path,
     client: Any,
+    store: Store,
     *,
     runs: int,
     restore_prefix: str,
@@ -404,6 +495,7 @@ def measure(
             raw[name]["up"].append(up.upload(src, prefix))
             raw[name]["up_transfer"].append(getattr(up, "last_transfer", float("nan")))
             empty_prefix(client, prefix + "/")
+            store.collect()
             dest = work / f"down-{i}"
             shutil.rmtree(dest, ignore_errors=True)
             dest.mkdir()
@@ -422,31 +514,30 @@ def measure(
     return out
 
 
-def seed_restore_prefix(endpoint: str, src: Path, work: Path) -> str:
+def seed_restore_prefix(store: Store, src: Path, work: Path) -> str:
     """The checkpoint as the sidecar stores it (files + manifest): every tool downloads it."""
     prefix = "restore-source"
-    Sidecar(endpoint, work, SIDECAR_TUNED).upload(src, prefix)
+    Sidecar(store, work, SIDECAR_TUNED).upload(src, prefix)
     return prefix + "/checkpoint-1"
 
 
 def tune(
-    endpoint: str, src: Path, work: Path, client: Any, restore_prefix: str, *, tools: set[str]
+    store: Store, src: Path, work: Path, client: Any, restore_prefix: str, *, tools: set[str]
 ) -> None:
     print(f"\ntuning on {total_bytes(src) / MiB:.0f} MiB, one run per setting (seconds)")
     print(f"{'tool':8} {'setting':70} {'upload':>8} {'restore':>8}")
     rows: list[tuple[str, str, Callable[[], Any]]] = []
-    rows += [("aws", json.dumps(c), lambda c=c: Aws(endpoint, work, c)) for c in AWS_CANDIDATES]
-    rows += [("s5cmd", " ".join(c), lambda c=c: S5cmd(endpoint, c)) for c in S5CMD_CANDIDATES]
+    rows += [("aws", json.dumps(c), lambda c=c: Aws(store, work, c)) for c in AWS_CANDIDATES]
+    rows += [("s5cmd", " ".join(c), lambda c=c: S5cmd(store, c)) for c in S5CMD_CANDIDATES]
     rows += [
-        ("sidecar", json.dumps(c), lambda c=c: Sidecar(endpoint, work, c))
-        for c in SIDECAR_CANDIDATES
+        ("sidecar", json.dumps(c), lambda c=c: Sidecar(store, work, c)) for c in SIDECAR_CANDIDATES
     ]
     for name, setting, make in rows:
         if name not in tools:
             continue
         tool = make()
         result = measure(
-            [(name, tool, tool)], src, work, client, runs=1, restore_prefix=restore_prefix
+            [(name, tool, tool)], src, work, client, store, runs=1, restore_prefix=restore_prefix
         )[name]
         print(f"{name:8} {setting:70} {result['up']:8.2f} {result['down']:8.2f}", flush=True)
 
@@ -455,7 +546,7 @@ def tune(
 
 
 def idle_cost(
-    endpoint: str, src: Path, work: Path, seconds: float
+    store: Store, src: Path, work: Path, seconds: float
 ) -> list[tuple[str, float, float]]:
     """(phase, RSS MB, CPU %) of a running sidecar: idle after start-up, idle after an upload."""
     import psutil
@@ -467,7 +558,7 @@ def idle_cost(
     shutil.rmtree(jdir, ignore_errors=True)
     m.Layout(str(jdir)).ensure()
     env = {
-        **base_env(endpoint),
+        **base_env(store),
         "JITCKPT_DIR": str(jdir),
         "JITCKPT_STORAGE_URI": f"s3://{BUCKET}/idle",
         "JITCKPT_METRICS_HOST": "127.0.0.1",
@@ -514,6 +605,7 @@ def idle_cost(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--store", choices=["moto", "rgw", "rgw-http"], default="moto")
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tune", action="store_true", help="try every candidate once, then stop")
@@ -525,64 +617,71 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="jitckpt-bench-") as tmp:
         work = Path(tmp)
         src = write_checkpoint(work, args.size_mib)
-        size = total_bytes(src)
-        moto_tmp = work / "moto"
-        moto_tmp.mkdir()
-        with moto_server(moto_tmp) as endpoint:
-            client = s3_client(endpoint)
+        store_tmp = work / "store"
+        store_tmp.mkdir()
+        with s3_store(args.store, store_tmp) as store:
+            client = s3_client(store)
             client.create_bucket(Bucket=BUCKET)
-            restore_prefix = seed_restore_prefix(endpoint, src, work)
+            restore_prefix = seed_restore_prefix(store, src, work)
             if args.tune:
-                tune(endpoint, src, work, client, restore_prefix, tools=set(args.tools.split(",")))
+                tune(store, src, work, client, restore_prefix, tools=set(args.tools.split(",")))
                 return
-            put, get = floor(src, work, client)
             up_aws = " ".join(f"{k}={v}" for k, v in AWS_TUNED_UP.items())
             down_aws = " ".join(f"{k}={v}" for k, v in AWS_TUNED_DOWN.items())
             up_s5, down_s5 = " ".join(S5CMD_TUNED_UP), " ".join(S5CMD_TUNED_DOWN)
-            aws, s5 = Aws(endpoint, work, None), S5cmd(endpoint, None)
-            sidecar = Sidecar(endpoint, work, SIDECAR_TUNED)
+            aws, s5 = Aws(store, work, None), S5cmd(store, None)
+            sidecar, raw = Sidecar(store, work, SIDECAR_TUNED), RawHttp(store, client)
             tools = [
+                (FLOOR, raw, raw),
                 ("aws default", aws, aws),
-                (
-                    "aws tuned",
-                    Aws(endpoint, work, AWS_TUNED_UP),
-                    Aws(endpoint, work, AWS_TUNED_DOWN),
-                ),
+                ("aws tuned", Aws(store, work, AWS_TUNED_UP), Aws(store, work, AWS_TUNED_DOWN)),
                 ("s5cmd default", s5, s5),
-                (
-                    "s5cmd tuned",
-                    S5cmd(endpoint, S5CMD_TUNED_UP),
-                    S5cmd(endpoint, S5CMD_TUNED_DOWN),
-                ),
-                ("jitckpt-sidecar (defaults)", sidecar, sidecar),
+                ("s5cmd tuned", S5cmd(store, S5CMD_TUNED_UP), S5cmd(store, S5CMD_TUNED_DOWN)),
+                (SIDECAR_ROW, sidecar, sidecar),
             ]
             results = measure(
-                tools, src, work, client, runs=args.runs, restore_prefix=restore_prefix
+                tools, src, work, client, store, runs=args.runs, restore_prefix=restore_prefix
             )
             legend = [
                 f"aws tuned: upload {up_aws}; restore {down_aws} (AWS_CONFIG_FILE s3 section)",
                 f"s5cmd tuned: upload s5cmd {up_s5}; restore s5cmd {down_s5}",
                 (
                     "jitckpt-sidecar: JITCKPT_UPLOAD_CONCURRENCY=8 JITCKPT_MULTIPART_CHUNK=16Mi "
-                    "JITCKPT_DOWNLOAD_CONCURRENCY=4 JITCKPT_DOWNLOAD_CHUNK=256Mi (defaults)"
+                    "JITCKPT_DOWNLOAD_CONCURRENCY=4 JITCKPT_DOWNLOAD_CHUNK=512Mi (defaults)"
                 ),
             ]
-            idle = [] if args.no_idle else idle_cost(endpoint, src, work, args.idle_seconds)
+            if store.aws_cli_env:
+                settings = " ".join(f"{k}={v}" for k, v in store.aws_cli_env.items())
+                legend.append(f"aws (both rows) with {settings}: it fails on this store without")
+            idle = [] if args.no_idle else idle_cost(store, src, work, args.idle_seconds)
 
-    ours = results["jitckpt-sidecar (defaults)"]
-    others = {k: v for k, v in results.items() if not k.startswith("jitckpt")}
-    best_up = min(v["up"] for v in others.values())
-    best_down = min(v["down"] for v in others.values())
-    mb = size / 1e6
+    report(results, legend, idle, store.name, args)
+
+
+def report(
+    results: dict[str, dict[str, Any]],
+    legend: list[str],
+    idle: list[tuple[str, float, float]],
+    store: str,
+    args: argparse.Namespace,
+) -> None:
+    ours = results[SIDECAR_ROW]
+    floor = results[FLOOR]
+    tools = {k: v for k, v in results.items() if k not in (SIDECAR_ROW, FLOOR)}
+    best_up = min(v["up"] for v in tools.values())
+    best_down = min(v["down"] for v in tools.values())
+    mb = sum(checkpoint_layout(args.size_mib).values()) / 1e6
 
     def cells(up: float, down: float) -> str:
         return f"{up:9.2f} ({mb / up:4.0f}){down:9.2f} ({mb / down:4.0f})"
 
     files = len(checkpoint_layout(args.size_mib))
-    print(f"\n{size / MiB:.0f} MiB checkpoint ({files} files) on moto, median of {args.runs} runs,")
+    print(
+        f"\n{mb * 1e6 / MiB:.0f} MiB checkpoint ({files} files) on {store}, "
+        f"median of {args.runs} interleaved runs,"
+    )
     print("wall seconds of the whole process (MB/s)")
     print(f"{'':60}{'upload':>16}{'restore':>16}")
-    print(f"{'floor: raw HTTP PUT/GET, all files in parallel':60}{cells(put, get)}")
     for name, r in results.items():
         print(f"{name:60}{cells(r['up'], r['down'])}")
     transfer = f"{ours['up_transfer']:9.2f}{'':7}{ours['down_transfer']:9.2f}"
@@ -593,7 +692,10 @@ def main() -> None:
         f"\nratio best tool / sidecar (>= 1.0: sidecar at least as fast): "
         f"upload {best_up / ours['up']:.2f}, restore {best_down / ours['down']:.2f}"
     )
-    print(f"ratio floor / sidecar: upload {put / ours['up']:.2f}, restore {get / ours['down']:.2f}")
+    print(
+        f"ratio floor / sidecar: upload {floor['up'] / ours['up']:.2f}, "
+        f"restore {floor['down'] / ours['down']:.2f}"
+    )
     for phase, rss, cpu in idle:
         print(f"sidecar {phase}: RSS {rss:.1f} MB, CPU {cpu:.2f} % over {args.idle_seconds:.0f} s")
 

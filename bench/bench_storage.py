@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from harness.checkpoints import scrape
-from harness.pod import Node, Pod
+from harness.pod import Node, Pod, start_job
 from harness.procs import free_port, wait_for
 from harness.s3 import Bucket, MotoServer
 from harness.training import strategy_env
@@ -59,12 +59,7 @@ def run(strategy: str, model: list[str], server: MotoServer, root: Path) -> list
         for rank in (0, 1)
     ]
     try:
-        for pod in pods:
-            pod.start_sidecar()
-        for pod in pods:
-            pod.wait_ready()
-        for pod in pods:
-            pod.start_trainer()
+        start_job(pods)
         rows = []
         for node, pod in enumerate(pods):
             assert pod.trainer is not None

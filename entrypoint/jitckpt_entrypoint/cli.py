@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import os
@@ -11,10 +10,19 @@ import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from typing import NoReturn, Optional
+from typing import Any, Optional
 
-from jitckpt_entrypoint import __version__, final, grace, log, registry, status, supervisor
-from jitckpt_entrypoint.config import OPTIONS, Config, add_arguments, parse_s3_uri
+from jitckpt_entrypoint import (
+    __version__,
+    final,
+    grace,
+    log,
+    registry,
+    settings,
+    status,
+    supervisor,
+)
+from jitckpt_entrypoint.config import OPTIONS, Config, parse_s3_uri
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.manifest import FINAL_NAME, Layout
 from jitckpt_entrypoint.shutdown import Shutdown
@@ -23,18 +31,10 @@ PROG = "jitckpt-entrypoint"
 USAGE = f"{PROG} [OPTIONS] -- COMMAND [ARG...]"
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
-_BOOL_FIELDS = ("jit", "resume")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # argparse quotes unknown arguments verbatim; one with a newline must not split the line.
-        message = message.replace("\r", "\\r").replace("\n", "\\n")
-        raise JitckptError(f"{message}; usage: {USAGE}")
-
-
-def _parser() -> _Parser:
-    parser = _Parser(
+def _parser() -> settings.ArgumentParser:
+    parser = settings.ArgumentParser(
         prog=PROG,
         usage=USAGE,
         description=(
@@ -42,15 +42,15 @@ def _parser() -> _Parser:
             "injected hook save a just-in-time checkpoint on SIGTERM. Every option also reads "
             "its JITCKPT_* environment variable; a flag wins over the variable."
         ),
-        allow_abbrev=False,
+        hint=f"usage: {USAGE}",
     )
-    add_arguments(parser, OPTIONS, _BOOL_FIELDS)
+    settings.add_flags(parser, OPTIONS)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     return parser
 
 
-def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], bool, list[str]]:
+def parse_args(argv: Sequence[str]) -> tuple[dict[str, Any], bool, list[str]]:
     """Split `argv` into (flag values by field, verbose, command)."""
     if "--" not in argv:
         if any(a in ("-h", "--help", "--version") for a in argv):
@@ -61,12 +61,7 @@ def parse_args(argv: Sequence[str]) -> tuple[dict[str, str], bool, list[str]]:
     if not command:
         raise JitckptError(f"missing the training command after '--'; usage: {USAGE}")
     parsed = vars(_parser().parse_args(options))
-    verbose = bool(parsed.pop("verbose"))
-    flags = {}
-    for name, value in parsed.items():
-        if value is not None:
-            flags[name] = ("1" if value else "0") if name in _BOOL_FIELDS else str(value)
-    return flags, verbose, command
+    return settings.flag_values(parsed, OPTIONS), bool(parsed["verbose"]), command
 
 
 def resolve_command(name: str, env: Mapping[str, str]) -> str:

@@ -2,25 +2,38 @@
 
 The entrypoint resolves it once (bad values are a one-line error and exit 2 before anything
 starts) and passes every resolved value to the child as JITCKPT_* variables; the hook inside
-the training processes reads the same variables back with `from_env`.
+the training processes reads the same variables back with `from_env`. The options both
+components read (DIR, STORAGE_URI, GRACE_SECONDS, LOG_FORMAT, TERMINATION_LOG) are declared
+here once; the sidecar's table reuses them.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import re
 from collections.abc import Mapping
-from typing import Optional
+from typing import Any, Optional
 
 from jitckpt_entrypoint.errors import JitckptError
+from jitckpt_entrypoint.settings import (
+    BOOLEAN,
+    INTEGER,
+    OPTIONAL_INTEGER,
+    OPTIONAL_TEXT,
+    TEXT,
+    Option,
+    at_least,
+    between,
+    one_of,
+    resolve,
+    rule,
+    validate,
+)
 
 SAVE_STRATEGIES = ("no", "steps", "epoch")
 LOG_FORMATS = ("text", "json")
 ASYNC_BUSY = ("wait", "skip")
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 # S3 bucket naming rules (3-63 chars, lowercase, digits, dots, hyphens; starts/ends alnum).
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _USERINFO = re.compile(r"//[^/@]*@")
@@ -29,97 +42,6 @@ _USERINFO = re.compile(r"//[^/@]*@")
 def redact_userinfo(url: str) -> str:
     """`url` with the user:password@ of its authority (a secret, maybe) replaced by ***@."""
     return _USERINFO.sub("//***@", url)
-
-
-@dataclasses.dataclass(frozen=True)
-class Option:
-    field: str
-    env: str
-    flag: str
-    help: str
-
-
-def add_arguments(
-    parser: argparse.ArgumentParser, options: tuple[Option, ...], bool_fields: tuple[str, ...]
-) -> None:
-    """One flag per option (--x/--no-x for booleans), each help naming its variable."""
-    for option in options:
-        text = f"{option.help} [{option.env}]"
-        if option.field in bool_fields:
-            parser.add_argument(
-                option.flag,
-                dest=option.field,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=text,
-            )
-        else:
-            parser.add_argument(option.flag, dest=option.field, metavar="VALUE", help=text)
-
-
-OPTIONS = (
-    Option("dir", "JITCKPT_DIR", "--dir", "shared volume root (the emptyDir)"),
-    Option(
-        "storage_uri",
-        "JITCKPT_STORAGE_URI",
-        "--storage-uri",
-        "s3://bucket/prefix; empty = no upload",
-    ),
-    Option(
-        "save_strategy",
-        "JITCKPT_SAVE_STRATEGY",
-        "--save-strategy",
-        "no|steps|epoch; overrides the script",
-    ),
-    Option(
-        "save_steps",
-        "JITCKPT_SAVE_STEPS",
-        "--save-steps",
-        "periodic save interval in optimizer steps",
-    ),
-    Option(
-        "save_total_limit",
-        "JITCKPT_SAVE_TOTAL_LIMIT",
-        "--save-total-limit",
-        "local checkpoints to keep",
-    ),
-    Option("jit", "JITCKPT_JIT", "--jit", "1 = save a checkpoint on SIGTERM, 0 = don't"),
-    Option(
-        "resume", "JITCKPT_RESUME", "--resume", "1 = resume from the newest committed checkpoint"
-    ),
-    Option(
-        "async_save",
-        "JITCKPT_ASYNC_SAVE",
-        "--async-save",
-        "1 = periodic Trainer saves written in the background, 0 = the Trainer's own",
-    ),
-    Option(
-        "async_busy",
-        "JITCKPT_ASYNC_BUSY",
-        "--async-busy",
-        "wait|skip: a periodic save due while the last one is being written",
-    ),
-    Option(
-        "grace_seconds",
-        "JITCKPT_GRACE_SECONDS",
-        "--grace-seconds",
-        "the pod's terminationGracePeriodSeconds",
-    ),
-    Option(
-        "exit_code",
-        "JITCKPT_EXIT_CODE",
-        "--exit-code",
-        "exit code after a committed JIT checkpoint",
-    ),
-    Option(
-        "termination_log",
-        "JITCKPT_TERMINATION_LOG",
-        "--termination-log",
-        "summary file; empty = none",
-    ),
-    Option("log_format", "JITCKPT_LOG_FORMAT", "--log-format", "text|json"),
-)
-OPTION_BY_FIELD = {o.field: o for o in OPTIONS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +89,132 @@ def shutdown_timeout_for(grace_seconds: int) -> int:
     return max(1, grace_seconds * 3 // 4)
 
 
+def s3_uri_problem(value: str) -> Optional[str]:
+    """What parse_s3_uri says after the value it quotes, or None for a valid URI (a check)."""
+    try:
+        parse_s3_uri(value, "")
+    except JitckptError as exc:
+        return str(exc)[len(f"={redact_userinfo(value)!r}") :]
+    return None
+
+
+# --- options both components read -----------------------------------------------------------
+
+DIR = Option(
+    "dir",
+    TEXT,
+    "shared volume root (the emptyDir)",
+    # A relative one lands in the container's own layer, not on the volume shared with the other.
+    check=rule(os.path.isabs, "an absolute path to the shared volume, e.g. /mnt/jitckpt"),
+    doc="shared volume root (the emptyDir, same path in both containers); holds `checkpoints/`, "
+    "`staging/`, `status/`",
+)
+STORAGE_URI = Option(
+    "storage_uri",
+    TEXT,
+    "s3://bucket/prefix; empty = no upload",
+    check=lambda value: s3_uri_problem(value) if value else None,
+    show=redact_userinfo,
+    doc="`s3://bucket/prefix`. E: empty = local/PVC mode, nothing is staged for upload (so set it "
+    "on the trainer too). S: required; empty = `s3://$AWS_S3_BUCKET/jitckpt`",
+)
+GRACE_SECONDS = Option(
+    "grace_seconds",
+    INTEGER,
+    "the pod's terminationGracePeriodSeconds",
+    check=at_least(1, "the pod's terminationGracePeriodSeconds (>= 1)"),
+    doc="the pod's `terminationGracePeriodSeconds`. E: torchrun's shutdown timeout is 3/4 of it, "
+    "and the start-up estimate is checked against it. S: the drain ends a margin before it",
+)
+LOG_FORMAT = Option(
+    "log_format",
+    TEXT,
+    "text|json",
+    check=one_of(LOG_FORMATS, "text or json"),
+    doc="`text` or `json` log lines on stderr",
+)
+TERMINATION_LOG = Option(
+    "termination_log",
+    TEXT,
+    "summary file; empty = none",
+    doc="E: where the one-line summary goes. S: where the one-line reason of a failure goes (a "
+    "restore that failed, S3 refused). The default path only when it exists; empty = nowhere",
+)
+
+# --- the trainer side's ---------------------------------------------------------------------
+
+OPTIONS = (
+    DIR,
+    STORAGE_URI,
+    Option(
+        "save_strategy",
+        OPTIONAL_TEXT,
+        "no|steps|epoch; overrides the script",
+        check=one_of(SAVE_STRATEGIES),
+        default_doc="unset (script's own)",
+        doc="`no`, `steps` or `epoch`; overrides the script's TrainingArguments (logged once)",
+    ),
+    Option(
+        "save_steps",
+        OPTIONAL_INTEGER,
+        "periodic save interval in optimizer steps",
+        check=at_least(1, "a whole number of optimizer steps >= 1"),
+        doc="periodic save interval in optimizer steps; alone it implies `steps`",
+    ),
+    Option(
+        "save_total_limit",
+        OPTIONAL_INTEGER,
+        "local checkpoints to keep",
+        check=at_least(1, "a whole number >= 1"),
+        doc="local checkpoints kept: overrides the Trainer's `save_total_limit` (plain loops: this "
+        "alone); HF rotates on process 0, the sidecar applies the same limit on every node",
+    ),
+    Option(
+        "jit",
+        BOOLEAN,
+        "1 = save a checkpoint on SIGTERM, 0 = don't",
+        doc="save a checkpoint at the next step boundary after SIGTERM",
+    ),
+    Option(
+        "resume",
+        BOOLEAN,
+        "1 = resume from the newest committed checkpoint",
+        doc="`Trainer.train()` (and `latest_checkpoint()`) resume from the newest committed "
+        "checkpoint",
+    ),
+    Option(
+        "async_save",
+        BOOLEAN,
+        "1 = periodic Trainer saves written in the background, 0 = the Trainer's own",
+        doc="`1`: a Trainer's periodic saves are snapshotted to host memory on the training "
+        "thread and written (same files, same format), fsynced and committed by a background "
+        "thread; JIT and final saves, FSDP, DeepSpeed and Trainers that override a save method "
+        "stay the Trainer's own. `0`: the Trainer's own synchronous save. Off, with one warning "
+        "naming the numbers, when the snapshot does not fit in host memory (node or cgroup)",
+    ),
+    Option(
+        "async_busy",
+        TEXT,
+        "wait|skip: a periodic save due while the last one is being written",
+        check=one_of(ASYNC_BUSY, "wait or skip"),
+        doc="a periodic save due while the previous one is still being written: `wait` for it, "
+        "or `skip` this one (logged)",
+    ),
+    GRACE_SECONDS,
+    Option(
+        "exit_code",
+        INTEGER,
+        "exit code after a committed JIT checkpoint",
+        check=between(1, 255, "an exit code from 1 to 255"),
+        doc="exit code after a committed JIT checkpoint (1–255); the Job's `podFailurePolicy` must "
+        "name the same",
+    ),
+    TERMINATION_LOG,
+    LOG_FORMAT,
+)
+OPTION_BY_FIELD = {o.field: o for o in OPTIONS}
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The trainer side's settings; every field has a flag and a JITCKPT_* twin (see OPTIONS)."""
@@ -199,28 +247,7 @@ class Config:
     """text or json log lines on stderr."""
 
     def __post_init__(self) -> None:
-        if not os.path.isabs(self.dir):  # a relative one lands in the container's own layer
-            _bad("dir", self.dir, "an absolute path to the shared volume, e.g. /mnt/jitckpt")
-        if self.storage_uri:
-            parse_s3_uri(self.storage_uri)
-        if self.save_strategy is not None and self.save_strategy not in SAVE_STRATEGIES:
-            _bad("save_strategy", self.save_strategy, "one of " + ", ".join(SAVE_STRATEGIES))
-        if self.save_steps is not None and self.save_steps < 1:
-            _bad("save_steps", self.save_steps, "a whole number of optimizer steps >= 1")
-        if self.save_total_limit is not None and self.save_total_limit < 1:
-            _bad("save_total_limit", self.save_total_limit, "a whole number >= 1")
-        if self.grace_seconds < 1:
-            _bad(
-                "grace_seconds",
-                self.grace_seconds,
-                "the pod's terminationGracePeriodSeconds (>= 1)",
-            )
-        if not 1 <= self.exit_code <= 255:
-            _bad("exit_code", self.exit_code, "an exit code from 1 to 255")
-        if self.async_busy not in ASYNC_BUSY:
-            _bad("async_busy", self.async_busy, "wait or skip")
-        if self.log_format not in LOG_FORMATS:
-            _bad("log_format", self.log_format, "text or json")
+        validate(self, OPTIONS)
 
     @property
     def effective_save_strategy(self) -> Optional[str]:
@@ -237,65 +264,11 @@ class Config:
         env = {}
         for option in OPTIONS:
             value = getattr(self, option.field)
-            if value is None:
-                continue
-            env[option.env] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+            if value is not None:
+                env[option.env] = option.kind.format(value)
         return env
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str], flags: Optional[Mapping[str, str]] = None) -> Config:
+    def from_env(cls, env: Mapping[str, str], flags: Optional[Mapping[str, Any]] = None) -> Config:
         """Build from flag values (by field name, as given) over JITCKPT_* env over defaults."""
-        flags = flags or {}
-        kwargs: dict[str, object] = {}
-        for field in dataclasses.fields(cls):
-            option = OPTION_BY_FIELD[field.name]
-            if field.name in flags:
-                raw, source = flags[field.name], option.flag
-            elif option.env in env:
-                raw, source = env[option.env], option.env
-            else:
-                continue
-            kwargs[field.name] = _convert(field.name, raw.strip(), source)
-        try:
-            return cls(**kwargs)  # type: ignore[arg-type]
-        except InvalidOptionError as exc:
-            if exc.field in flags:  # name the flag the user actually typed
-                raise JitckptError(exc.describe(OPTION_BY_FIELD[exc.field].flag + " ")) from None
-            raise
-
-
-def _convert(name: str, raw: str, source: str) -> object:
-    kind = {f.name: f.type for f in dataclasses.fields(Config)}[name]
-    sep = " " if source.startswith("--") else "="
-    if kind == "bool":
-        if raw.lower() in _TRUE:
-            return True
-        if raw.lower() in _FALSE:
-            return False
-        raise JitckptError(f"{source}{sep}{raw!r} is not a boolean; use 1 or 0")
-    if kind in ("int", "Optional[int]"):
-        if raw == "" and kind == "Optional[int]":
-            return None
-        try:
-            return int(raw)
-        except ValueError:
-            hint = OPTION_BY_FIELD[name].help
-            raise JitckptError(f"{source}{sep}{raw!r} is not an integer; set {hint}") from None
-    if kind == "Optional[str]" and raw == "":
-        return None
-    return raw
-
-
-class InvalidOptionError(JitckptError):
-    """A setting outside its accepted values; the message names the variable and the values."""
-
-    def __init__(self, field: str, value: object, accepted: str) -> None:
-        self.field, self.value, self.accepted = field, value, accepted
-        super().__init__(self.describe(OPTION_BY_FIELD[field].env + "="))
-
-    def describe(self, source: str) -> str:
-        return f"{source}{self.value!r} is invalid; use {self.accepted}"
-
-
-def _bad(field: str, value: object, accepted: str) -> None:
-    raise InvalidOptionError(field, value, accepted)
+        return resolve(cls, OPTIONS, env, flags)

@@ -27,3 +27,10 @@ class StorageAccessError(SidecarError):
     exit_code = 3
     transient = False
     """Set when retrying may cure it (5xx, throttling, a reset): the probe retries those."""
+    code = ""
+    """The S3 error code behind it ('AccessDenied', 'MissingContentLength', ...), if any."""
+
+
+class InjectError(SidecarError):
+    """`inject` cannot rewrite its input safely; the message names the object. Nothing is
+    written."""

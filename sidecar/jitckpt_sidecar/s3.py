@@ -53,7 +53,8 @@ _PERMISSION = {
 }
 
 
-_CHECKSUM_REFUSALS = (
+CHECKSUM_REFUSALS = (
+    "MissingContentLength",
     "XAmzContentSHA256Mismatch",
     "InvalidArgument",
     "NotImplemented",
@@ -61,7 +62,11 @@ _CHECKSUM_REFUSALS = (
     "BadDigest",
     "InvalidDigest",
 )
-"""What S3-compatible stores without flexible-checksum support answer to CRC32 trailers."""
+"""What S3-compatible stores without flexible-checksum support answer to botocore's default
+CRC32 checksums: Ceph RGW 16 refuses the aws-chunked, trailer-checksummed bodies botocore
+sends over HTTPS with 411 MissingContentLength; older MinIO answers XAmzContentSHA256Mismatch."""
+WHEN_REQUIRED = "when_required"
+"""botocore's setting for checksums only where an operation requires one (the fallback)."""
 
 
 def endpoint_of(cfg: Config) -> str:
@@ -84,10 +89,12 @@ def make_client(
     *,
     attempts: Optional[int] = None,
     pool: int = 10,
+    checksums: Optional[str] = None,
 ) -> Any:
     """A boto3 S3 client for `cfg`; each request is tried `attempts` (default
     cfg.s3_max_attempts) times in botocore's standard mode (exponential backoff with full
-    jitter, capped at 20 s, on throttling, 5xx and connection errors)."""
+    jitter, capped at 20 s, on throttling, 5xx and connection errors). `checksums`
+    (WHEN_REQUIRED) overrides botocore's flexible-checksum settings for this client."""
     from botocore.config import Config as BotoConfig
 
     addressing = cfg.s3_addressing
@@ -96,15 +103,30 @@ def make_client(
         addressing = "path" if cfg.s3_endpoint else "auto"
     # botocore's flexible checksums stay at boto3's default (CRC32 on every upload request, so
     # S3 rejects bytes damaged in transit; measured faster on moto too, which otherwise builds a
-    # full-object checksum itself). Stores that predate them are told apart by the start-up
-    # probe, whose error names AWS_REQUEST_CHECKSUM_CALCULATION=when_required, boto3's switch.
+    # full-object checksum itself). Stores that refuse them are found by the start-up probe,
+    # which then asks for clients with checksums only where required (`checksums`).
+    extra: dict[str, Any] = {}
+    if checksums:
+        extra = {
+            "request_checksum_calculation": checksums,
+            "response_checksum_validation": checksums,
+        }
+    s3_settings: dict[str, Any] = {"addressing_style": addressing}
+    setting = checksums or os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION", "")
+    if setting.lower() == WHEN_REQUIRED and not (cfg.s3_endpoint or "").startswith("http:"):
+        # Without a checksum header botocore SHA-256-signs every upload body, even over TLS
+        # (measured: 40 % of an upload's CPU on RGW). TLS guards the bytes in transit and the
+        # restore verifies every file's xxh128 checksum, so the payload goes unsigned, as it
+        # does over TLS with boto3's default checksums.
+        s3_settings["payload_signing_enabled"] = False
     boto_cfg = BotoConfig(
+        **extra,
         retries={"mode": "standard", "total_max_attempts": attempts or cfg.s3_max_attempts},
         max_pool_connections=max(pool, 10),
         connect_timeout=10,
         read_timeout=120,
         tcp_keepalive=True,
-        s3={"addressing_style": addressing},
+        s3=s3_settings,
         user_agent_extra=f"jitckpt-sidecar/{__version__}",
     )
     verify: Optional[bool] = None  # None: verify, with AWS_CA_BUNDLE when set
@@ -130,39 +152,51 @@ def count_retries(client: Any, on_retry: Callable[[], None]) -> None:
 def probe(
     client: Any,
     cfg: Config,
+    *,
+    fallback: Optional[Callable[[], Any]] = None,
     sleep: Callable[[float], None] = time.sleep,
     monotonic: Callable[[], float] = time.monotonic,
-) -> None:
+) -> Optional[str]:
     """Prove that the bucket exists and that we may list, write, read and delete under the
     prefix; raise a one-line StorageAccessError that names the fix otherwise. Transient
-    failures are retried for PROBE_PATIENCE seconds: a 5xx burst must not crash-loop the pod."""
+    failures are retried for PROBE_PATIENCE seconds: a 5xx burst must not crash-loop the pod.
+
+    When the store refuses botocore's flexible checksums (CHECKSUM_REFUSALS) and `fallback`
+    is given, the probe is repeated with `fallback()`, a client that sends checksums only where
+    required; if that passes, the refusal's error code is returned (the caller must make every
+    client that way), else None."""
     deadline = monotonic() + PROBE_PATIENCE
     delay = 0.5
+    refused: Optional[str] = None
     while True:
         try:
-            _probe_once(client, cfg)
+            _probe_once(client, cfg, WHEN_REQUIRED if refused else None)
         except StorageAccessError as exc:
+            if fallback is not None and refused is None and exc.code in CHECKSUM_REFUSALS:
+                refused = exc.code
+                client = fallback()
+                continue
             if not exc.transient or monotonic() + delay > deadline:
                 raise
             log.warning("S3 access probe: %s; retrying in %.1f s", exc, delay)
             sleep(delay)
             delay = min(delay * 2, 8.0)
         else:
-            return
+            return refused
 
 
-def _probe_once(client: Any, cfg: Config) -> None:
+def _probe_once(client: Any, cfg: Config, checksums: Optional[str]) -> None:
     uri = cfg.uri
     key = uri.key(f".jitckpt-probe-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
     body = b"jitckpt sidecar access probe\n"
     with translate(cfg, "ListObjectsV2", str(uri)):
         client.list_objects_v2(Bucket=uri.bucket, Prefix=uri.key(""), MaxKeys=1)
     where = f"s3://{uri.bucket}/{key}"
-    with translate(cfg, "PutObject", where):
+    with translate(cfg, "PutObject", where, checksums):
         client.put_object(Bucket=uri.bucket, Key=key, Body=body)
-    with translate(cfg, "GetObject", where):
+    with translate(cfg, "GetObject", where, checksums):
         got = client.get_object(Bucket=uri.bucket, Key=key)["Body"].read()
-    with translate(cfg, "DeleteObject", where):
+    with translate(cfg, "DeleteObject", where, checksums):
         client.delete_object(Bucket=uri.bucket, Key=key)
     if got != body:
         raise StorageAccessError(
@@ -171,16 +205,29 @@ def _probe_once(client: Any, cfg: Config) -> None:
         )
 
 
+def checksum_note(cfg: Config, refused: str) -> str:
+    """The one line that says the probe switched to checksums "when required"."""
+    return (
+        f"{endpoint_of(cfg)} refuses S3's flexible checksums ({refused}), as Ceph RGW 16 and "
+        "older MinIO do: sending checksums only where S3 requires them (as with "
+        "AWS_REQUEST_CHECKSUM_CALCULATION=when_required); the sidecar's xxh128 checksums "
+        "still verify every file"
+    )
+
+
 @contextlib.contextmanager
-def translate(cfg: Config, operation: str, where: str) -> Iterator[None]:
+def translate(
+    cfg: Config, operation: str, where: str, checksums: Optional[str] = None
+) -> Iterator[None]:
     """Turn a boto3/botocore failure inside the block into a one-line StorageAccessError."""
     try:
         yield
     except Exception as exc:
         if not is_storage_error(exc):
             raise
-        error = StorageAccessError(describe(exc, cfg, operation, where))
+        error = StorageAccessError(describe(exc, cfg, operation, where, checksums))
         error.transient = is_transient(exc)
+        error.code = error_code(exc)
         raise error from None
 
 
@@ -236,8 +283,15 @@ def error_code(exc: BaseException) -> str:
     return str(status) if status else ""
 
 
-def describe(exc: BaseException, cfg: Config, operation: str, where: str) -> str:  # noqa: PLR0911 - one return per failure kind reads better than a table of lambdas
-    """One line that says what failed and what to fix; never a secret."""
+def describe(  # noqa: PLR0911 - one return per failure kind reads better than a table of lambdas
+    exc: BaseException,
+    cfg: Config,
+    operation: str,
+    where: str,
+    checksums: Optional[str] = None,
+) -> str:
+    """One line that says what failed and what to fix; never a secret. `checksums` is the
+    failing client's checksum setting when it overrides the environment's."""
     endpoint = endpoint_of(cfg)
     name = type(exc).__name__
     code = error_code(exc)
@@ -289,7 +343,8 @@ def describe(exc: BaseException, cfg: Config, operation: str, where: str) -> str
             f"{permission} there"
         )
     detail = _one_line(str(exc))
-    if code in _CHECKSUM_REFUSALS and not os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION"):
+    setting = checksums or os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION", "")
+    if code in CHECKSUM_REFUSALS and setting.lower() != WHEN_REQUIRED:
         return (
             f"{operation} on {where} at {endpoint} failed ({code}): the store may predate S3's "
             "flexible checksums; set AWS_REQUEST_CHECKSUM_CALCULATION=when_required"

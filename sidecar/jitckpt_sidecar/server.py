@@ -1,24 +1,26 @@
 """The HTTP endpoint on JITCKPT_METRICS_PORT: /metrics, /readyz, /healthz.
 
-A small threaded http.server: Prometheus scrapes are rare and cheap, and the storage collector
-walks the volume at scrape time, so a slow scrape must not hold up a probe.
+/metrics is prometheus_client's own WSGI app (content negotiation: the Prometheus text
+formats and OpenMetrics; gzip; `name[]` filtering), served like its `start_wsgi_server`: a
+thread per request, so a slow scrape (the storage collector walks the volume) never holds up a
+probe. The address family comes from the host, so `::` (IPv6 clusters) binds as `0.0.0.0` does.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterable
 from typing import Any, Callable, Optional
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from jitckpt_sidecar.errors import ConfigError
 
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+_NOT_FOUND = b"not found; try /metrics, /readyz or /healthz\n"
 
 
 class MetricsServer:
@@ -27,11 +29,15 @@ class MetricsServer:
     def __init__(
         self, *, host: str, port: int, registry: CollectorRegistry, logger: logging.Logger
     ) -> None:
-        self.host, self.registry, self.log = host, registry, logger
+        self.host, self.log = host, logger
         self.ready: Callable[[], bool] = lambda: False
         self.healthy: Callable[[], bool] = lambda: True
+        self._metrics = make_wsgi_app(registry)
         try:
-            self._server: Optional[_Server] = _Server((host, port), self._handler())
+            server_class = _server_class(host, port, logger)
+            self._server: Optional[ThreadingWSGIServer] = make_server(
+                host, port, self._app, server_class, handler_class=_QuietHandler
+            )
         except OSError as exc:
             raise ConfigError(
                 f"cannot listen on {host}:{port} ({exc.strerror or exc}); "
@@ -67,33 +73,44 @@ class MetricsServer:
 
         threading.Thread(target=close, name="jitckpt-http-stop", daemon=True).start()
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        outer = self
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return self._metrics(environ, start_response)  # type: ignore[no-any-return]
+        if path == "/readyz":
+            ok = self.ready()
+            body = b"ready\n" if ok else b"restoring\n"
+        elif path == "/healthz":
+            ok = self.healthy()
+            body = b"ok\n" if ok else b"stalled\n"
+        else:
+            start_response("404 Not Found", _plain(_NOT_FOUND))
+            return [_NOT_FOUND]
+        start_response("200 OK" if ok else "503 Service Unavailable", _plain(body))
+        return [body]
 
-        class Handler(BaseHTTPRequestHandler):
-            server_version = "jitckpt-sidecar"
 
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    self._send(200, generate_latest(outer.registry), CONTENT_TYPE_LATEST)
-                elif path == "/readyz":
-                    ok = outer.ready()
-                    self._send(200 if ok else 503, b"ready\n" if ok else b"restoring\n")
-                elif path == "/healthz":
-                    ok = outer.healthy()
-                    self._send(200 if ok else 503, b"ok\n" if ok else b"stalled\n")
-                else:
-                    self._send(404, b"not found; try /metrics, /readyz or /healthz\n")
+def _plain(body: bytes) -> list[tuple[str, str]]:
+    return [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]
 
-            def _send(self, code: int, body: bytes, ctype: str = "text/plain") -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
 
-            def log_message(self, format: str, *args: Any) -> None:
-                outer.log.debug("http: %s", format % args)
+def _server_class(host: str, port: int, logger: logging.Logger) -> type[ThreadingWSGIServer]:
+    """A server class of the address family `host` resolves to, whose request errors (a client
+    that hung up mid-answer) are debug lines, not tracebacks on stderr."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
 
-        return Handler
+    class Server(ThreadingWSGIServer):
+        address_family = family
+        allow_reuse_address = True
+
+        def handle_error(self, request: Any, client_address: Any) -> None:  # noqa: ARG002 - socketserver's signature
+            logger.debug("http: request from %s failed", client_address, exc_info=True)  # noqa: LOG014 - socketserver calls this inside its except block
+
+    return Server
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on stderr: a scrape every few seconds would flood the container's log."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: ARG002 - the stdlib's signature
+        return

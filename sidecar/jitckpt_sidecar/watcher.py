@@ -64,6 +64,10 @@ class Watcher:
             )
             observer.start()
         except OSError as exc:
+            # A watch that failed partway (the inotify limit reached on the second directory)
+            # leaves the emitters that did start running; stop() stops them (unschedule_all),
+            # or their threads leak.
+            observer.stop()
             self.log.warning(
                 "cannot watch %s (%s); relying on the periodic rescan (JITCKPT_RESCAN_SECONDS)",
                 self.layout.root,

@@ -15,12 +15,15 @@ import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from harness.procs import Proc, wait_for
 from jitckpt_entrypoint import manifest as m
 from jitckpt_entrypoint import status
 from jitckpt_entrypoint.hook.committer import stage
+
+if TYPE_CHECKING:
+    from harness.s3 import Bucket
 
 SIDECAR = [sys.executable, "-m", "jitckpt_sidecar"]
 Content = Union[bytes, int]
@@ -93,27 +96,24 @@ def commit(
     return manifests
 
 
-def upload_directly(bucket_uri: str, endpoint: str, root: Path, step: int) -> None:
-    """Upload node K's staged checkpoint-<step> of `root` in this process (to set S3 up)."""
-    from harness.s3 import FAKE_CREDENTIALS
-    from jitckpt_sidecar import s3, staging
+def upload_directly(bucket: Bucket, root: Path, step: int, uri: Optional[str] = None) -> None:
+    """Upload node K's staged checkpoint-<step> of `root` to `bucket` (under `uri`, default the
+    bucket's own prefix) in this process, with the sidecar's own uploader (to set S3 up)."""
+    import logging
+
+    from jitckpt_sidecar import staging
     from jitckpt_sidecar.config import Config
     from jitckpt_sidecar.remote import Remote
     from jitckpt_sidecar.uploader import Uploader
 
-    cfg = Config(storage_uri=bucket_uri, s3_endpoint=endpoint, multipart_chunk=5 * 1024**2)
-    session = s3.new_session()
-    client = session.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id=FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        region_name="us-east-1",
+    cfg = Config(
+        storage_uri=uri or bucket.uri,
+        s3_endpoint=bucket.server.endpoint,
+        multipart_chunk=5 * 1024**2,
     )
     staged = staging.read(os.path.join(root, "staging", m.checkpoint_name(step)))
     assert staged is not None, f"checkpoint-{step} is not staged in {root}"
-    import logging
-
+    client = bucket.client
     Uploader(client, Remote(client, cfg.uri), cfg, logging.getLogger("test")).upload(
         staged, cancel=lambda: None
     )

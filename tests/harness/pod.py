@@ -211,6 +211,29 @@ class Pod:
                 proc.kill_tree()
 
 
+def start_job(members: list[Pod]) -> list[Pod]:
+    """Start a multi-node job as Kubernetes would: every sidecar, each ready (restored), then
+    every trainer."""
+    for pod in members:
+        pod.start_sidecar()
+    for pod in members:
+        pod.wait_ready()
+    for pod in members:
+        pod.start_trainer()
+    return members
+
+
+def finish_resumed_job(members: list[Pod], step: int) -> None:
+    """A job started on a restore from S3: every node resumed at `step`, trained to the end and
+    its sidecar restored exactly that checkpoint."""
+    assert resumed_from(members[0]) == step
+    for pod in members:
+        assert pod.finish().trainer == 0, pod.output()
+    for pod in members:
+        ready = json.loads((pod.jdir / "status" / "sidecar-ready.json").read_text())
+        assert (ready["restore"], ready["step"]) == ("s3", step)
+
+
 def _clean_env() -> dict[str, str]:
     env = {
         k: v

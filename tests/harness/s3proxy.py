@@ -13,13 +13,14 @@ import dataclasses
 import http.client
 import re
 import socket
+import ssl
 import struct
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
+from typing import BinaryIO, Optional
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade"}
 
@@ -91,19 +92,61 @@ class Fault:
 
 
 class S3Proxy:
-    def __init__(self, upstream: str) -> None:
+    """With an https `upstream`, `ca_bundle` verifies it and `cert` (certificate, key) makes
+    the proxy itself speak TLS, so clients see what they would see talking to the store."""
+
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        ca_bundle: Optional[str] = None,
+        cert: Optional[tuple[str, str]] = None,
+    ) -> None:
         parsed = urllib.parse.urlsplit(upstream)
-        self.upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
+        tls = parsed.scheme == "https"
+        self.upstream = (parsed.hostname or "127.0.0.1", parsed.port or (443 if tls else 80))
+        self._upstream_tls = ssl.create_default_context(cafile=ca_bundle) if tls else None
         self.requests: list[Request] = []
         self.holds: list[Hold] = []
         self.faults: list[Fault] = []
         self._lock = threading.Lock()
         self._server = _QuietServer(("127.0.0.1", 0), self._handler())
+        self._scheme = "http"
+        if cert is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*cert)
+            # The handshake happens in the handler's thread, not in accept().
+            self._server.socket = context.wrap_socket(
+                self._server.socket, server_side=True, do_handshake_on_connect=False
+            )
+            self._scheme = "https"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return f"{self._scheme}://127.0.0.1:{self._server.server_address[1]}"
+
+    @staticmethod
+    def _send(
+        conn: http.client.HTTPConnection,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        *,
+        chunked: bool,
+    ) -> None:
+        if chunked:  # forwarded as it came: a store may refuse chunked bodies
+            conn.request(method, path, body=iter([body]), headers=headers, encode_chunked=True)
+        else:
+            conn.request(method, path, body=body, headers=headers)
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self._upstream_tls is not None:
+            return http.client.HTTPSConnection(
+                *self.upstream, timeout=120, context=self._upstream_tls
+            )
+        return http.client.HTTPConnection(*self.upstream, timeout=120)
 
     def start(self) -> S3Proxy:
         self._thread.start()
@@ -190,8 +233,9 @@ class S3Proxy:
                 bucket, _, key = url.path.lstrip("/").partition("/")
                 key = urllib.parse.unquote(key)
                 query = dict(urllib.parse.parse_qsl(url.query, keep_blank_values=True))
+                chunked = "chunked" in (self.headers.get("Transfer-Encoding") or "").lower()
                 length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
+                body = _read_chunked(self.rfile) if chunked else self.rfile.read(length)
                 method = self.command
                 hold = proxy._pick_hold(method, key, query)
                 if hold is not None:
@@ -230,9 +274,9 @@ class S3Proxy:
                     )
                     return
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
-                conn = http.client.HTTPConnection(*proxy.upstream, timeout=120)
+                conn = proxy._connect()
                 try:
-                    conn.request(method, self.path, body=body, headers=headers)
+                    proxy._send(conn, method, self.path, body, headers, chunked=chunked)
                     resp = conn.getresponse()
                     data = resp.read()
                     self.send_response(resp.status, resp.reason)
@@ -270,6 +314,19 @@ class S3Proxy:
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _relay  # noqa: N815
 
         return Handler
+
+
+def _read_chunked(stream: BinaryIO) -> bytes:
+    """The body of a request sent with Transfer-Encoding: chunked (trailers dropped)."""
+    parts = []
+    while True:
+        size = int(stream.readline().split(b";")[0].strip() or b"0", 16)
+        if size == 0:
+            while stream.readline().strip():  # trailer fields, then the blank line
+                pass
+            return b"".join(parts)
+        parts.append(stream.read(size))
+        stream.readline()  # the CRLF after each chunk
 
 
 def is_key(suffix: str, *methods: str) -> Callable[[str, str, dict[str, str]], bool]:

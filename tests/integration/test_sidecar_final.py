@@ -18,12 +18,12 @@ from harness.s3proxy import S3Proxy
 from jitckpt_entrypoint import final, status
 from jitckpt_entrypoint import manifest as m
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
 
 
 @pytest.fixture
 def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
-    proxy = S3Proxy(s3_bucket.server.endpoint).start()
+    proxy = s3_bucket.server.proxy().start()
     yield proxy
     proxy.stop()
 

@@ -32,7 +32,7 @@ CAPACITY = 1024**3
 
 @pytest.fixture
 def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
-    proxy = S3Proxy(s3_bucket.server.endpoint).start()
+    proxy = s3_bucket.server.proxy().start()
     yield proxy
     proxy.stop()
 

@@ -27,7 +27,7 @@ from harness.s3 import Bucket
 from harness.s3proxy import S3Proxy
 from jitckpt_entrypoint import manifest as m
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
 
 
 def two_node_files(step: int) -> list[dict[str, bytes | int]]:
@@ -47,14 +47,13 @@ def test_restore_picks_the_newest_committed_checkpoint_and_passes_over_broken_on
     or no manifest at all are ignored; the newest committed one is restored and the trainer's
     resume (manifest.committed / newest_committed) accepts it for every node."""
     nodes = [tmp_path / "node0", tmp_path / "node1"]
-    endpoint = s3_bucket.server.endpoint
     originals = {}
     for step in (10, 20, 30, 40, 50):
         commit(nodes, step, two_node_files(step))
         originals[step] = two_node_files(step)
-        upload_directly(s3_bucket.uri, endpoint, nodes[0], step)
+        upload_directly(s3_bucket, nodes[0], step)
         if step != 40:  # checkpoint-40: node 1 never uploaded (its manifest is missing)
-            upload_directly(s3_bucket.uri, endpoint, nodes[1], step)
+            upload_directly(s3_bucket, nodes[1], step)
     # checkpoint-20: same size, different bytes (only the checksum can tell).
     size = len(s3_bucket.get("checkpoint-20", "model.safetensors"))
     s3_bucket.put(data(size, 999), "checkpoint-20", "model.safetensors")
@@ -111,7 +110,7 @@ def test_restore_keeps_a_local_checkpoint_that_is_as_new_as_s3(
     restart in the same pod), nothing is downloaded."""
     root = tmp_path / "node"
     commit([root], 5, [hf_files(5)])
-    upload_directly(s3_bucket.uri, s3_bucket.server.endpoint, root, 5)
+    upload_directly(s3_bucket, root, 5)
     commit([root], 7, [hf_files(7)], staged=False)
     proc = spawn([*SIDECAR, "restore"], env=s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}))
     assert proc.wait(60) == 0, proc.output()
@@ -126,7 +125,7 @@ def test_restore_replaces_an_uncommitted_local_directory_of_the_same_step(
     """A torn local checkpoint-<step> (no manifest) is replaced by the committed S3 copy."""
     source = tmp_path / "source"
     commit([source], 3, [hf_files(3)])
-    upload_directly(s3_bucket.uri, s3_bucket.server.endpoint, source, 3)
+    upload_directly(s3_bucket, source, 3)
     root = tmp_path / "node"
     torn = root / "checkpoints" / "checkpoint-3"
     torn.mkdir(parents=True)
@@ -139,7 +138,7 @@ def test_restore_replaces_an_uncommitted_local_directory_of_the_same_step(
 
 @pytest.fixture
 def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
-    proxy = S3Proxy(s3_bucket.server.endpoint).start()
+    proxy = s3_bucket.server.proxy().start()
     yield proxy
     proxy.stop()
 
@@ -165,7 +164,7 @@ def test_a_failed_restore_keeps_the_sidecar_up_not_ready_and_tries_again(
     succeeds it is ready with the restored step as the last step and as the newest in S3."""
     source = tmp_path / "source"
     commit([source], 10, [hf_files(10)])
-    upload_directly(s3_bucket.uri, s3_bucket.server.endpoint, source, 10)
+    upload_directly(s3_bucket, source, 10)
     denied_reads(proxy, times=1)
     root = tmp_path / "node"
     env = sidecar_env(s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}, endpoint=proxy.url))
@@ -201,7 +200,7 @@ def test_sigterm_after_failed_restores_exits_1_with_the_error_as_termination_mes
     the init container's `restore` command exits 1 with the same termination message."""
     source = tmp_path / "source"
     commit([source], 10, [hf_files(10)])
-    upload_directly(s3_bucket.uri, s3_bucket.server.endpoint, source, 10)
+    upload_directly(s3_bucket, source, 10)
     denied_reads(proxy, times=None)
     root = tmp_path / "node"
     env = sidecar_env(s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}, endpoint=proxy.url))

@@ -26,13 +26,13 @@ from jitckpt_entrypoint import manifest as m
 from jitckpt_entrypoint.config import parse_s3_uri
 from jitckpt_sidecar.remote import Remote
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
 MiB = 1024 * 1024
 
 
 @pytest.fixture
 def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
-    proxy = S3Proxy(s3_bucket.server.endpoint).start()
+    proxy = s3_bucket.server.proxy().start()
     yield proxy
     proxy.stop()
 
@@ -49,7 +49,7 @@ def test_retention_keeps_the_newest_committed_and_deletes_manifests_first(
     source = tmp_path / "source"
     for step in (5, 10, 20, 45):
         commit([source], step, [hf_files(step)])
-        upload_directly(s3_bucket.uri, s3_bucket.server.endpoint, source, step)
+        upload_directly(s3_bucket, source, step)
     for step in (5, 45):  # uploads that never finished: no manifest
         s3_bucket.delete(f"checkpoint-{step}", m.manifest_name(0))
     root = tmp_path / "node"
@@ -103,7 +103,7 @@ def test_disk_pressure_deletes_only_old_local_checkpoints_already_committed_in_s
     root = tmp_path / "node"
     for step in (10, 20):
         commit([root], step, [hf_files(step, big=MiB)])
-        upload_directly(s3_bucket.uri, s3_bucket.server.endpoint, root, step)
+        upload_directly(s3_bucket, root, step)
     commit([root], 30, [hf_files(30, big=MiB)], staged=False)  # committed locally, not in S3
     commit([root], 40, [hf_files(40, big=MiB)], staged=False)  # the newest, not in S3 either
     writing = root / "checkpoints" / "checkpoint-50"  # a save in progress: no manifest yet
@@ -142,7 +142,7 @@ def test_disk_pressure_stops_deleting_once_below_the_threshold(
     root = tmp_path / "node"
     for step in (10, 20, 30):
         commit([root], step, [hf_files(step, big=MiB)])
-        upload_directly(s3_bucket.uri, s3_bucket.server.endpoint, root, step)
+        upload_directly(s3_bucket, root, step)
     write_trainer(root)
     env = s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)})
     # ~1.5 MiB per checkpoint: 4.5 MiB of 6 MiB is 0.75; dropping 10 gives 0.5, below 0.6.

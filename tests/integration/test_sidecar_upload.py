@@ -25,14 +25,14 @@ from jitckpt_entrypoint import manifest as m
 from jitckpt_entrypoint.config import parse_s3_uri
 from jitckpt_sidecar.remote import Remote, problems
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
 BIG = 11 * 1024 * 1024  # three 5 MiB parts: the multipart path
 
 
 @pytest.fixture
 def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
     """A recording, fault-injecting proxy in front of the test's S3 server."""
-    proxy = S3Proxy(s3_bucket.server.endpoint).start()
+    proxy = s3_bucket.server.proxy().start()
     yield proxy
     proxy.stop()
 

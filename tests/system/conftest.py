@@ -39,6 +39,6 @@ def pods(tmp_path: Path, s3_bucket: Bucket) -> Iterator[PodFactory]:
 def proxy(s3_bucket: Bucket) -> Iterator[S3Proxy]:
     """A fault-injecting proxy in front of the test's S3 server (pods reach S3 through it when
     given `s3_env=s3_bucket.env({}, endpoint=proxy.url)`)."""
-    p = S3Proxy(s3_bucket.server.endpoint).start()
+    p = s3_bucket.server.proxy().start()
     yield p
     p.stop()

@@ -385,7 +385,7 @@ def uploaded(
     template = Bucket(moto_server, name, s3_client)
     node = tmp_path_factory.mktemp("uploaded-node")
     commit([node], 30, [hf_files(30, big=4096)])
-    upload_directly(template.uri, moto_server.endpoint, node, 30)
+    upload_directly(template, node, 30)
     yield template
     for key in sorted(template.keys()):
         template.delete(key)

@@ -13,7 +13,7 @@ from harness.pod import committed_in_s3, final_weights, resumed_from
 from harness.procs import wait_for
 from harness.s3proxy import is_key
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
 
 TOTAL = 60
 SAVE = 4

@@ -199,8 +199,8 @@ def test_each_alert_fires_in_its_scenario_only_and_the_dashboard_shows_the_norma
     assert set().union(*EXPECTED.values()) == alerts
     rules = rule_file(tmp_path / "rules.yaml", speedup=SPEEDUP, replace=FAST)
     prom = Prometheus(tmp_path / "prometheus", rules).start()
-    flaky = S3Proxy(s3_bucket.server.endpoint).start()
-    refusing = S3Proxy(s3_bucket.server.endpoint).start()
+    flaky = s3_bucket.server.proxy().start()
+    refusing = s3_bucket.server.proxy().start()
     try:
         uri = f"s3://{s3_bucket.name}"
         via = {p: s3_bucket.env({}, endpoint=p.url) for p in (proxy, flaky, refusing)}
@@ -220,7 +220,7 @@ def test_each_alert_fires_in_its_scenario_only_and_the_dashboard_shows_the_norma
         wait_for(lambda: len(prom.query(f'up{{namespace="{NS}"}}')) == len(made), 30, "targets")
         seed = tmp_path / "seed"  # a committed checkpoint in S3 that the restore cannot read
         commit([seed], 40, [hf_files(40)])
-        upload_directly(f"{uri}/restore", s3_bucket.server.endpoint, seed, 40)
+        upload_directly(s3_bucket, seed, 40, uri=f"{uri}/restore")
         refusing.fail(
             lambda method, key, _q: method == "GET" and "/checkpoint-" in key,
             403,

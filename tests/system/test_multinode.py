@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from harness.pod import Node, Pod, resumed_from
+from harness.pod import Node, Pod, finish_resumed_job, start_job
 from harness.procs import free_port
 
 pytestmark = pytest.mark.integration
@@ -16,14 +16,7 @@ ARGS = ["--max-steps", "3000", "--save-steps", "1000"]
 
 def job(pods, args: list[str]) -> list[Pod]:
     port = free_port()
-    members = [pods(args, node=Node(rank, 2, port)) for rank in (0, 1)]
-    for pod in members:
-        pod.start_sidecar()
-    for pod in members:
-        pod.wait_ready()
-    for pod in members:
-        pod.start_trainer()
-    return members
+    return start_job([pods(args, node=Node(rank, 2, port)) for rank in (0, 1)])
 
 
 def test_draining_one_node_stops_both_at_one_step_and_the_new_job_resumes_from_s3(pods, s3_bucket):
@@ -48,10 +41,4 @@ def test_draining_one_node_stops_both_at_one_step_and_the_new_job_resumes_from_s
     ), sorted(keys)
 
     total = step + 4
-    again = job(pods, ["--max-steps", str(total), "--save-steps", "1000"])
-    assert resumed_from(again[0]) == step
-    for pod in again:
-        assert pod.finish().trainer == 0, pod.output()
-    for pod in again:
-        ready = json.loads((pod.jdir / "status" / "sidecar-ready.json").read_text())
-        assert (ready["restore"], ready["step"]) == ("s3", step)
+    finish_resumed_job(job(pods, ["--max-steps", str(total), "--save-steps", "1000"]), step)

@@ -11,7 +11,7 @@ import pytest
 
 from harness.pod import final_weights, last_step, resumed_from
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
 
 TOTAL = 48
 ARGS = ["--max-steps", str(TOTAL), "--save-steps", "10"]

@@ -14,7 +14,7 @@ from harness.pod import Pod, committed_in_s3, resumed_from
 from harness.procs import wait_for
 from harness.s3proxy import S3Proxy
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
 
 ARGS = ["--max-steps", "3000", "--save-steps", "10"]
 RETRIES = "jitckpt_upload_retries_total"

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from harness.checkpoints import scrape
-from harness.pod import Node, Pod, committed_in_s3, resumed_from
+from harness.pod import Node, Pod, committed_in_s3, finish_resumed_job, resumed_from, start_job
 from harness.procs import Proc, free_port, wait_for
 from harness.training import TRAIN_HF, strategy_env, torchrun
 
@@ -143,14 +143,7 @@ def test_jit_restore_resume_matches_an_uninterrupted_run(pods, s3_bucket, tmp_pa
 
 def job(pods, train_args: list[str], env: dict[str, str] | None = None) -> list[Pod]:
     port = free_port()
-    members = [pods(train_args, node=Node(rank, 2, port), env=env) for rank in (0, 1)]
-    for pod in members:
-        pod.start_sidecar()
-    for pod in members:
-        pod.wait_ready()
-    for pod in members:
-        pod.start_trainer()
-    return members
+    return start_job([pods(train_args, node=Node(rank, 2, port), env=env) for rank in (0, 1)])
 
 
 def node_part_files(s3_bucket, step: int, node: int) -> list[str]:
@@ -178,13 +171,7 @@ def test_draining_one_of_two_nodes_stops_both_at_one_step_and_fresh_pods_resume(
     assert committed_in_s3(s3_bucket) == [step]
     assert NODE1_FILE[strategy].format(step=step) in node_part_files(s3_bucket, step, 1)
 
-    again = job(pods, args(strategy, step + 2), strategy_env(strategy))
-    assert resumed_from(again[0]) == step
-    for pod in again:
-        assert pod.finish().trainer == 0, pod.output()
-    for pod in again:
-        ready = json.loads((pod.jdir / "status" / "sidecar-ready.json").read_text())
-        assert (ready["restore"], ready["step"]) == ("s3", step)
+    finish_resumed_job(job(pods, args(strategy, step + 2), strategy_env(strategy)), step)
 
 
 CAPACITY = 4 * 1024**2

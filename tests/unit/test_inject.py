@@ -12,6 +12,8 @@ import pytest
 import yaml
 
 from harness.k8s import VERSIONS, containers, core_objects, env_of, validate
+from jitckpt_entrypoint.settings import SettingError
+from jitckpt_sidecar import config as sidecar_config
 from jitckpt_sidecar import inject
 
 STORAGE = ["--storage-uri", "s3://ckpt/team-a/run-1"]
@@ -103,6 +105,12 @@ def run(text: str, *args: str, capsys, monkeypatch) -> tuple[int, str, str]:
 def injected(text: str, *args: str) -> str:
     out, _ = inject.inject_text(text, options(*args))
     return out
+
+
+def notes(text: str, *args: str) -> str:
+    """The warnings and notes inject_text returns (the CLI prints them)."""
+    _, report = inject.inject_text(text, options(*args))
+    return "\n".join(report.notes)
 
 
 def options(*args: str) -> inject.Options:
@@ -207,7 +215,7 @@ def test_with_container_a_jobset_leaves_jobs_without_that_container_alone():
     assert "jitckpt-sidecar" in containers(jobs[1]["template"]["spec"]["template"]["spec"])
 
 
-def test_a_trainjob_is_pointed_at_the_jitckpt_runtime_with_its_storage_uri_patched_in(capsys):
+def test_a_trainjob_is_pointed_at_the_jitckpt_runtime_with_its_storage_uri_patched_in():
     trainjob = docs(injected(TRAINJOB))[0]
     spec = trainjob["spec"]
     assert spec["runtimeRef"] == {
@@ -220,7 +228,7 @@ def test_a_trainjob_is_pointed_at_the_jitckpt_runtime_with_its_storage_uri_patch
     rj = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
     sidecar = rj["template"]["spec"]["template"]["spec"]["initContainers"][0]
     assert env_of(sidecar)["JITCKPT_STORAGE_URI"] == "s3://ckpt/team-a/run-1"
-    assert "runtimeRef 'torch-distributed' replaced" in capsys.readouterr().err
+    assert "runtimeRef 'torch-distributed' replaced" in notes(TRAINJOB)
 
 
 def test_passthrough_objects_are_kept_as_they_are():
@@ -249,20 +257,21 @@ def test_yaml_aliases_are_expanded_so_an_edit_does_not_leak_into_another_contain
     assert env_of(containers(pod)["logger"]) == {"A": "1"}
 
 
-def test_a_shell_command_is_wrapped_with_a_warning_about_exec(capsys):
+def test_a_shell_command_is_wrapped_with_a_warning_about_exec():
     source = JOB.replace(
         'command: [torchrun, --nproc-per-node, "2", /app/train.py]',
         'command: [/bin/sh, -c, "pip install -e . && torchrun /app/train.py"]',
     )
     out = injected(source)
-    assert "exec torchrun" in capsys.readouterr().err
+    assert "exec torchrun" in notes(source)
     assert docs(out)[0]["spec"]["template"]["spec"]["containers"][0]["command"][3] == "/bin/sh"
 
 
-def test_restart_policy_on_failure_gets_no_failure_policy_and_a_note(capsys):
-    job = docs(injected(JOB.replace("restartPolicy: Never", "restartPolicy: OnFailure")))[0]
+def test_restart_policy_on_failure_gets_no_failure_policy_and_a_note():
+    source = JOB.replace("restartPolicy: Never", "restartPolicy: OnFailure")
+    job = docs(injected(source))[0]
     assert "podFailurePolicy" not in job["spec"]
-    assert "restartPolicy is 'OnFailure'" in capsys.readouterr().err
+    assert "restartPolicy is 'OnFailure'" in notes(source)
 
 
 CMD = 'command: [torchrun, --nproc-per-node, "2", /app/train.py]'
@@ -378,3 +387,37 @@ def test_the_jitckpt_sidecar_command_reads_a_file_and_writes_yaml(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert docs(result.stdout)[0]["kind"] == "Job"
+
+
+@pytest.mark.parametrize("capacity", ["50Gi", "1e9", "500m", "+1Gi", "1.5G", "0", "50GB", "1.2.3"])
+def test_capacity_is_accepted_exactly_when_the_sidecar_accepts_what_inject_writes(
+    capacity, capsys, monkeypatch
+):
+    """--capacity goes through the sidecar's own quantity parser and check: inject never
+    writes a JITCKPT_STORAGE_CAPACITY that makes the sidecar exit 2, nor refuses one it takes."""
+    code, out, err = run(JOB, "--capacity", capacity, capsys=capsys, monkeypatch=monkeypatch)
+    try:
+        sidecar_config.Config.from_env(
+            {"JITCKPT_STORAGE_URI": "s3://ckpt/x", "JITCKPT_STORAGE_CAPACITY": capacity}
+        )
+        accepted = True
+    except SettingError:
+        accepted = False
+    assert code == (0 if accepted else 2), err
+    if accepted:
+        sidecar = containers(docs(out)[0]["spec"]["template"]["spec"])["jitckpt-sidecar"]
+        sidecar_config.Config.from_env(env_of(sidecar))  # the env inject wrote, as read there
+    else:
+        assert f"--capacity {capacity!r}" in err
+
+
+def test_the_command_line_prints_the_rewriters_warnings_even_when_quiet(capsys, monkeypatch):
+    """Core functions return warnings; the CLI prints them (also with -q)."""
+    source = JOB.replace(CMD, 'command: [/bin/sh, -c, "torchrun /app/train.py"]')
+    code, _, err = run(source, "-q", capsys=capsys, monkeypatch=monkeypatch)
+    assert code == 0
+    warning = (
+        "jitckpt-sidecar inject: warning: <stdin>: Job/train: container 'train' runs a shell; "
+        "make its last command `exec torchrun ...` so SIGTERM reaches torchrun"
+    )
+    assert err.splitlines() == [warning]

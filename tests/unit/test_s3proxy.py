@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import ssl
 import threading
 import time
 
 import pytest
 
+from harness.rgw import make_tls_files
 from harness.s3proxy import S3Proxy, is_key
 
 
@@ -19,10 +21,14 @@ class Upstream(http.server.BaseHTTPRequestHandler):
         self._reply(b"hello")
 
     def do_PUT(self) -> None:
+        if self.headers.get("Transfer-Encoding") == "chunked":  # as Ceph RGW 16 answers
+            self.close_connection = True
+            self._reply(b"<Error><Code>MissingContentLength</Code></Error>", 411)
+            return
         self._reply(self.rfile.read(int(self.headers["Content-Length"]))[::-1])
 
-    def _reply(self, body: bytes) -> None:
-        self.send_response(200)
+    def _reply(self, body: bytes, status: int = 200) -> None:
+        self.send_response(status)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -32,14 +38,19 @@ class Upstream(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def proxy():
+def upstream():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    p = S3Proxy(f"http://127.0.0.1:{server.server_address[1]}").start()
-    yield p
-    p.stop()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture
+def proxy(upstream):
+    p = S3Proxy(upstream).start()
+    yield p
+    p.stop()
 
 
 def connect(proxy: S3Proxy) -> http.client.HTTPConnection:
@@ -80,3 +91,34 @@ def test_a_reset_ends_the_connection_without_a_reply_and_a_delay_answers_late(pr
     started = time.monotonic()
     assert request(connect(proxy), "GET", "/bucket/slow") == (200, b"hello")
     assert time.monotonic() - started >= 0.3
+
+
+def test_a_chunked_body_is_forwarded_chunked_so_the_store_can_refuse_it(proxy):
+    """botocore sends aws-chunked bodies without Content-Length over HTTPS; the proxy must pass
+    them on as they came, so a store that refuses them (RGW 16: 411) does so behind it too."""
+    conn = connect(proxy)
+    conn.request("PUT", "/bucket/c", body=iter([b"ab", b"cd"]), encode_chunked=True)
+    response = conn.getresponse()
+    assert (response.status, b"MissingContentLength" in response.read()) == (411, True)
+    assert request(connect(proxy), "PUT", "/bucket/c", b"abcd") == (200, b"dcba")
+
+
+def test_with_a_certificate_the_proxy_speaks_tls_trusted_through_the_ca(upstream, tmp_path):
+    """A proxy given the store's certificate serves HTTPS: a client that trusts the CA talks
+    to it as to the store, one that does not is refused in the handshake."""
+    ca, crt, key = make_tls_files(tmp_path)
+    p = S3Proxy(upstream, cert=(str(crt), str(key))).start()
+    try:
+        assert p.url.startswith("https://127.0.0.1:")
+        trusted = ssl.create_default_context(cafile=str(ca))
+        conn = http.client.HTTPSConnection(
+            p.url.removeprefix("https://"), timeout=5, context=trusted
+        )
+        assert request(conn, "GET", "/bucket/a") == (200, b"hello")
+        stranger = http.client.HTTPSConnection(
+            p.url.removeprefix("https://"), timeout=5, context=ssl.create_default_context()
+        )
+        with pytest.raises(ssl.SSLCertVerificationError):
+            request(stranger, "GET", "/bucket/a")
+    finally:
+        p.stop()

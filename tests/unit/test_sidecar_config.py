@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jitckpt_sidecar.config import Config, parse_quantity
-from jitckpt_sidecar.errors import ConfigError
+from jitckpt_entrypoint.settings import SettingError, parse_quantity
+from jitckpt_sidecar.config import Config
 
 URI = {"JITCKPT_STORAGE_URI": "s3://bucket-1/run"}
 
@@ -19,7 +19,7 @@ def test_defaults_match_the_documented_table():
     assert (cfg.grace_seconds, cfg.rescan_seconds, cfg.exit_with_trainer) == (30, 30.0, False)
     assert (cfg.s3_verify_tls, cfg.s3_addressing, cfg.s3_endpoint) == (True, "auto", "")
     assert (cfg.upload_concurrency, cfg.download_concurrency) == (8, 4)
-    assert (cfg.multipart_chunk, cfg.download_chunk) == (16 * 1024**2, 256 * 1024**2)
+    assert (cfg.multipart_chunk, cfg.download_chunk) == (16 * 1024**2, 512 * 1024**2)
     assert cfg.uri.bucket == "bucket-1"
     assert cfg.uri.prefix == "run"
 
@@ -122,7 +122,7 @@ def test_malformed_quantities_are_rejected(text):
 )
 def test_bad_values_are_one_line_errors_naming_their_source(env, flags, message):
     """Each bad value names the variable or flag it came from and the accepted values."""
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(SettingError) as info:
         Config.from_env(env, flags)
     assert message in str(info.value)
     assert "\n" not in str(info.value)

@@ -1,0 +1,165 @@
+"""inject's flags: what it adds, checked as the sidecar and the entrypoint check the same values.
+
+A value inject writes into a pod is one the containers accept: --capacity goes through the
+sidecar's own quantity parser and check (JITCKPT_STORAGE_CAPACITY), --grace-seconds and
+--exit-code through the entrypoint's; the defaults it does not choose itself (the volume path,
+the JIT exit code) are the components' own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from jitckpt_entrypoint import config as trainer
+from jitckpt_entrypoint.settings import (
+    INTEGER,
+    OPTIONAL_TEXT,
+    QUANTITY_TEXT,
+    TEXT,
+    Option,
+    default_of,
+    one_of,
+    parse_quantity,
+    rule,
+    validate,
+)
+from jitckpt_sidecar import __version__
+from jitckpt_sidecar import config as sidecar
+
+DEFAULT_IMAGE = f"jitckpt-sidecar:{__version__}"
+DEFAULT_CAPACITY = "50Gi"
+DEFAULT_GRACE_SECONDS = 120
+"""Longer than the components' 30 s: a pod without its own value gets time to save and upload."""
+DEFAULT_TRAINJOB_RUNTIME = "TrainingRuntime/torch-distributed-jitckpt"
+SIDECAR_MODES = ("native", "container")
+RUNTIME_KINDS = ("TrainingRuntime", "ClusterTrainingRuntime")
+
+
+def _capacity_problem(text: str) -> Optional[str]:
+    """The sidecar's check of JITCKPT_STORAGE_CAPACITY, on the quantity as written."""
+    check = sidecar.STORAGE_CAPACITY.check
+    return check(parse_quantity(text)) if check else None
+
+
+def _runtime_ok(value: str) -> bool:
+    kind, _, name = value.partition("/")
+    return kind in RUNTIME_KINDS and bool(name)
+
+
+OPTIONS = (
+    Option(
+        "storage_uri",
+        TEXT,
+        "where this job's checkpoints go (JITCKPT_STORAGE_URI)",
+        check=trainer.s3_uri_problem,  # required here: an empty one would stop the sidecar
+        show=trainer.STORAGE_URI.show,
+        flag_only=True,
+        required=True,
+        metavar="s3://BUCKET/PREFIX",
+    ),
+    Option("image", TEXT, "sidecar image", flag_only=True, metavar="IMAGE"),
+    Option(
+        "secret",
+        OPTIONAL_TEXT,
+        "Secret with S3 credentials for envFrom (a data connection works as is)",
+        flag_only=True,
+        metavar="NAME",
+    ),
+    Option(
+        "capacity",
+        QUANTITY_TEXT,
+        "emptyDir sizeLimit = JITCKPT_STORAGE_CAPACITY",
+        check=_capacity_problem,
+        flag_only=True,
+        metavar="CAPACITY",
+    ),
+    Option(
+        "grace_seconds",
+        INTEGER,
+        "terminationGracePeriodSeconds where a pod sets none",
+        check=trainer.GRACE_SECONDS.check,
+        flag_only=True,
+        metavar="GRACE_SECONDS",
+    ),
+    Option(
+        "exit_code",
+        INTEGER,
+        "JIT exit code the podFailurePolicy ignores",
+        check=trainer.OPTION_BY_FIELD["exit_code"].check,
+        flag_only=True,
+        metavar="EXIT_CODE",
+    ),
+    Option(
+        "containers",
+        TEXT,
+        "training container (repeatable); default: the only one",
+        flag="--container",
+        flag_only=True,
+        repeat=True,
+        metavar="NAME",
+    ),
+    Option(
+        "sidecar_mode",
+        TEXT,
+        "native sidecar (Kubernetes >= 1.29) or restore init container + regular sidecar container",
+        check=one_of(SIDECAR_MODES, "native or container"),
+        choices=SIDECAR_MODES,
+        flag_only=True,
+        metavar="{native,container}",
+    ),
+    Option(
+        "python",
+        TEXT,
+        "python3 in the training image that runs the launcher",
+        flag_only=True,
+        metavar="PYTHON",
+    ),
+    Option(
+        "trainjob_runtime",
+        TEXT,
+        "jitckpt runtime for TrainJobs",
+        check=rule(_runtime_ok, "TrainingRuntime/NAME or ClusterTrainingRuntime/NAME"),
+        flag_only=True,
+        metavar="KIND/NAME",
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What inject adds; every field has a flag (see OPTIONS)."""
+
+    storage_uri: str
+    """s3://bucket/prefix for this job's checkpoints (JITCKPT_STORAGE_URI on both sides)."""
+    image: str = DEFAULT_IMAGE
+    """The sidecar image: runs `install`, the sidecar and (container mode) `restore`."""
+    secret: Optional[str] = None
+    """Secret with the S3 credentials, used via envFrom (an OpenShift AI data connection works)."""
+    capacity: str = DEFAULT_CAPACITY
+    """sizeLimit of the shared emptyDir, and JITCKPT_STORAGE_CAPACITY."""
+    grace_seconds: int = DEFAULT_GRACE_SECONDS
+    """terminationGracePeriodSeconds for pods that have none; a pod's own value is kept."""
+    exit_code: int = default_of(trainer.Config, "exit_code")
+    """The JIT exit code that the Job's podFailurePolicy ignores."""
+    containers: tuple[str, ...] = ()
+    """Names of the training containers; empty means a pod's only container."""
+    sidecar_mode: str = "native"
+    """native (init container with restartPolicy Always) or container (plain init + container)."""
+    python: str = "python3"
+    """The interpreter in the training image that runs the launcher."""
+    trainjob_runtime: str = DEFAULT_TRAINJOB_RUNTIME
+    """KIND/NAME of the jitckpt-enabled Kubeflow Trainer runtime a TrainJob is pointed at."""
+
+    def __post_init__(self) -> None:
+        validate(self, OPTIONS)
+
+    @property
+    def native(self) -> bool:
+        return self.sidecar_mode == "native"
+
+    @property
+    def runtime(self) -> tuple[str, str]:
+        """(kind, name) of trainjob_runtime."""
+        kind, _, name = self.trainjob_runtime.partition("/")
+        return kind, name

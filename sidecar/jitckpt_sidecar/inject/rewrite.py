@@ -1,0 +1,363 @@
+"""The rewrite: Pods, Jobs, JobSets, TrainJobs and Lists into the swap-in form, in place.
+
+Each rewriter checks before it changes anything it cannot undo: a refusal (InjectError) names
+the object; warnings and notes go into the Report, for the command line to print.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from jitckpt_sidecar.errors import InjectError
+from jitckpt_sidecar.inject import templates as t
+from jitckpt_sidecar.inject import yaml_io
+from jitckpt_sidecar.inject.options import Options
+from jitckpt_sidecar.inject.templates import Obj
+
+# Kinds that never hold a pod template: passed through untouched, so a file with its Service,
+# ConfigMap or Kueue objects next to the Job still works. Everything else unknown is refused.
+PASSTHROUGH = frozenset(
+    {
+        "ConfigMap",
+        "Secret",
+        "Service",
+        "ServiceAccount",
+        "PersistentVolumeClaim",
+        "Namespace",
+        "Role",
+        "RoleBinding",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "PriorityClass",
+        "LocalQueue",
+        "ClusterQueue",
+        "ResourceFlavor",
+        "PodMonitor",
+        "ServiceMonitor",
+        "PrometheusRule",
+    }
+)
+# PID-1 wrappers: jitckpt-entrypoint must be PID 1 itself; a second init in front would swallow
+# or reorder the signals it forwards, so such commands are refused rather than stacked.
+WRAPPERS = frozenset({"tini", "tini-static", "dumb-init", "catatonit", "s6-svscan", "supervisord"})
+SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh"})
+
+
+@dataclasses.dataclass
+class Report:
+    """What inject did and what the user should know."""
+
+    objects: list[str] = dataclasses.field(default_factory=list)
+    """One line per object: injected, unchanged or passed through."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """'warning: ...' and 'note: ...' lines, in the order they came up."""
+
+
+def _is_wrapped(command: list[Any]) -> bool:
+    return (
+        len(command) >= 3
+        and isinstance(command[1], str)
+        and command[1].endswith("/jitckpt-entrypoint")
+        and command[2] == "--"
+    )
+
+
+def _check_command(container: Obj, where: str) -> Optional[str]:
+    """None when the container can be wrapped; 'wrapped' when it already is; else refuse."""
+    name = container.get("name")
+    command = container.get("command")
+    if not command:
+        raise InjectError(
+            f"{where}: container {name!r} has no command, so its image's ENTRYPOINT would run "
+            "unwrapped; write the command out (command: [torchrun, ...]) and run inject again"
+        )
+    if not isinstance(command, list) or not all(isinstance(c, str) for c in command):
+        raise InjectError(f"{where}: container {name!r} command is not a list of strings")
+    if _is_wrapped(command):
+        if command[1] != t.LAUNCHER:
+            raise InjectError(
+                f"{where}: container {name!r} already runs a jitckpt-entrypoint from "
+                f"{command[1]!r}, not {t.LAUNCHER!r}; start from the original YAML"
+            )
+        return "wrapped"
+    exe = command[0].rsplit("/", 1)[-1]
+    if exe == "jitckpt-entrypoint" or (
+        len(command) >= 3 and command[1] == "-m" and command[2] == "jitckpt_entrypoint"
+    ):
+        raise InjectError(
+            f"{where}: container {name!r} already runs jitckpt-entrypoint (base-image mode); "
+            "such a pod needs the sidecar from k8s/, not inject"
+        )
+    if exe in WRAPPERS:
+        raise InjectError(
+            f"{where}: container {name!r} runs under the init wrapper {exe!r}; remove it "
+            "(jitckpt-entrypoint is the container's PID 1 and reaps zombies) and run inject again"
+        )
+    return None
+
+
+def _names(items: Any) -> list[str]:
+    return [str(c.get("name")) for c in items or [] if isinstance(c, dict)]
+
+
+def _trainers(spec: Obj, opts: Options, where: str) -> list[Obj]:
+    containers = [c for c in spec.get("containers") or [] if isinstance(c, dict)]
+    if not containers:
+        raise InjectError(f"{where}: the pod has no containers")
+    names = _names(containers)
+    if opts.containers:
+        picked = [c for c in containers if c.get("name") in opts.containers]
+        if not picked:
+            raise InjectError(
+                f"{where}: no container named {', '.join(opts.containers)} "
+                f"(the pod has {', '.join(names)}); check --container"
+            )
+        return picked
+    ours = [c for c in containers if c.get("name") != t.SIDECAR]
+    if len(ours) != 1:
+        raise InjectError(
+            f"{where}: the pod has {len(ours)} containers ({', '.join(_names(ours))}); "
+            "name the training container with --container NAME"
+        )
+    return ours
+
+
+def _grace(spec: Obj, opts: Options, where: str) -> int:
+    value = spec.get("terminationGracePeriodSeconds")
+    if value is None:
+        spec["terminationGracePeriodSeconds"] = opts.grace_seconds
+        return opts.grace_seconds
+    if not isinstance(value, int) or value < 1:
+        raise InjectError(
+            f"{where}: terminationGracePeriodSeconds is {value!r}; the JIT checkpoint needs "
+            "a grace period of at least a few seconds"
+        )
+    return value
+
+
+def _set_env(container: Obj, name: str, value: str) -> None:
+    """Add `name` unless the container already sets it (the user's value wins)."""
+    env = container.setdefault("env", [])
+    if not any(isinstance(e, dict) and e.get("name") == name for e in env):
+        env.append({"name": name, "value": value})
+
+
+def _injected_state(spec: Obj) -> tuple[bool, bool]:
+    """(has any of our parts, has all of them)."""
+    init = _names(spec.get("initContainers"))
+    main = _names(spec.get("containers"))
+    vols = _names(spec.get("volumes"))
+    parts = [
+        t.INSTALL in init,
+        t.SIDECAR in init or t.SIDECAR in main,
+        t.BUNDLE_VOLUME in vols,
+        t.DATA_VOLUME in vols,
+    ]
+    return any(parts), all(parts)
+
+
+def inject_pod(spec: Obj, opts: Options, where: str, report: Report) -> tuple[str, list[str]]:
+    """Rewrite one pod spec in place; return ('injected' | 'unchanged', trainer names)."""
+    if not isinstance(spec, dict):
+        raise InjectError(f"{where}: the pod spec is not a mapping")
+    trainers = _trainers(spec, opts, where)
+    names = _names(trainers)
+    states = [_check_command(c, where) for c in trainers]
+    some, everything = _injected_state(spec)
+    if all(s == "wrapped" for s in states) and everything:
+        return "unchanged", names
+    if some or any(s == "wrapped" for s in states):
+        raise InjectError(
+            f"{where}: partially injected (some of {t.INSTALL}, {t.SIDECAR}, the {t.BUNDLE_VOLUME} "
+            f"and {t.DATA_VOLUME} volumes and the wrapped command are there, not all); "
+            "start from the original YAML"
+        )
+    taken = {
+        (m.get("mountPath") or "").rstrip("/")
+        for c in trainers
+        for m in c.get("volumeMounts") or []
+        if isinstance(m, dict)
+    }
+    for path in (t.BUNDLE_DIR, t.DATA_DIR):
+        if path in taken:
+            raise InjectError(f"{where}: {path} is already a mount point in the trainer")
+    for name in (t.INSTALL, t.SIDECAR, t.RESTORE):
+        if name in _names(spec.get("initContainers")) + _names(spec.get("containers")):
+            raise InjectError(f"{where}: a container is already named {name!r}; rename it")
+
+    grace = _grace(spec, opts, where)
+    for container in trainers:
+        if container["command"][0].rsplit("/", 1)[-1] in SHELLS:
+            report.notes.append(
+                f"warning: {where}: container {container.get('name')!r} runs a shell; "
+                "make its last command `exec torchrun ...` so SIGTERM reaches torchrun"
+            )
+        container["command"] = t.wrapped(container["command"], opts)
+        for name, value in t.trainer_env(opts, grace):
+            _set_env(container, name, value)
+        mounts = container.setdefault("volumeMounts", [])
+        mounts.append({"name": t.BUNDLE_VOLUME, "mountPath": t.BUNDLE_DIR, "readOnly": True})
+        mounts.append({"name": t.DATA_VOLUME, "mountPath": t.DATA_DIR})
+
+    first = trainers[0]
+    init = spec.setdefault("initContainers", [])
+    init.append(t.install_container(opts, first))
+    if opts.native:
+        init.append(t.sidecar_container(opts, first, grace))
+    else:
+        init.append(t.restore_container(opts, first, grace))
+        spec["containers"].append(t.sidecar_container(opts, first, grace))
+    spec.setdefault("volumes", []).extend(t.volumes(opts))
+    return "injected", names
+
+
+def inject_job_spec(job: Obj, opts: Options, where: str, report: Report) -> tuple[str, list[str]]:
+    """A Job's spec: the pod template, then the podFailurePolicy."""
+    template = job.get("template") if isinstance(job, dict) else None
+    if not isinstance(template, dict) or not isinstance(template.get("spec"), dict):
+        raise InjectError(f"{where}: no pod template (spec.template.spec)")
+    pod = template["spec"]
+    result, trainers = inject_pod(pod, opts, where, report)
+    if pod.get("restartPolicy") != "Never":
+        if result == "injected":
+            report.notes.append(
+                f"note: {where}: restartPolicy is {pod.get('restartPolicy')!r}, not "
+                "Never, so no podFailurePolicy was added; a JIT exit restarts the container "
+                "in place and counts against backoffLimit"
+            )
+        return result, trainers
+    policy = job.setdefault("podFailurePolicy", {})
+    rules = policy.setdefault("rules", [])
+    missing = [r for r in t.failure_rules(trainers, opts.exit_code) if r not in rules]
+    if missing:
+        policy["rules"] = missing + rules
+        result = "injected"
+    return result, trainers
+
+
+def inject_trainjob(doc: Obj, opts: Options, where: str, report: Report) -> str:
+    """Wrap the trainer's command; the runtime carries the sidecar, install and volumes."""
+    spec = doc.get("spec")
+    trainer = spec.get("trainer") if isinstance(spec, dict) else None
+    if not isinstance(spec, dict) or not isinstance(trainer, dict) or not trainer.get("command"):
+        raise InjectError(
+            f"{where}: no spec.trainer.command; the runtime's command cannot be wrapped from "
+            "here: write the command out in the TrainJob and run inject again"
+        )
+    state = _check_command({"name": "node", "command": trainer["command"]}, where)
+    ref = t.runtime_ref(opts)
+    patches = spec.setdefault("runtimePatches", [])
+    ours = [
+        p for p in patches if isinstance(p, dict) and p.get("manager") == t.TRAINJOB_PATCH_MANAGER
+    ]
+    if state == "wrapped":
+        if ours and spec.get("runtimeRef", {}).get("name") == ref["name"]:
+            return "unchanged"
+        raise InjectError(f"{where}: partially injected; start from the original YAML")
+    if ours:
+        raise InjectError(f"{where}: partially injected; start from the original YAML")
+    old = spec.get("runtimeRef") or {}
+    if old.get("name") != ref["name"]:
+        report.notes.append(
+            f"note: {where}: runtimeRef {old.get('name')!r} replaced by {ref['kind']} "
+            f"{ref['name']!r} (k8s/trainjob/runtime.yaml: the torch runtime plus the jitckpt "
+            "sidecar); apply that runtime first"
+        )
+    spec["runtimeRef"] = ref
+    trainer["command"] = t.wrapped(trainer["command"], opts)
+    for name, value in t.trainer_env(opts):
+        _set_env(trainer, name, value)
+    patches.append(t.trainjob_patch(opts))
+    return "injected"
+
+
+def _label(doc: Obj, index: int, total: int) -> str:
+    kind = doc.get("kind", "?")
+    name = (doc.get("metadata") or {}).get("name") or (doc.get("metadata") or {}).get(
+        "generateName", "?"
+    )
+    obj = f"{kind}/{name}"
+    return f"document {index} ({obj})" if total > 1 else obj
+
+
+def inject_object(doc: Any, opts: Options, where: str, report: Report) -> None:
+    """Rewrite one Kubernetes object in place (a List recursively)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("kind"), str):
+        raise InjectError(f"{where}: not a Kubernetes object (a mapping with apiVersion and kind)")
+    kind = doc["kind"]
+    api = str(doc.get("apiVersion", ""))
+    if kind in PASSTHROUGH:
+        report.objects.append(f"{where}: {kind} passed through")
+        return
+    if kind == "List" or (kind.endswith("List") and isinstance(doc.get("items"), list)):
+        items = doc.get("items")
+        if not isinstance(items, list):
+            raise InjectError(f"{where}: List without items")
+        for i, item in enumerate(items):
+            inner = item if isinstance(item, dict) else {}
+            name = (inner.get("metadata") or {}).get("name", "?")
+            inject_object(item, opts, f"{where} item {i} ({inner.get('kind')}/{name})", report)
+        return
+    if kind == "Pod" and api == "v1":
+        result, trainers = inject_pod(doc.get("spec"), opts, where, report)  # type: ignore[arg-type]
+    elif kind == "Job" and api == "batch/v1":
+        result, trainers = inject_job_spec(doc.get("spec"), opts, where, report)  # type: ignore[arg-type]
+    elif kind == "JobSet" and api.startswith("jobset.x-k8s.io/"):
+        result, trainers = inject_jobset(doc, opts, where, report)
+    elif kind == "TrainJob" and api.startswith(f"{t.TRAINER_API}/"):
+        result, trainers = inject_trainjob(doc, opts, where, report), ["node"]
+    else:
+        raise InjectError(
+            f"{where}: {api or '?'} {kind} is not supported (inject handles v1 Pod, batch/v1 "
+            f"Job, JobSet, Kubeflow Trainer TrainJob and List); run training in a Job"
+        )
+    what = "already injected, unchanged" if result == "unchanged" else "injected"
+    report.objects.append(f"{where}: {what} (trainer container {', '.join(trainers)})")
+
+
+def inject_jobset(doc: Obj, opts: Options, where: str, report: Report) -> tuple[str, list[str]]:
+    spec = doc.get("spec")
+    jobs = spec.get("replicatedJobs") if isinstance(spec, dict) else None
+    if not isinstance(jobs, list) or not jobs:
+        raise InjectError(f"{where}: no spec.replicatedJobs")
+    results: list[str] = []
+    trainers: list[str] = []
+    for rj in jobs:
+        name = rj.get("name", "?") if isinstance(rj, dict) else "?"
+        template = rj.get("template") if isinstance(rj, dict) else None
+        if not isinstance(template, dict) or not isinstance(template.get("spec"), dict):
+            raise InjectError(f"{where}: replicatedJob {name!r} has no template.spec")
+        pod = (template["spec"].get("template") or {}).get("spec") or {}
+        if opts.containers and not set(_names(pod.get("containers"))) & set(opts.containers):
+            continue  # e.g. a launcher or a data job next to the workers: left as it is
+        where_rj = f"{where} replicatedJob {name!r}"
+        result, names = inject_job_spec(template["spec"], opts, where_rj, report)
+        results.append(result)
+        trainers.extend(n for n in names if n not in trainers)
+    if not results:
+        raise InjectError(
+            f"{where}: no replicatedJob has a container named {', '.join(opts.containers)}; "
+            "check --container"
+        )
+    return ("injected" if "injected" in results else "unchanged"), trainers
+
+
+def inject_documents(docs: list[Any], opts: Options, source: str) -> Report:
+    """Rewrite every document of a stream in place; InjectError refuses the whole stream."""
+    if not docs:
+        raise InjectError(f"{source}: no Kubernetes objects in the input")
+    report = Report()
+    for index, doc in enumerate(docs, 1):
+        label = _label(doc, index, len(docs)) if isinstance(doc, dict) else f"document {index}"
+        inject_object(doc, opts, f"{source}: {label}", report)
+    return report
+
+
+def inject_text(text: str, opts: Options, source: str = "<stdin>") -> tuple[str, Report]:
+    """The rewritten YAML stream and what was done; InjectError refuses the whole stream."""
+    docs = yaml_io.load(text, source)
+    report = inject_documents(docs, opts, source)
+    return yaml_io.dump(docs), report

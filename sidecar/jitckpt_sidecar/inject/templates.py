@@ -1,0 +1,182 @@
+"""The pieces inject adds to a pod: containers, volumes, environment, failure rules, patches.
+
+Plain functions of the options that return fresh objects (an edit of one never shows up in
+another); the names, paths and port are the contract k8s/ and the sidecar share.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from jitckpt_entrypoint import config as trainer
+from jitckpt_entrypoint.settings import default_of
+from jitckpt_sidecar import config as sidecar
+from jitckpt_sidecar.inject.options import Options
+
+Obj = dict[str, Any]
+
+BUNDLE_DIR = "/jitckpt"
+BUNDLE_VOLUME = "jitckpt-bundle"
+DATA_DIR: str = default_of(trainer.Config, "dir")
+DATA_VOLUME = "jitckpt"
+INSTALL = "jitckpt-install"
+SIDECAR = "jitckpt-sidecar"
+RESTORE = "jitckpt-restore"
+METRICS_PORT: int = default_of(sidecar.Config, "metrics_port")
+METRICS_PORT_NAME = "jitckpt-metrics"
+LAUNCHER = f"{BUNDLE_DIR}/jitckpt-entrypoint"
+TRAINJOB_PATCH_MANAGER = "jitckpt.io/inject"
+TRAINER_API = "trainer.kubeflow.org"
+
+
+def _var(option: str, value: object) -> Obj:
+    """An env entry for the sidecar's option `option` (its JITCKPT_* name)."""
+    return {"name": sidecar.OPTION_BY_FIELD[option].env, "value": str(value)}
+
+
+def trainer_env(opts: Options, grace: Optional[int] = None) -> list[tuple[str, str]]:
+    """(name, value) the training container gets unless it sets them itself."""
+    values: dict[str, object] = {"dir": DATA_DIR, "storage_uri": opts.storage_uri}
+    if grace is None:  # a TrainJob: its runtime mounts the volume and sets the grace period
+        del values["dir"]
+    else:
+        values["grace_seconds"] = grace
+    values["exit_code"] = opts.exit_code
+    return [(trainer.OPTION_BY_FIELD[f].env, str(v)) for f, v in values.items()]
+
+
+def wrapped(command: list[str], opts: Options) -> list[str]:
+    return [opts.python, LAUNCHER, "--", *command]
+
+
+def security_context(trainer_container: Optional[Obj] = None) -> Obj:
+    """Our containers: non-root, no privilege escalation, read-only root, no capabilities.
+
+    The sidecar deletes staged files the trainer wrote, so it runs as the trainer's UID when
+    the trainer names one (OpenShift gives every container of a pod the same UID anyway).
+    """
+    ctx: Obj = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    theirs = (trainer_container or {}).get("securityContext") or {}
+    for key in ("runAsUser", "runAsGroup"):
+        if isinstance(theirs.get(key), int) and theirs[key] > 0:
+            ctx[key] = theirs[key]
+    return ctx
+
+
+def sidecar_env(opts: Options, grace: int, *, exit_with_trainer: bool = False) -> list[Obj]:
+    env = [
+        _var("dir", DATA_DIR),
+        _var("storage_uri", opts.storage_uri),
+        _var("storage_capacity", opts.capacity),
+        _var("grace_seconds", grace),
+        _var("metrics_port", METRICS_PORT),
+    ]
+    if exit_with_trainer:
+        env.append(_var("exit_with_trainer", "1"))
+    return env
+
+
+def install_container(opts: Options, trainer_container: Obj) -> Obj:
+    return {
+        "name": INSTALL,
+        "image": opts.image,
+        "command": ["jitckpt-sidecar", "install", BUNDLE_DIR],
+        "resources": {
+            "requests": {"cpu": "50m", "memory": "64Mi"},
+            "limits": {"memory": "128Mi"},
+        },
+        "securityContext": security_context(trainer_container),
+        "volumeMounts": [{"name": BUNDLE_VOLUME, "mountPath": BUNDLE_DIR}],
+    }
+
+
+def _s3_container(
+    opts: Options, trainer_container: Obj, grace: int, head: Obj, probes: Obj, **env: bool
+) -> Obj:
+    """A container of the sidecar image that talks to S3: `head`, its settings and credentials,
+    `probes`, then resources, security context and the data volume, in that order."""
+    container = {**head, "env": sidecar_env(opts, grace, **env)}
+    if opts.secret:
+        container["envFrom"] = [{"secretRef": {"name": opts.secret}}]
+    container.update(probes)
+    container["resources"] = {
+        "requests": {"cpu": "250m", "memory": "256Mi"},
+        "limits": {"memory": "1Gi"},
+    }
+    container["securityContext"] = security_context(trainer_container)
+    container["volumeMounts"] = [{"name": DATA_VOLUME, "mountPath": DATA_DIR}]
+    return container
+
+
+def sidecar_container(opts: Options, trainer_container: Obj, grace: int) -> Obj:
+    head: Obj = {"name": SIDECAR, "image": opts.image}
+    probes: Obj = {
+        "ports": [{"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"}]
+    }
+    if opts.native:
+        head["restartPolicy"] = "Always"
+        # The pod's other containers start only once this passes: /readyz is 200 after the
+        # restore. A large checkpoint can take a while to download; allow up to an hour.
+        probes["startupProbe"] = {
+            "httpGet": {"path": "/readyz", "port": METRICS_PORT_NAME},
+            "periodSeconds": 2,
+            "failureThreshold": 1800,
+        }
+    probes["livenessProbe"] = {
+        "httpGet": {"path": "/healthz", "port": METRICS_PORT_NAME},
+        "periodSeconds": 10,
+        "failureThreshold": 6,
+    }
+    return _s3_container(
+        opts, trainer_container, grace, head, probes, exit_with_trainer=not opts.native
+    )
+
+
+def restore_container(opts: Options, trainer_container: Obj, grace: int) -> Obj:
+    head = {"name": RESTORE, "image": opts.image, "command": ["jitckpt-sidecar", "restore"]}
+    return _s3_container(opts, trainer_container, grace, head, {})
+
+
+def volumes(opts: Options) -> list[Obj]:
+    return [
+        {"name": BUNDLE_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}},
+        {"name": DATA_VOLUME, "emptyDir": {"sizeLimit": opts.capacity}},
+    ]
+
+
+def failure_rules(trainers: list[str], exit_code: int) -> list[Obj]:
+    """Preemption, eviction and drains (DisruptionTarget) and the JIT exit do not count as
+    failures: the Job replaces the pod, which restores and resumes."""
+    rules: list[Obj] = [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    ]
+    rules.extend(
+        {
+            "action": "Ignore",
+            "onExitCodes": {"containerName": name, "operator": "In", "values": [exit_code]},
+        }
+        for name in trainers
+    )
+    return rules
+
+
+def runtime_ref(opts: Options) -> Obj:
+    kind, name = opts.runtime
+    return {"name": name, "kind": kind, "apiGroup": TRAINER_API}
+
+
+def trainjob_patch(opts: Options) -> Obj:
+    """The runtimePatches entry that gives the runtime's sidecar this job's storage URI."""
+    sidecar_patch = {"name": SIDECAR, "env": [_var("storage_uri", opts.storage_uri)]}
+    pod = {"spec": {"initContainers": [sidecar_patch]}}
+    node = {"name": "node", "template": {"spec": {"template": pod}}}
+    return {
+        "manager": TRAINJOB_PATCH_MANAGER,
+        "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [node]}}},
+    }

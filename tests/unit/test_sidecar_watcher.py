@@ -1,0 +1,45 @@
+"""The inotify watcher: a wake-up per change, and nothing left running when it cannot start."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from jitckpt_entrypoint.manifest import Layout
+from jitckpt_sidecar.watcher import Watcher
+
+LOG = logging.getLogger("test")
+
+
+def test_a_file_in_staging_wakes_the_loop(tmp_path):
+    """Creating a file under staging/ calls wake()."""
+    layout = Layout(str(tmp_path))
+    layout.ensure()
+    woken = threading.Event()
+    watcher = Watcher(layout, woken.set, LOG)
+    watcher.start()
+    try:
+        (tmp_path / "staging" / "x").write_bytes(b"1")
+        assert woken.wait(10)
+    finally:
+        watcher.stop()
+
+
+def test_a_watch_that_fails_partway_leaves_no_thread_running(tmp_path, caplog):
+    """status/ missing: the watch on staging/ had started; it is stopped again, the failure is
+    one warning, and the rescan carries on alone."""
+    layout = Layout(str(tmp_path))
+    layout.ensure()
+    os.rmdir(layout.status)
+    before = set(threading.enumerate())
+    watcher = Watcher(layout, lambda: None, LOG)
+    with caplog.at_level(logging.WARNING):
+        watcher.start()
+    deadline = time.monotonic() + 10
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert set(threading.enumerate()) - before == set()
+    assert "relying on the periodic rescan" in caplog.text
+    watcher.stop()
