@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -83,6 +84,31 @@ def preemptions(runs: Sequence[PodRun]) -> str:
     return table(header, rows)
 
 
+PERIODIC = re.compile(
+    r"committed checkpoint-\d+ \(periodic, [\d.]+ MB, ([\d.]+) s"
+    r"(?:, async: training blocked ([\d.]+) s)?\)"
+)
+
+
+def save_blocking(lines: Sequence[str]) -> str:
+    """Training-thread time per periodic save, from the hook's "committed" lines (rank 0)."""
+    sync, blocked = [], []
+    for line in lines:
+        found = PERIODIC.search(line)
+        if found and "jitckpt-hook[rank 0]" in line:
+            (sync if found.group(2) is None else blocked).append(
+                float(found.group(2) or found.group(1))
+            )
+    parts = []
+    if blocked:
+        parts.append(
+            f"{len(blocked)} async, {', '.join(f'{b * 1e3:.0f}' for b in blocked)} ms each"
+        )
+    if sync:
+        parts.append(f"{len(sync)} sync, {', '.join(f'{b:.2f}' for b in sync)} s each")
+    return "; ".join(parts) or "none"
+
+
 def pods(runs: Sequence[PodRun]) -> str:
     rows = []
     for run in runs:
@@ -110,6 +136,7 @@ def pods(runs: Sequence[PodRun]) -> str:
                 duration(run.ended_at - run.created_at),
                 restored,
                 uploaded,
+                save_blocking(run.pod.trainer.stderr if run.pod.trainer else []),
             ]
         )
     header = [
@@ -119,5 +146,6 @@ def pods(runs: Sequence[PodRun]) -> str:
         "pod lifetime",
         "restored from S3",
         "checkpoints uploaded to S3 (steps): bytes",
+        "periodic saves: training blocked",
     ]
     return table(header, rows)

@@ -34,6 +34,7 @@ from jitckpt_entrypoint.settings import (
 
 SAVE_STRATEGIES = ("no", "steps", "epoch")
 LOG_FORMATS = ("text", "json")
+ASYNC_BUSY = ("wait", "skip")
 # S3 bucket naming rules (3-63 chars, lowercase, digits, dots, hyphens; starts/ends alnum).
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _USERINFO = re.compile(r"//[^/@]*@")
@@ -170,6 +171,24 @@ OPTIONS = (
         doc="`Trainer.train()` (and `latest_checkpoint()`) resume from the newest committed "
         "checkpoint",
     ),
+    Option(
+        "async_save",
+        BOOLEAN,
+        "1 = periodic Trainer saves written in the background, 0 = the Trainer's own",
+        doc="`1`: a Trainer's periodic saves are snapshotted to host memory on the training "
+        "thread and written (same files, same format), fsynced and committed by a background "
+        "thread; JIT and final saves, FSDP, DeepSpeed and Trainers that override a save method "
+        "stay the Trainer's own. `0`: the Trainer's own synchronous save. Off, with one warning "
+        "naming the numbers, when the snapshot does not fit in host memory (node or cgroup)",
+    ),
+    Option(
+        "async_busy",
+        TEXT,
+        "wait|skip: a periodic save due while the last one is being written",
+        check=one_of(ASYNC_BUSY, "wait or skip"),
+        doc="a periodic save due while the previous one is still being written: `wait` for it, "
+        "or `skip` this one (logged)",
+    ),
     GRACE_SECONDS,
     Option(
         "exit_code",
@@ -203,6 +222,10 @@ class Config:
     """Save, commit and exit at the next optimizer step boundary after SIGTERM."""
     resume: bool = True
     """Make Trainer.train() resume from the newest committed checkpoint."""
+    async_save: bool = True
+    """Write periodic Trainer saves from a host-memory snapshot on a background thread."""
+    async_busy: str = "wait"
+    """A periodic save due while the previous one is still being written: wait for it, or skip."""
     grace_seconds: int = 30
     """The pod's terminationGracePeriodSeconds: the whole budget from SIGTERM to SIGKILL."""
     exit_code: int = 143

@@ -94,7 +94,9 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(spawn, base_env
 
 
 def start_holding_save(spawn, env, release: Path, save_steps: int, hold_at: int):
-    """Train until the save at `hold_at` is written but not yet committed, and hold it there."""
+    """Train until the save at `hold_at` is written but not yet committed, and hold it there
+    (the Trainer's own synchronous save: async saves are held in test_async_save.py)."""
+    env = {**env, "JITCKPT_ASYNC_SAVE": "0"}
     args = ("--max-steps", "2000", "--save-steps", str(save_steps), "--hold-save-at", str(hold_at))
     proc = spawn(hf(*args, "--release-file", str(release)), env=env)
     proc.expect(rf"^holding save {hold_at} rank=0$", timeout=120)

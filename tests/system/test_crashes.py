@@ -1,5 +1,6 @@
-"""Crashes: the whole pod SIGKILLed (a node lost) at random points — mid-step, mid-save,
-mid-upload, mid-restore — ten times. Every restart resumes from the newest checkpoint committed
+"""Crashes: the whole pod SIGKILLed (a node lost) at random points — mid-step, mid-save (the
+Trainer's own), mid-write of an async save (background writer), mid-upload, mid-restore — ten
+times. Every restart resumes from the newest checkpoint committed
 in S3, never a partial one, and the job still ends with the weights of an uninterrupted run."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ SAVE = 4
 # Big enough (13.5 MB checkpoints, ~0.1 s steps) that a kill lands while training still runs.
 ARGS = ["--max-steps", str(TOTAL), "--save-steps", str(SAVE), "--hidden", "128", "--layers", "4"]
 SEED = 11
-KINDS = ["step", "save", "upload", "restore"]
+KINDS = ["step", "save", "write", "upload", "restore"]
 
 
 def put_from(bucket, step: int):
@@ -51,10 +52,14 @@ def test_ten_sigkills_at_random_points_resume_from_the_newest_committed_checkpoi
         newest = (committed_in_s3(s3_bucket) or [0])[-1]
         kind = "step" if planned == "restore" and newest == 0 else planned  # nothing to restore
         nxt = (newest // SAVE + 2) * SAVE  # this pod's second periodic save
-        args = list(ARGS)
-        if kind == "save":
+        args, env = list(ARGS), {}
+        if kind == "save":  # the Trainer's own save, held after its files, before the commit
             args += ["--hold-save-at", str(nxt), "--release-file", str(release)]
-        pod = pods(args, s3_env=s3_env)
+            env["JITCKPT_ASYNC_SAVE"] = "0"
+        elif kind == "write":  # an async save, held in the background writer: the first one
+            nxt -= SAVE
+            args += ["--slow-write", "1000"]
+        pod = pods(args, s3_env=s3_env, env=env)
         hold = None
         if kind == "restore":
             hold = proxy.hold(is_key(f"checkpoint-{newest}/model.safetensors", "GET"))
@@ -71,6 +76,8 @@ def test_ten_sigkills_at_random_points_resume_from_the_newest_committed_checkpoi
                 pod.wait_step(begin + rng.randint(1, 2 * SAVE + 1))
             elif kind == "save":
                 pod.trainer.expect(rf"^holding save {nxt} rank=0$", timeout=120)
+            elif kind == "write":
+                pod.trainer.expect(rf"^slow write .*checkpoint-{nxt}/optimizer.pt rank=0$", 120)
             else:
                 wait_for(lambda: hold.held, 120, "the upload")  # noqa: B023
         running = pod.trainer is None or pod.trainer.popen.poll() is None

@@ -1,4 +1,5 @@
-"""The hook's parts in one process: post-import patching, the SIGTERM flag, commit, resume."""
+"""The hook's parts in one process: post-import patching, the SIGTERM flag, and the checkpoint
+manager's lifecycle (begin, commit, JIT finish, resume, retention) without torch.distributed."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import pytest
 from jitckpt_entrypoint import postimport
 from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.hook import resume, torchrun
-from jitckpt_entrypoint.hook.commit import commit
+from jitckpt_entrypoint.hook.manager import CheckpointManager
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.signals import SigtermFlag
 from jitckpt_entrypoint.hook.topology import Topology
+from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol import status, validity
 from jitckpt_entrypoint.protocol.layout import checkpoint_steps
 
@@ -131,19 +133,46 @@ def session_for(root: Path, storage_uri: str = "") -> Session:
     return session
 
 
+def manager_for(root: Path, storage_uri: str = "") -> CheckpointManager:
+    return CheckpointManager(session_for(root, storage_uri))
+
+
 def write_ckpt(session: Session, step: int) -> str:
-    path = session.layout.checkpoint_dir(step)
+    return write_files(session.layout.checkpoint_dir(step))
+
+
+def write_files(path: str) -> str:
     os.makedirs(os.path.join(path, "sub"))
     Path(path, "model.safetensors").write_bytes(b"m" * 100)
     Path(path, "sub", "optim.pt").write_bytes(b"o" * 50)
     return path
 
 
+class ExitedError(Exception):
+    pass
+
+
+def no_exit(manager: CheckpointManager) -> list[int]:
+    """Make the manager's exit raise ExitedError instead of ending the test process."""
+    codes: list[int] = []
+
+    def exit_(code: int):
+        codes.append(code)
+        raise ExitedError(code)
+
+    manager.session.exit = exit_  # type: ignore[method-assign]
+    return codes
+
+
 def test_commit_writes_the_manifest_stages_hard_links_and_records_the_save(tmp_path):
     """One process: commit writes the manifest, hard-links into staging/, records the event."""
-    session = session_for(tmp_path, "s3://bucket/run")
+    manager = manager_for(tmp_path, "s3://bucket/run")
+    session = manager.session
     path = write_ckpt(session, 7)
-    commit(session, path, 7, "periodic", time.time() - 1)
+    pending = manager.begin_save(7)
+    assert pending is not None
+    assert status.read_save_start(session.layout.status).step == 7  # type: ignore[union-attr]
+    manager.saved(7)
     assert validity.committed(path) is not None
     staged = Path(session.layout.staging, "checkpoint-7")
     assert (
@@ -153,26 +182,96 @@ def test_commit_writes_the_manifest_stages_hard_links_and_records_the_save(tmp_p
     event = status.read_save_event(os.path.join(session.layout.status, "save-000000000007.json"))
     assert event is not None
     assert (event.kind, event.step, event.bytes) == ("periodic", 7, 150)
-    assert 7 in session.committed_steps
+    assert manager.is_committed(7)
+    assert manager.begin_save(7) is None  # never written into again
 
 
 def test_local_mode_does_not_stage(tmp_path):
     """Without JITCKPT_STORAGE_URI nothing is hard-linked into staging/."""
-    session = session_for(tmp_path)
-    commit(session, write_ckpt(session, 3), 3, "jit", time.time())
-    assert os.listdir(session.layout.staging) == []
+    manager = manager_for(tmp_path)
+    manager.commit_written(write_ckpt(manager.session, 3), 3, "final")
+    assert validity.committed(manager.checkpoint_dir(3)) is not None
+    assert os.listdir(manager.session.layout.staging) == []
+
+
+def test_the_save_of_the_agreed_stop_step_is_the_jit_checkpoint_and_ends_the_process(tmp_path):
+    """stop_at(N), then N saved: committed as kind jit, jit.json written, exit JITCKPT_EXIT_CODE."""
+    manager = manager_for(tmp_path)
+    codes = no_exit(manager)
+    manager.stop_at(4)
+    assert manager.begin_save(4).kind == "jit"  # type: ignore[union-attr]
+    write_ckpt(manager.session, 4)
+    with pytest.raises(ExitedError):
+        manager.saved(4)
+    assert codes == [143]
+    assert m.read_manifests(manager.checkpoint_dir(4))[0].kind == "jit"
+    record = status.read_jit(manager.session.layout.status, "run-1")
+    assert record is not None
+    assert record.step == 4
+    assert record.save_seconds > 0
+
+
+def test_a_stop_at_a_committed_step_leaves_at_once_without_saving_again(tmp_path):
+    """The agreed step is committed already (a periodic save): JIT record with 0 s, then exit."""
+    manager = manager_for(tmp_path)
+    manager.commit_written(write_ckpt(manager.session, 6), 6)
+    codes = no_exit(manager)
+    with pytest.raises(ExitedError):
+        manager.stop_at(6)
+    assert codes == [143]
+    record = status.read_jit(manager.session.layout.status, "run-1")
+    assert (record.step, record.save_seconds) == (6, 0.0)  # type: ignore[union-attr]
+    assert m.read_manifests(manager.checkpoint_dir(6))[0].kind == "periodic"
+
+
+def test_the_last_step_is_saved_as_final_and_a_bad_kind_is_refused_before_writing(tmp_path):
+    """last_step(N) makes N's save kind final; save(kind=...) outside the kinds raises first."""
+    manager = manager_for(tmp_path)
+    assert manager.last_step(9)
+    path = manager.save(9, write_files)
+    assert m.read_manifests(path)[0].kind == "final"
+    assert not manager.last_step(9)  # committed: nothing left to save
+    written = []
+    with pytest.raises(ValueError, match="kind must be one of"):
+        manager.save(10, written.append, kind="nightly")
+    assert written == []
+
+
+def test_retention_is_handed_to_the_sidecar_in_node_json(tmp_path):
+    """save_total_limit and HF's best step reach status/node.json for per-node retention."""
+    manager = manager_for(tmp_path)
+    manager.retention(save_total_limit=3)
+    manager.retention(best_step=20)
+    node = status.read_node(manager.session.layout.status)
+    assert node is not None
+    assert (node.save_total_limit, node.best_step, node.nodes) == (3, 20, 1)
 
 
 def test_resume_picks_the_newest_committed_and_removes_newer_partials(tmp_path):
     """Resume point = newest committed; directories past it are removed so they are not reused."""
-    session = session_for(tmp_path)
+    manager = manager_for(tmp_path)
+    session = manager.session
     for step in (5, 10):
-        commit(session, write_ckpt(session, step), step, "periodic", time.time())
+        manager.commit_written(write_ckpt(session, step), step)
     write_ckpt(session, 15)  # a save that never committed
-    step = resume.agreed_step(session)
-    assert step == 10
-    assert resume.remove_newer(session, step) == ["checkpoint-15"]
+    assert resume.agreed_step(session) == 10
+    assert manager.resume() == 10
     assert checkpoint_steps(session.layout.checkpoints) == [5, 10]
+    assert manager.is_committed(10)
+    assert manager.begin_save(10) is None
+
+
+def test_resume_is_off_with_jitckpt_resume_0_unless_the_script_asks(tmp_path):
+    """JITCKPT_RESUME=0: no resume point, nothing removed; resume(asked=True) still finds one."""
+    session = Session(Config(dir=str(tmp_path), resume=False), Topology(), "run-1")
+    session.layout.ensure()
+    manager = CheckpointManager(session)
+    manager.commit_written(write_ckpt(session, 5), 5)
+    write_ckpt(session, 8)
+    assert manager.resume() is None
+    assert checkpoint_steps(session.layout.checkpoints) == [5, 8]
+    assert manager.resume(asked=True) == 5
+    assert checkpoint_steps(session.layout.checkpoints) == [5]
 
 
 def test_env_save_settings_win_and_output_dir_stays_the_scripts(tmp_path):
@@ -191,3 +290,12 @@ def test_env_save_settings_win_and_output_dir_stays_the_scripts(tmp_path):
     assert (args.save_strategy, args.save_steps, args.save_total_limit) == ("steps", 7, 2)
     assert len(changes) == 3
     assert trainer.apply_overrides(session, args) == []
+
+
+def test_the_public_commit_function_survives_the_import_of_the_hook_internals():
+    """`jitckpt.commit` stays the plain-loop API once the manager (and its modules) is loaded."""
+    from jitckpt_entrypoint import hook as jitckpt
+    from jitckpt_entrypoint.hook import committer, manager  # noqa: F401 - imported for the effect
+
+    assert callable(jitckpt.commit)
+    assert jitckpt.commit.__module__ == "jitckpt_entrypoint.hook"

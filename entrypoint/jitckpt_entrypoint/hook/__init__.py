@@ -12,7 +12,7 @@ Hugging Face Trainer needs none of this (the hook patches it). A hand-written lo
         if jitckpt.should_stop():               # True on every rank at the same step
             jitckpt.save(state, step, kind="jit")   # saves, commits, exits JITCKPT_EXIT_CODE
         if step % 100 == 0:
-            jitckpt.save(state, step)
+            jitckpt.save(state, step)           # async_=True: written in the background
     jitckpt.save(state, total, kind="final")
     jitckpt.done()
 
@@ -33,34 +33,27 @@ def should_stop() -> bool:
     The first call starts the SIGTERM flag. Returns True on all ranks at the same step once any
     rank got SIGTERM (an async all-reduce read one step later: no blocking collective per step).
     """
-    from jitckpt_entrypoint.hook.session import current
+    from jitckpt_entrypoint.hook.manager import current
 
-    session = current()
-    session.training_started()
-    return bool(session.cfg.jit and session.control.stop_requested(session.flag.is_set))
+    manager = current()
+    manager.training_started()
+    return manager.stop_agreed()
 
 
 def checkpoint_dir(step: int) -> str:
     """Where the checkpoint of `step` lives (JITCKPT_DIR/checkpoints/checkpoint-<step>)."""
-    from jitckpt_entrypoint.hook.session import current
+    from jitckpt_entrypoint.hook.manager import current
 
-    return current().layout.checkpoint_dir(step)
+    return current().checkpoint_dir(step)
 
 
 def latest_checkpoint() -> Optional[str]:
     """The newest checkpoint committed on every node, or None (JITCKPT_RESUME=0 gives None)."""
-    from jitckpt_entrypoint.hook import resume
-    from jitckpt_entrypoint.hook.session import current
+    from jitckpt_entrypoint.hook.manager import current
 
-    session = current()
-    if not session.cfg.resume:
-        return None
-    step = resume.agreed_step(session)
-    resume.remove_newer(session, step)
-    if step is None:
-        return None
-    session.committed_steps.add(step)
-    return session.layout.checkpoint_dir(step)
+    manager = current()
+    step = manager.resume()
+    return None if step is None else manager.checkpoint_dir(step)
 
 
 def load(state_dict: dict[str, Any], path: str) -> None:
@@ -70,57 +63,39 @@ def load(state_dict: dict[str, Any], path: str) -> None:
     dcp.load(state_dict, checkpoint_id=path)
 
 
-def save(state_dict: dict[str, Any], step: int, kind: str = "periodic") -> str:
+def save(
+    state_dict: dict[str, Any], step: int, kind: str = "periodic", async_: bool = False
+) -> str:
     """Save `state_dict` with torch.distributed.checkpoint as `step`, then commit it.
 
     kind is periodic, jit or final. With kind="jit" the process then exits with
-    JITCKPT_EXIT_CODE. A step that is already committed is not written again.
+    JITCKPT_EXIT_CODE. A step that is already committed is not written again. async_=True (a
+    periodic save only): DCP's own `async_save` stages the state to host memory and writes it
+    on a thread; jitckpt commits it once every rank's write is done. The next save (and
+    `done()`) waits for it; a SIGTERM stop abandons it uncommitted when it is older.
     """
-    import time
-
     import torch.distributed.checkpoint as dcp
 
-    from jitckpt_entrypoint.hook.commit import commit as commit_dir
-    from jitckpt_entrypoint.hook.session import current
+    from jitckpt_entrypoint.hook.manager import current
 
-    session = current()
-    path = session.layout.checkpoint_dir(step)
-    seconds = 0.0
-    if step not in session.committed_steps:
-        started = time.time()
-        session.save_started(step, started)
-        dcp.save(state_dict, checkpoint_id=path)
-        commit_dir(session, path, step, kind, started)
-        seconds = time.time() - started
-    _after_save(session, step, kind, seconds)
-    return path
+    manager = current()
+    if async_ and kind == "periodic":
+        return manager.save_dcp_async(
+            step,
+            lambda path, group: dcp.async_save(state_dict, checkpoint_id=path, process_group=group),
+        )
+    return manager.save(step, lambda path: dcp.save(state_dict, checkpoint_id=path), kind)
 
 
 def commit(path: str, step: int, kind: str = "periodic") -> None:
     """Commit a checkpoint you wrote into `checkpoint_dir(step)` (call after every rank wrote)."""
-    import time
+    from jitckpt_entrypoint.hook.manager import current
 
-    from jitckpt_entrypoint.hook.commit import commit as commit_dir
-    from jitckpt_entrypoint.hook.session import current
-
-    session = current()
-    if step not in session.committed_steps:
-        commit_dir(session, path, step, kind, time.time())
-    _after_save(session, step, kind, 0.0)
+    current().commit_written(path, step, kind)
 
 
 def done() -> None:
     """Training is over: put back the SIGTERM handler that was there before."""
-    from jitckpt_entrypoint.hook.session import current
+    from jitckpt_entrypoint.hook.manager import current
 
     current().training_ended()
-
-
-def _after_save(session: Any, step: int, kind: str, seconds: float) -> None:
-    """Leave after a JIT save, or after a save during which SIGTERM arrived on some rank."""
-    from jitckpt_entrypoint.hook.commit import finish_jit
-
-    if kind == "jit" or (
-        session.cfg.jit and session.training and session.control.any_now(session.flag.is_set)
-    ):
-        finish_jit(session, step, seconds)

@@ -54,6 +54,11 @@ class ControlGroup:
     def distributed(self) -> bool:
         return self._group is not None
 
+    @property
+    def group(self) -> Any:
+        """The gloo process group (None with one process)."""
+        return self._group
+
     def stop_requested(self, local: bool) -> bool:
         """The async agreement, called once per optimizer step on every rank.
 

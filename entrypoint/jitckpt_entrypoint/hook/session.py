@@ -1,7 +1,8 @@
-"""The hook's state in one training process: settings, layout, ranks, SIGTERM flag, control group.
+"""What one training process is: settings, layout, ranks, SIGTERM flag, control group, registry.
 
-Built once per process (`current()`); the logic around it takes a Session as a parameter, so
-tests build their own.
+Built once per process by the checkpoint manager (manager.current()); the logic around it takes
+a Session as a parameter, so tests build their own. What happens to checkpoints is the
+manager's (manager.py), not this object's.
 """
 
 from __future__ import annotations
@@ -29,15 +30,9 @@ class Session:
         self.layout = Layout(cfg.dir)
         self.log = _logger(topo)
         self.flag = SigtermFlag(f"jitckpt-hook[rank {topo.rank}]")
-        self.committed_steps: set[int] = set()
-        """Steps committed (or resumed from) in this process; identical on every rank."""
-        self.save_total_limit: Optional[int] = cfg.save_total_limit
-        """Checkpoints the trainer keeps (the Trainer's effective value once it starts)."""
-        self.best_step: Optional[int] = None
         self.training = False
         self._control: Optional[ControlGroup] = None
         self._registered: Optional[str] = None
-        self._announced: Optional[status.NodeStatus] = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Session:
@@ -49,22 +44,6 @@ class Session:
         if self._control is None:
             self._control = ControlGroup()
         return self._control
-
-    def announce(self) -> None:
-        """Tell this node's sidecar which node it is and what the trainer keeps (node.json)."""
-        if not self.topo.is_leader:
-            return
-        node = status.NodeStatus(
-            self.run_id, self.topo.node, self.topo.nodes, self.save_total_limit, self.best_step
-        )
-        if node != self._announced:
-            status.write_node(self.layout.status, node)
-            self._announced = node
-
-    def save_started(self, step: int, at: float) -> None:
-        """Tell this node's sidecar a save began (it samples the volume's peak until the commit)."""
-        if self.topo.is_leader:
-            status.write_save_start(self.layout.status, status.SaveStart(self.run_id, step, at))
 
     def training_started(self) -> None:
         """Install the SIGTERM flag for the duration of training."""
@@ -103,15 +82,7 @@ class Session:
         os._exit(code)
 
 
-_current: Optional[Session] = None
 _forks_shielded = False
-
-
-def current() -> Session:
-    global _current  # noqa: PLW0603 - one hook state per process, like the signal disposition it owns
-    if _current is None:
-        _current = Session.from_env(os.environ)
-    return _current
 
 
 def _shield_forked_children(session: Session) -> None:

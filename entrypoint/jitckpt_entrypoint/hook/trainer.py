@@ -9,28 +9,28 @@ Every Trainer (TRL's trainers subclass it) gets, with no change to the training 
 - the JITCKPT_SAVE_* overrides (logged once);
 - resume from the newest checkpoint committed on every node, unless the script passed
   resume_from_checkpoint itself (HF's get_last_checkpoint ignores commit markers);
-- a callback that commits every save, agrees across ranks after each optimizer step whether any
-  rank got SIGTERM (async, read one step later), and on agreement saves that step, commits it
-  and exits with JITCKPT_EXIT_CODE;
+- a callback that hands the Trainer's events to the checkpoint manager (manager.py), which
+  commits every save, agrees across ranks after each optimizer step whether any rank got
+  SIGTERM, and on agreement has that step saved, commits it and exits with JITCKPT_EXIT_CODE;
+  the callback only sets the Trainer's controls (save now, stop training);
 - when training ends normally, world rank 0 records its output_dir: after the command exits 0
   the entrypoint stages what the script saved there as the final model (final/ in S3).
+
+This module is an adapter: what happens to a checkpoint is decided in manager.py.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import time
 import weakref
 from types import ModuleType
-from typing import Any, NoReturn, Optional
+from typing import Any, Optional
 
 from transformers.trainer_callback import TrainerCallback
 
-from jitckpt_entrypoint.hook import resume
-from jitckpt_entrypoint.hook.commit import commit, finish_jit
-from jitckpt_entrypoint.hook.session import Session, current
-from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.hook.manager import CheckpointManager, PendingSave, current
+from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol.layout import step_of
 
 _logged_overrides = False
@@ -41,7 +41,8 @@ def patch(module: ModuleType) -> None:
     trainer_cls = module.Trainer
     if getattr(trainer_cls, "_jitckpt_patched", False):
         return
-    session = current()
+    manager = current()
+    session = manager.session
     original_init = trainer_cls.__init__
     original_train = trainer_cls.train
     original_save = trainer_cls._save_checkpoint
@@ -51,11 +52,11 @@ def patch(module: ModuleType) -> None:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - it is __init__
         args, kwargs = _with_training_args(session, module, args, kwargs)
         original_init(self, *args, **kwargs)
-        self.add_callback(JitckptCallback(session, self))
+        self.add_callback(JitckptCallback(manager, self))
 
     @functools.wraps(original_train)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _with_resume(session, args, kwargs)
+        args, kwargs = _with_resume(manager, args, kwargs)
         return original_train(self, *args, **kwargs)
 
     @functools.wraps(original_output_dir)
@@ -65,24 +66,48 @@ def patch(module: ModuleType) -> None:
         return session.layout.checkpoints
 
     @functools.wraps(original_save)
-    def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def _save_checkpoint(self: Any, model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
         step = self.state.global_step
-        if step in session.committed_steps:
-            # Never write into a committed directory: a crash mid-overwrite would leave a
-            # manifest in front of torn files. (Epoch-end saves repeat the final step.)
-            return None
-        started = time.time()
-        session.save_started(step, started)
-        callback = _callback_of(self)
-        if callback is not None:
-            callback.save_started = started
-        return original_save(self, *args, **kwargs)
+        if manager.should_skip(step):
+            return None  # JITCKPT_ASYNC_BUSY=skip and the last save is still being written
+        pending = manager.begin_save(step)
+        if pending is None:
+            return None  # committed already (epoch-end saves repeat the final step)
+        if manager.async_on and pending.kind == "periodic" and trial is None:
+            return _save_async(manager, self, pending)
+        return original_save(self, model, trial, *args, **kwargs)
 
     trainer_cls.__init__ = __init__
     trainer_cls.train = train
     trainer_cls._save_checkpoint = _save_checkpoint
     trainer_cls._get_output_dir = _get_output_dir
     trainer_cls._jitckpt_patched = True
+
+
+def _save_async(manager: CheckpointManager, trainer: Any, pending: PendingSave) -> None:
+    """The Trainer's checkpoint of this step, written by the manager's background writer."""
+    from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
+
+    ckpt = TrainerCheckpoint(trainer)
+
+    def after_commit() -> None:
+        # HF's rotation, after our commit (HF rotates right after writing): the newest
+        # checkpoint, this one, is never among those it deletes.
+        if trainer.args.should_save:
+            trainer._rotate_checkpoints(use_mtime=False, output_dir=ckpt.run_dir)
+
+    manager.save_async(pending, ckpt.write_small, ckpt.tensors, ckpt.writers, after_commit)
+
+
+def _start_async(manager: CheckpointManager, trainer: Any) -> None:
+    """Decide (collectively) whether this Trainer's periodic saves run in the background."""
+    from jitckpt_entrypoint.hook import trainer_checkpoint
+
+    if not manager.session.cfg.async_save:
+        return
+    reason = trainer_checkpoint.unsupported(trainer)
+    nbytes = 0 if reason else trainer_checkpoint.snapshot_bytes(trainer)
+    manager.enable_async(nbytes, reason)
 
 
 def _warm_save_path() -> None:
@@ -98,13 +123,6 @@ def _warm_save_path() -> None:
         conversion_mapping.get_checkpoint_conversion_mapping("llama")
     except Exception:  # noqa: BLE001 - an optimisation only; never fail training over it
         return
-
-
-def _callback_of(trainer: Any) -> Optional[JitckptCallback]:
-    for callback in trainer.callback_handler.callbacks:
-        if isinstance(callback, JitckptCallback):
-            return callback
-    return None
 
 
 def _with_training_args(
@@ -162,10 +180,11 @@ def _plain(value: Any) -> Any:
 
 
 def _with_resume(
-    session: Session, args: tuple[Any, ...], kwargs: dict[str, Any]
+    manager: CheckpointManager, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Resolve resume_from_checkpoint=None (with JITCKPT_RESUME=1) or True to the newest
     committed checkpoint; True is HF's "the last one in the checkpoint folder", which is ours."""
+    session = manager.session
     given = (
         kwargs["resume_from_checkpoint"]
         if "resume_from_checkpoint" in kwargs
@@ -179,19 +198,8 @@ def _with_resume(
         return args, kwargs
     if given is None and not session.cfg.resume:
         return args, kwargs
-    step = resume.agreed_step(session)
-    resume.remove_newer(session, step)
-    if step is None:
-        chosen = None
-        if session.topo.rank == 0:
-            session.log.info(
-                "no committed checkpoint in %s: training from the start", session.layout.checkpoints
-            )
-    else:
-        session.committed_steps.add(step)
-        chosen = session.layout.checkpoint_dir(step)
-        if session.topo.rank == 0:
-            session.log.info("resuming from %s", chosen)
+    step = manager.resume(asked=True)
+    chosen = None if step is None else manager.checkpoint_dir(step)
     if args:
         return (chosen, *args[1:]), kwargs
     kwargs["resume_from_checkpoint"] = chosen
@@ -199,22 +207,20 @@ def _with_resume(
 
 
 class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is untyped here
-    """Commits every save; stops all ranks at the same step after SIGTERM and JIT-saves it."""
+    """The Trainer's events, handed to the checkpoint manager; it sets the Trainer's controls."""
 
-    def __init__(self, session: Session, trainer: Any) -> None:
-        self.session = session
+    def __init__(self, manager: CheckpointManager, trainer: Any) -> None:
+        self.manager = manager
         self._trainer = weakref.ref(trainer)
-        self.save_started: Optional[float] = None
-        self.pending_kind: Optional[str] = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        session = self.session
-        session.control  # noqa: B018 - collective: create the group while every rank is here
+        manager, session = self.manager, self.manager.session
         _warm_save_path()
-        session.save_total_limit = args.save_total_limit
-        session.announce()
-        session.training_started()
+        manager.retention(save_total_limit=args.save_total_limit)
+        manager.training_started()
         trainer = self._trainer()
+        if trainer is not None:
+            _start_async(manager, trainer)
         folder = None if trainer is None else trainer._get_output_dir(None)
         ours = os.path.abspath(session.layout.checkpoints)
         if folder is not None and os.path.abspath(folder) != ours:
@@ -232,80 +238,49 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
             )
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        session = self.session
-        if session.cfg.jit and session.control.stop_requested(session.flag.is_set):
+        if self.manager.stop_agreed():
             self._stop(state, control)
-        elif (
-            0 < state.max_steps <= state.global_step
-            and state.global_step not in session.committed_steps
-        ):
+        elif 0 < state.max_steps <= state.global_step and self.manager.last_step(state.global_step):
             control.should_save = True
-            self.pending_kind = "final"
+        return control
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.manager.before_update()  # an async save's snapshot is complete before the update
         return control
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         # Evaluation can take minutes; all ranks are in step here, so ask now. Only inside
         # train(): a script may call trainer.evaluate() afterwards, even on one rank.
-        session = self.session
-        if session.training and session.cfg.jit and session.control.any_now(session.flag.is_set):
+        if self.manager.stop_now():
             self._stop(state, control)
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        session, step = self.session, state.global_step
-        save_seconds = 0.0
-        session.best_step = _step_of(state.best_model_checkpoint)
-        if step not in session.committed_steps:
-            started = self.save_started or time.time()
-            kind = self.pending_kind or "periodic"
-            commit(session, session.layout.checkpoint_dir(step), step, kind, started)
-            save_seconds = time.time() - started
-        if self.pending_kind == "jit":
-            self._finish_jit(step, save_seconds)
-        self.pending_kind = None
-        # A SIGTERM that arrived during the save: this step is committed, stop right here.
-        if session.cfg.jit and session.control.any_now(session.flag.is_set):
-            self._finish_jit(step, 0.0)
+        self.manager.retention(best_step=_step_of(state.best_model_checkpoint))
+        self.manager.saved(state.global_step)
         return control
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        session, step = self.session, state.global_step
-        trainer = self._trainer()
-        stopping = self.pending_kind == "jit"
-        if step not in session.committed_steps and trainer is not None:
-            # Training ended without saving its last step (an early stop, a save_strategy that
-            # overrode ours): save it now, as JIT if that is why we stopped, else as final.
-            self.pending_kind = "jit" if stopping else "final"
-            trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-            self.on_save(args, state, control)
-        elif stopping:
-            self._finish_jit(step, 0.0)
-        # SIGTERM during the end of training (best-model loading, a last evaluation): the
-        # final step is committed, so leave now rather than wait for the pod's SIGKILL.
-        if session.cfg.jit and session.control.any_now(session.flag.is_set):
-            self._finish_jit(step, 0.0)
-        if state.is_world_process_zero and session.run_id:
-            output = status.OutputRecord(
-                session.run_id, os.path.abspath(args.output_dir), step, time.time()
-            )
-            try:
-                status.write_output(session.layout.status, output)
-            except OSError as exc:  # the model is still saved; only its upload is lost
-                session.log.warning("cannot record output_dir for the final model: %s", exc)
-        session.training_ended()
+        manager, trainer = self.manager, self._trainer()
+        save_last = None
+        if trainer is not None:
+
+            def save_last() -> None:
+                # Training ended without saving its last step (an early stop, a save_strategy
+                # that overrode ours): the Trainer saves it now, as JIT if that is why we stopped.
+                trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+                manager.retention(best_step=_step_of(state.best_model_checkpoint))
+
+        manager.training_ending(state.global_step, save_last)
+        if state.is_world_process_zero:
+            manager.record_output(args.output_dir, state.global_step)
+        manager.training_ended()
         return control
 
     def _stop(self, state: Any, control: Any) -> None:
-        """Every rank agreed to stop at this step: save it (unless committed) and leave."""
-        session = self.session
+        """Every rank agreed to stop at this step: the Trainer saves it next (unless committed:
+        then the manager leaves at once)."""
         control.should_training_stop = True
         control.should_evaluate = False
-        self.pending_kind = "jit"
-        if session.topo.rank == 0:
-            session.log.info("all ranks stop at step %d for a JIT checkpoint", state.global_step)
-        if state.global_step in session.committed_steps:
-            self._finish_jit(state.global_step, 0.0)  # does not return
+        self.manager.stop_at(state.global_step)
         control.should_save = True
-
-    def _finish_jit(self, step: int, save_seconds: float) -> NoReturn:
-        finish_jit(self.session, step, save_seconds)

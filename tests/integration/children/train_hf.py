@@ -4,7 +4,8 @@ Builds a 2-layer Llama from a config (no hub), trains on random tokens, and prin
 optimizer step so tests can act at a given step. Test-only knobs (never in user scripts):
 --hold-save-at N makes the save at step N wait, after the Trainer wrote its files and before
 jitckpt commits them, until --release-file exists; --wait-after-train waits the same way after
-train() returns; --slow-save S makes every save (periodic or JIT) take S seconds longer.
+train() returns; --slow-save S makes every save (periodic or JIT) take S seconds longer;
+--slow-write S holds each optimizer.pt written by jitckpt's background writer S seconds.
 --save-model ends like TRL's scripts: trainer.save_model() into --output-dir (model, config,
 tokenizer with --trainer sft) and a metrics JSON.
 --strategy picks DDP (default), FSDP or DeepSpeed ZeRO (both through the test-only
@@ -120,6 +121,25 @@ class SlowSaveTrainer(Trainer):
         return super().save_model(*args, **kwargs)
 
 
+def slow_background_writes(seconds: float) -> None:
+    """Every optimizer.pt written off the main thread (jitckpt's background writer) is held
+    `seconds` after its bytes are on disk, with a line, so tests can act mid-write."""
+    import threading
+
+    original = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        result = original(obj, f, *args, **kwargs)
+        if threading.current_thread() is not threading.main_thread() and str(f).endswith(
+            "optimizer.pt"
+        ):
+            say(f"slow write {f} rank={os.environ.get('RANK', '0')}")
+            time.sleep(seconds)
+        return result
+
+    torch.save = save
+
+
 def build_args(opts: argparse.Namespace, cls: type = TrainingArguments) -> TrainingArguments:
     kwargs: dict[str, Any] = {"use_cpu": True, **strategy_args(opts.strategy)}
     return cls(
@@ -172,7 +192,15 @@ def main() -> None:
         "--wait-after-train", action="store_true", help="until --release-file exists"
     )
     parser.add_argument("--slow-save", type=float, default=0.0, help="seconds added to saves")
+    parser.add_argument(
+        "--slow-write",
+        type=float,
+        default=0.0,
+        help="seconds added to each optimizer.pt written off the main thread (async saves)",
+    )
     opts = parser.parse_args()
+    if opts.slow_write:
+        slow_background_writes(opts.slow_write)
 
     torch.manual_seed(0)
     config = LlamaConfig(

@@ -39,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--async-save", action="store_true", help="jitckpt.save(async_=True)")
     opts = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -68,7 +69,7 @@ def main() -> None:
         if jitckpt.should_stop():
             jitckpt.save(state, step, kind="jit")  # commits, then exits with JITCKPT_EXIT_CODE
         if step % opts.save_every == 0 and step < opts.steps:
-            jitckpt.save(state, step)
+            jitckpt.save(state, step, async_=opts.async_save)
     jitckpt.save(state, opts.steps, kind="final")
     jitckpt.done()
     say(f"done step={app.step} rank={rank}")

@@ -1,0 +1,209 @@
+"""One Hugging Face Trainer checkpoint, written the Trainer's way but not on its schedule.
+
+`Trainer._save_checkpoint` (transformers 5) writes, all on the training thread: the model
+(`save_model`: safetensors weights, config, generation config, tokenizer, training_args.bin),
+the optimizer (`optimizer.pt`), scheduler, scaler, RNG states and `trainer_state.json`, then
+rotates old checkpoints. `TrainerCheckpoint` produces the same files with the same names,
+formats and serializers (HF's own functions where they can be called as they are), so HF's
+resume and `from_pretrained` read them unchanged, in two parts:
+
+- `write_small` (training thread, milliseconds): everything small, and everything that reads
+  state other than weights: flops (a collective), the best-model path, RNG states, scheduler,
+  scaler, the trainer state with its callbacks' state, training arguments, the tokenizer.
+- `writers(path, tensors)` (any thread): the model weights and the optimizer state, from the
+  `tensors()` of this step or a host copy of them (snapshot.py).
+
+Rotation (save_total_limit) is not done here: the manager does it after the commit.
+`unsupported()` names what this does not cover; those Trainers keep HF's own save.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+# The save methods this replaces: a subclass that overrides one keeps the Trainer's own save.
+REPLACED = (
+    "save_model",
+    "_save",
+    "_save_optimizer_and_scheduler",
+    "_save_rng_state",
+    "_save_scaler",
+)
+
+
+def unsupported(trainer: Any) -> Optional[str]:  # noqa: PLR0911 - one reason per case
+    """Why this Trainer's checkpoints must be written by the Trainer itself, or None."""
+    from transformers import trainer as hf
+
+    args = trainer.args
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return "DeepSpeed writes its own checkpoint layout with collectives on the training group"
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "FSDP saves are collectives on the training group"
+    if hf.is_torch_xla_available() or hf.is_sagemaker_mp_enabled():
+        return "XLA and SageMaker model parallelism save through their own APIs"
+    if getattr(trainer, "is_distributed_loading_by_transformers", False):
+        return "the model was sharded when it was loaded"
+    if hf._is_peft_model(trainer.model):
+        return "PEFT adapters are small: their save is quick as it is"
+    if getattr(trainer.model, "hf_quantizer", None) is not None:
+        return "a quantized model is saved by its quantizer"
+    device_map = getattr(trainer.model, "hf_device_map", None) or {}
+    if {"cpu", "disk"} & set(device_map.values()):
+        return "offloaded weights are saved from disk"
+    if args.push_to_hub:
+        return "push_to_hub uploads each checkpoint as the Trainer writes it"
+    if trainer.hp_search_backend is not None:
+        return "hyperparameter search"
+    if args.save_total_limit == 1 and args.metric_for_best_model is not None:
+        return "save_total_limit=1 with a best model: the Trainer deletes checkpoints at the end"
+    for name in REPLACED:
+        if getattr(type(trainer), name) is not getattr(hf.Trainer, name):
+            return f"{type(trainer).__name__} overrides {name}"
+    return None
+
+
+def snapshot_bytes(trainer: Any) -> int:
+    """Host memory an async save's snapshot takes on this rank: the model's and the optimizer's
+    tensors (before the first step, Adam's two moments per trainable parameter are counted)."""
+    ckpt = TrainerCheckpoint(trainer)
+    if not ckpt.should_save:
+        return 0
+    model = ckpt._model_to_save()
+    total = _tensor_bytes(model.state_dict())
+    if not trainer.args.save_only_model:
+        optimizer = trainer.optimizer
+        state = optimizer.state_dict()["state"] if optimizer is not None else {}
+        if state:
+            total += _tensor_bytes(state)
+        else:
+            trainable = sum(
+                p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
+            )
+            total += 2 * trainable
+    return total
+
+
+def _tensor_bytes(tree: Any) -> int:
+    from jitckpt_entrypoint.hook.snapshot import map_tree
+
+    seen: dict[tuple[str, int], int] = {}
+
+    def leaf(t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
+
+    map_tree(tree, leaf)
+    return sum(seen.values())
+
+
+class TrainerCheckpoint:
+    """What `trainer._save_checkpoint(model, trial)` writes at the current step."""
+
+    def __init__(self, trainer: Any, trial: Any = None) -> None:
+        self.trainer = trainer
+        self.trial = trial
+        self.run_dir: str = trainer._get_output_dir(trial=trial)
+
+    @property
+    def should_save(self) -> bool:
+        return bool(self.trainer.args.should_save)
+
+    def tensors(self) -> dict[str, Any]:
+        """The model's and the optimizer's state dicts (live tensors): the big part."""
+        trainer, out = self.trainer, {}
+        if self.should_save:
+            out["model"] = self._model_to_save().state_dict()
+            if not trainer.args.save_only_model:
+                out["optimizer"] = trainer.optimizer.state_dict()
+        return out
+
+    def write_small(self, path: str) -> None:
+        """Training thread: everything but the model weights and the optimizer state."""
+        from transformers import trainer as hf
+
+        trainer, args, state = self.trainer, self.trainer.args, self.trainer.state
+        if trainer.hp_search_backend is None and self.trial is None:
+            trainer.store_flos()  # a collective in distributed training: every rank, in step
+        os.makedirs(path, exist_ok=True)
+        if (
+            args.save_strategy
+            in (hf.SaveStrategy.STEPS, hf.SaveStrategy.EPOCH, hf.SaveStrategy.BEST)
+            and state.best_global_step
+        ):
+            # HF waits on a barrier for process 0's save, then checks the best step's directory
+            # exists; this save's own directory is being written, older ones are committed.
+            best = os.path.join(
+                self.run_dir, f"{hf.PREFIX_CHECKPOINT_DIR}-{state.best_global_step}"
+            )
+            if state.best_global_step == state.global_step or os.path.exists(best):
+                state.best_model_checkpoint = best
+        if self.should_save:
+            self._save_processing_class(path)
+            torch.save(args, os.path.join(path, hf.TRAINING_ARGS_NAME))
+        if not args.save_only_model:
+            if self.should_save:
+                with warnings.catch_warnings(record=True) as caught:
+                    torch.save(
+                        trainer.lr_scheduler.state_dict(), os.path.join(path, hf.SCHEDULER_NAME)
+                    )
+                hf.reissue_pt_warnings(caught)
+            trainer._save_scaler(path)
+            trainer._save_rng_state(path)
+        if self.should_save:
+            for cb in [*trainer.callback_handler.callbacks, trainer.control]:
+                if isinstance(cb, hf.ExportableState):
+                    name = cb.__class__.__name__
+                    if isinstance(state.stateful_callbacks[name], list):
+                        state.stateful_callbacks[name].append(cb.state())
+                    else:
+                        state.stateful_callbacks[name] = cb.state()
+            state.save_to_json(os.path.join(path, hf.TRAINER_STATE_NAME))
+
+    def writers(self, path: str, tensors: dict[str, Any]) -> list[Callable[[], object]]:
+        """The big files, one writer each, from `tensors` (this step's, or a copy of them)."""
+        from transformers import trainer as hf
+
+        out: list[Callable[[], object]] = []
+        if "model" in tensors:
+            out.append(lambda: self._save_model(path, tensors["model"]))
+        if "optimizer" in tensors:
+            target = os.path.join(path, hf.OPTIMIZER_NAME)
+            out.append(lambda: torch.save(tensors["optimizer"], target))
+        return out
+
+    # -- Trainer._save, from a given state dict --
+
+    def _model_to_save(self) -> Any:
+        from transformers import modeling_utils
+
+        model = self.trainer.model
+        supported = modeling_utils.PreTrainedModel
+        if isinstance(model, supported):
+            return modeling_utils.unwrap_model(model)  # what save_pretrained saves
+        unwrapped = self.trainer.accelerator.unwrap_model(model, keep_torch_compile=False)
+        return unwrapped if isinstance(unwrapped, supported) else model
+
+    def _save_model(self, path: str, state_dict: dict[str, Any]) -> None:
+        import safetensors.torch
+        from transformers import modeling_utils
+        from transformers import trainer as hf
+
+        model = self._model_to_save()
+        if isinstance(model, modeling_utils.PreTrainedModel):
+            model.save_pretrained(path, state_dict=state_dict, is_main_process=True)
+        else:
+            safetensors.torch.save_file(
+                state_dict, os.path.join(path, hf.SAFE_WEIGHTS_NAME), metadata={"format": "pt"}
+            )
+
+    def _save_processing_class(self, path: str) -> None:
+        trainer = self.trainer
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(path)
+        elif getattr(trainer.data_collator, "tokenizer", None) is not None:
+            trainer.data_collator.tokenizer.save_pretrained(path)

@@ -1,0 +1,140 @@
+"""Writing the checkpoints we write ourselves: a background thread, parallel files, one fsync pass.
+
+`BackgroundWriter` runs one job at a time on a daemon thread (the manager keeps at most one save
+in flight). A job can be cancelled: it checks between its phases and then stops before the
+commit, so a cancelled save is never committed. A job stuck in a collective of a save that other
+ranks cancelled is simply left behind: the process exits after its JIT checkpoint.
+
+`write_files` runs a checkpoint's file writers side by side (the serializers spend CPU time,
+CRCs and pickling, that overlaps with the disk's), and `fsync_tree` makes them durable in one
+pass before the manifest is written.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
+WRITERS = 4
+"""Files written side by side."""
+
+
+class CancelledError(Exception):
+    """The job was cancelled (a JIT checkpoint of a newer step replaces it)."""
+
+
+class Job:
+    def __init__(self, run: Callable[[Job], None], label: str) -> None:
+        self.label = label
+        self._run = run
+        self._cancelled = threading.Event()
+        self._done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def check(self) -> None:
+        """Raise CancelledError when cancelled (called by the job between its phases)."""
+        if self._cancelled.is_set():
+            raise CancelledError(self.label)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._done.wait(timeout)
+
+    def execute(self) -> None:
+        try:
+            self._run(self)
+        except CancelledError:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - kept for the training thread to report
+            self.error = exc
+        finally:
+            self._done.set()
+
+
+class BackgroundWriter:
+    """One daemon thread that runs submitted jobs in order."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.Queue[Optional[Job]] = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, run: Callable[[Job], None], label: str) -> Job:
+        job = Job(run, label)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+            self._thread.start()
+        self._queue.put(job)
+        return job
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread after the jobs already queued (a stuck one is left behind)."""
+        if self._thread is None:
+            return
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            job.execute()
+
+
+def write_files(writers: list[Callable[[], object]], job: Optional[Job] = None) -> None:
+    """Run `writers` side by side; the first error is raised once all have ended."""
+    if len(writers) <= 1:
+        for write in writers:
+            write()
+        return
+    with ThreadPoolExecutor(max_workers=min(WRITERS, len(writers))) as pool:
+        futures = [pool.submit(_checked(write, job)) for write in writers]
+    for future in futures:
+        future.result()
+
+
+def _checked(write: Callable[[], object], job: Optional[Job]) -> Callable[[], object]:
+    def run() -> object:
+        if job is not None:
+            job.check()
+        return write()
+
+    return run
+
+
+def fsync_tree(root: str) -> int:
+    """fsync every file under `root`, then every directory (deepest first); returns bytes."""
+    total = 0
+    dirs = []
+    for dirpath, _, filenames in os.walk(root):
+        dirs.append(dirpath)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    for dirpath in reversed(dirs):
+        fd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return total

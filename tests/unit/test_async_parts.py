@@ -1,0 +1,158 @@
+"""The async save's parts in one process: host snapshots, the background writer, memory budget."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from jitckpt_entrypoint.hook import memory
+from jitckpt_entrypoint.hook.snapshot import Stager, UnsupportedStateError
+from jitckpt_entrypoint.hook.writer import BackgroundWriter, fsync_tree, write_files
+from jitckpt_entrypoint.protocol import validity
+
+
+def test_a_snapshot_is_the_state_at_the_save_and_keeps_views_and_shared_storages():
+    """Copies finish before the update; views, offsets and tied tensors stay as they were."""
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    state = {"w": weight, "tied": weight, "row": weight[1], "t": weight.t(), "step": 7}
+    stager = Stager()
+    host, staging = stager.plan(state)
+    staging.start()
+    threading.Thread(target=staging.run).start()  # the writer thread's part
+    staging.before_update()
+    weight.add_(100)  # the optimizer step after the save
+    staging.wait()
+    assert torch.equal(host["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert host["tied"].untyped_storage().data_ptr() == host["w"].untyped_storage().data_ptr()
+    assert torch.equal(host["row"], host["w"][1])
+    assert host["row"].storage_offset() == 4
+    assert host["t"].stride() == (1, 4)
+    assert host["step"] == 7
+    assert staging.nbytes == 48
+
+
+def test_buffers_are_reused_from_one_save_to_the_next():
+    weight = torch.zeros(1000)
+    stager = Stager()
+    first, staging = stager.plan({"w": weight})
+    staging.run()
+    second, staging = stager.plan({"w": weight})
+    staging.run()
+    assert first["w"].untyped_storage().data_ptr() == second["w"].untyped_storage().data_ptr()
+    assert stager.nbytes == 4000
+
+
+def test_a_tensor_it_cannot_copy_exactly_is_refused():
+    with pytest.raises(UnsupportedStateError):
+        Stager().plan({"m": torch.empty(3, device="meta")})
+
+
+def test_the_writer_runs_jobs_in_order_and_keeps_errors_for_the_caller(tmp_path: Path):
+    writer = BackgroundWriter("test-writer")
+    seen: list[int] = []
+
+    def failing(job: object) -> None:
+        raise OSError("disk full")
+
+    jobs = [writer.submit(lambda _job, i=i: seen.append(i), f"job {i}") for i in range(3)]
+    bad = writer.submit(failing, "bad")
+    assert all(job.wait(10) for job in [*jobs, bad])
+    writer.close()
+    assert seen == [0, 1, 2]
+    assert isinstance(bad.error, OSError)
+
+
+def test_parallel_writes_then_one_fsync_pass(tmp_path: Path):
+    paths = [tmp_path / "a" / f"f{i}" for i in range(5)]
+    (tmp_path / "a").mkdir()
+    write_files([lambda p=p: p.write_bytes(b"x" * 100) for p in paths])
+    assert fsync_tree(str(tmp_path)) == 500
+
+
+def test_the_memory_budget_is_the_smaller_of_the_node_and_the_cgroup(tmp_path: Path):
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
+    assert memory.budget(str(tmp_path)) == memory.Budget(4_096_000_000, None)
+    cg = tmp_path / "sys" / "fs" / "cgroup"
+    cg.mkdir(parents=True)
+    (cg / "memory.max").write_text("2000000000\n")
+    (cg / "memory.current").write_text("1500000000\n")
+    (cg / "memory.stat").write_text("anon 1\ninactive_file 500000000\n")
+    budget = memory.budget(str(tmp_path))
+    assert budget == memory.Budget(1_000_000_000, 2_000_000_000)  # page cache is reclaimable
+    assert budget.fits(750_000_000)
+    assert not budget.fits(750_000_001)
+    assert budget.describe() == "1.00 GB available (cgroup limit 2.00 GB)"
+    (cg / "memory.max").write_text("max\n")
+    assert memory.budget(str(tmp_path)).limit is None
+
+
+def manager_with_async(root: Path):
+    from jitckpt_entrypoint.config import Config
+    from jitckpt_entrypoint.hook.manager import CheckpointManager
+    from jitckpt_entrypoint.hook.session import Session
+    from jitckpt_entrypoint.hook.topology import Topology
+
+    session = Session(Config(dir=str(root)), Topology(), "run-1")
+    session.layout.ensure()
+    manager = CheckpointManager(session)
+    assert manager.enable_async(1000, None)
+    return manager
+
+
+def async_save(manager, step: int, weight: torch.Tensor, gate: threading.Event) -> None:
+    """An async save of {"w": weight} whose big file waits for `gate`."""
+
+    def writers(path: str, host: dict) -> list:
+        def write() -> None:
+            gate.wait(10)
+            torch.save(host["w"], Path(path, "w.pt"))
+
+        return [write]
+
+    def write_small(path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        Path(path, "small.json").write_text("{}")
+
+    pending = manager.begin_save(step)
+    manager.save_async(
+        pending,
+        write_small,
+        lambda: {"w": weight},
+        writers,
+        lambda: None,
+    )
+
+
+def test_an_async_save_commits_the_state_at_its_step_in_the_background(tmp_path: Path):
+    """The snapshot is the step's state, whatever the next update does; the commit comes
+    after the files, and the next save drains it (one in flight)."""
+    manager = manager_with_async(tmp_path)
+    weight = torch.zeros(4)
+    gate = threading.Event()
+    async_save(manager, 5, weight, gate)
+    manager.saved(5)  # the Trainer's on_save: the writer commits, not this call
+    manager.before_update()
+    weight.add_(1)  # the next optimizer step
+    assert validity.committed(manager.checkpoint_dir(5)) is None  # still writing
+    gate.set()
+    manager.drain()
+    assert validity.committed(manager.checkpoint_dir(5)) is not None
+    assert torch.equal(torch.load(Path(manager.checkpoint_dir(5), "w.pt")), torch.zeros(4))
+    assert manager.is_committed(5)
+    assert [step for step, _ in manager.blocking] == [5]
+
+
+def test_a_stop_at_a_newer_step_abandons_the_save_in_flight_uncommitted(tmp_path: Path):
+    manager = manager_with_async(tmp_path)
+    gate = threading.Event()
+    async_save(manager, 5, torch.zeros(4), gate)
+    manager.saved(5)
+    threading.Timer(0.2, gate.set).start()
+    manager.stop_at(7)  # cancels 5, waits for its writer to stop
+    assert validity.committed(manager.checkpoint_dir(5)) is None
+    assert not manager.is_committed(5)
+    assert manager.begin_save(7).kind == "jit"  # type: ignore[union-attr]
