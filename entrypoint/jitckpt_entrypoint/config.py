@@ -177,8 +177,9 @@ OPTIONS = (
         "1 = periodic Trainer saves written in the background, 0 = the Trainer's own",
         doc="`1`: a Trainer's periodic saves are snapshotted to host memory on the training "
         "thread and written (same files, same format), fsynced and committed by a background "
-        "thread; JIT and final saves, FSDP, DeepSpeed and Trainers that override a save method "
-        "stay the Trainer's own. `0`: the Trainer's own synchronous save. Off, with one warning "
+        "thread; the JIT save uses the same writer on the training thread (parallel files, one "
+        "fsync pass); final saves, FSDP, DeepSpeed and Trainers that override a save method stay "
+        "the Trainer's own. `0`: the Trainer's own synchronous save. Off, with one warning "
         "naming the numbers, when the snapshot does not fit in host memory (node or cgroup)",
     ),
     Option(

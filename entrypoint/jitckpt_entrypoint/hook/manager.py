@@ -28,7 +28,8 @@ SIGTERM inside a training process, in order:
    control group (control.py), read one round later, so every rank says yes at the same step.
 3. `stop_at(step)`: an async save of an older step is cancelled (left uncommitted), one of
    this step is finished; that step is committed already → `finish_jit` at once; else the adapter
-   saves it (kind jit) through `begin_save` and its writer.
+   saves it (kind jit) through `begin_save` and `save_now` (the async save's parts, written on
+   the training thread) or its own writer.
 4. `saved(step)` commits it, then `finish_jit`: `status/jit.json`, a barrier, and
    `os._exit(JITCKPT_EXIT_CODE)` on every rank.
 """
@@ -366,6 +367,22 @@ class CheckpointManager:
             fsync_tree(pending.path)
 
         self._submit(pending, write, after_commit, staging, started)
+
+    def save_now(
+        self,
+        pending: PendingSave,
+        write_small: Callable[[str], None],
+        tensors: Callable[[], dict[str, Any]],
+        writers: Callable[[str, dict[str, Any]], list[Callable[[], object]]],
+    ) -> None:
+        """Training thread, after `begin_save`: the same parts as `save_async`, written now
+        from the live tensors (no copy): the big files side by side, one fsync pass. The JIT
+        save; `saved` commits it."""
+        from jitckpt_entrypoint.hook.writer import fsync_tree, write_files
+
+        write_small(pending.path)
+        write_files(writers(pending.path, tensors()))
+        fsync_tree(pending.path)
 
     def _start_writer(self) -> tuple[BackgroundWriter, ControlGroup]:
         """The background writer and its own control group (collective on first call)."""

@@ -73,8 +73,8 @@ def patch(module: ModuleType) -> None:
         pending = manager.begin_save(step)
         if pending is None:
             return None  # committed already (epoch-end saves repeat the final step)
-        if manager.async_on and pending.kind == "periodic" and trial is None:
-            return _save_async(manager, self, pending)
+        if manager.async_on and trial is None and pending.kind in ("periodic", "jit"):
+            return _save_ours(manager, self, pending)
         return original_save(self, model, trial, *args, **kwargs)
 
     trainer_cls.__init__ = __init__
@@ -84,11 +84,16 @@ def patch(module: ModuleType) -> None:
     trainer_cls._jitckpt_patched = True
 
 
-def _save_async(manager: CheckpointManager, trainer: Any, pending: PendingSave) -> None:
-    """The Trainer's checkpoint of this step, written by the manager's background writer."""
+def _save_ours(manager: CheckpointManager, trainer: Any, pending: PendingSave) -> None:
+    """The Trainer's checkpoint of this step in its own files and format, written by the
+    manager's writer: in the background (periodic), or here and now (JIT: nothing else runs
+    between the agreed step and the commit)."""
     from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
 
     ckpt = TrainerCheckpoint(trainer)
+    if pending.kind == "jit":
+        manager.save_now(pending, ckpt.write_small, ckpt.tensors, ckpt.writers)
+        return
 
     def after_commit() -> None:
         # HF's rotation, after our commit (HF rotates right after writing): the newest
