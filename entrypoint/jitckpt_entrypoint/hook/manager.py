@@ -84,6 +84,8 @@ class CheckpointManager:
         self._committed: set[int] = set()
         """Steps committed (or resumed from) in this process; identical on every rank."""
         self._pending: Optional[PendingSave] = None
+        self._after_commit: Optional[Callable[[], None]] = None
+        """What `save_now`'s caller runs once its save is committed (HF's rotation)."""
         self._stop_step: Optional[int] = None
         """The step every rank agreed to stop at for a JIT checkpoint."""
         self._last_step: Optional[int] = None
@@ -244,6 +246,9 @@ class CheckpointManager:
                     step, self._kind_of(step), path or self.checkpoint_dir(step), time.time()
                 )
             seconds = self._commit(pending)
+        after_commit, self._after_commit = self._after_commit, None
+        if after_commit is not None and step in self._committed:
+            after_commit()
         if self._stop_step == step:
             self.finish_jit(step, seconds)
         # A SIGTERM that arrived during the save: this step is committed, stop right here.
@@ -374,12 +379,14 @@ class CheckpointManager:
         write_small: Callable[[str], None],
         tensors: Callable[[], dict[str, Any]],
         writers: Callable[[str, dict[str, Any]], list[Callable[[], object]]],
+        after_commit: Callable[[], None],
     ) -> None:
         """Training thread, after `begin_save`: the same parts as `save_async`, written now
         from the live tensors (no copy): the big files side by side, one fsync pass. The JIT
-        save; `saved` commits it."""
+        save; `saved` commits it, then runs `after_commit`."""
         from jitckpt_entrypoint.hook.writer import fsync_tree, write_files
 
+        self._after_commit = after_commit
         write_small(pending.path)
         write_files(writers(pending.path, tensors()))
         fsync_tree(pending.path)
@@ -468,6 +475,12 @@ class CheckpointManager:
         self.before_update()
         inflight.job.wait()
         self._inflight = None
+        if inflight.job.error is not None:  # the commit or what follows it failed
+            self.session.log.error(
+                "async save of %s: %s",
+                checkpoint_name(inflight.pending.step),
+                inflight.job.error,
+            )
 
     # -- internals --
 

@@ -91,17 +91,33 @@ def _save_ours(manager: CheckpointManager, trainer: Any, pending: PendingSave) -
     from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
 
     ckpt = TrainerCheckpoint(trainer)
-    if pending.kind == "jit":
-        manager.save_now(pending, ckpt.write_small, ckpt.tensors, ckpt.writers)
-        return
 
     def after_commit() -> None:
         # HF's rotation, after our commit (HF rotates right after writing): the newest
         # checkpoint, this one, is never among those it deletes.
         if trainer.args.should_save:
-            trainer._rotate_checkpoints(use_mtime=False, output_dir=ckpt.run_dir)
+            rotate_checkpoints(trainer, ckpt.run_dir)
 
-    manager.save_async(pending, ckpt.write_small, ckpt.tensors, ckpt.writers, after_commit)
+    if pending.kind == "jit":
+        manager.save_now(pending, ckpt.write_small, ckpt.tensors, ckpt.writers, after_commit)
+    else:
+        manager.save_async(pending, ckpt.write_small, ckpt.tensors, ckpt.writers, after_commit)
+
+
+def rotate_checkpoints(trainer: Any, run_dir: str) -> None:
+    """HF's own rotation (save_total_limit, the best checkpoint kept), ordered by step."""
+    from transformers import trainer_utils
+
+    rotate = getattr(trainer_utils, "rotate_checkpoints", None)
+    if rotate is None:  # transformers < 5: a Trainer method
+        trainer._rotate_checkpoints(use_mtime=False, output_dir=run_dir)
+        return
+    rotate(
+        output_dir=run_dir,
+        save_total_limit=trainer.args.save_total_limit,
+        best_model_checkpoint=trainer.state.best_model_checkpoint,
+        use_mtime=False,
+    )
 
 
 def _start_async(manager: CheckpointManager, trainer: Any) -> None:
