@@ -104,6 +104,8 @@ def manager_with_async(root: Path):
 
 
 def async_save(manager, step: int, weight: torch.Tensor, gate: threading.Event) -> None:
+    from jitckpt_entrypoint.hook.manager import SaveParts
+
     """An async save of {"w": weight} whose big file waits for `gate`."""
 
     def writers(path: str, host: dict) -> list:
@@ -119,11 +121,7 @@ def async_save(manager, step: int, weight: torch.Tensor, gate: threading.Event) 
 
     pending = manager.begin_save(step)
     manager.save_async(
-        pending,
-        write_small,
-        lambda: {"w": weight},
-        writers,
-        lambda: None,
+        pending, SaveParts(write_small, lambda: {"w": weight}, writers, lambda: None)
     )
 
 

@@ -56,6 +56,20 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
+class SaveParts:
+    """A checkpoint written in parts (the Trainer's: trainer_checkpoint.TrainerCheckpoint)."""
+
+    write_small: Callable[[str], None]
+    """Training thread: everything small, into the checkpoint's directory."""
+    tensors: Callable[[], dict[str, Any]]
+    """The big state (model, optimizer) of this step, live."""
+    writers: Callable[[str, dict[str, Any]], list[Callable[[], object]]]
+    """The big files from `tensors` or a host copy of them, one writer each."""
+    after_commit: Callable[[], None]
+    """Once committed (HF's rotation)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class PendingSave:
     """A save that began and is not committed yet."""
 
@@ -345,14 +359,7 @@ class CheckpointManager:
             )
         return True
 
-    def save_async(
-        self,
-        pending: PendingSave,
-        write_small: Callable[[str], None],
-        tensors: Callable[[], dict[str, Any]],
-        writers: Callable[[str, dict[str, Any]], list[Callable[[], object]]],
-        after_commit: Callable[[], None],
-    ) -> None:
+    def save_async(self, pending: PendingSave, parts: SaveParts) -> None:
         """Training thread, after `begin_save`: small files now, the rest in the background."""
         from jitckpt_entrypoint.hook.writer import fsync_tree, write_files
 
@@ -360,35 +367,28 @@ class CheckpointManager:
         if stager is None:
             raise RuntimeError("save_async before enable_async")
         started = time.monotonic()
-        write_small(pending.path)
-        host, staging = stager.plan(tensors())
+        parts.write_small(pending.path)
+        host, staging = stager.plan(parts.tensors())
         staging.start()
 
         def write(job: Job) -> None:
             staging.run()
             job.check()
-            write_files(writers(pending.path, host), job)
+            write_files(parts.writers(pending.path, host), job)
             job.check()
             fsync_tree(pending.path)
 
-        self._submit(pending, write, after_commit, staging, started)
+        self._submit(pending, write, parts.after_commit, staging, started)
 
-    def save_now(
-        self,
-        pending: PendingSave,
-        write_small: Callable[[str], None],
-        tensors: Callable[[], dict[str, Any]],
-        writers: Callable[[str, dict[str, Any]], list[Callable[[], object]]],
-        after_commit: Callable[[], None],
-    ) -> None:
+    def save_now(self, pending: PendingSave, parts: SaveParts) -> None:
         """Training thread, after `begin_save`: the same parts as `save_async`, written now
         from the live tensors (no copy): the big files side by side, one fsync pass. The JIT
         save; `saved` commits it, then runs `after_commit`."""
         from jitckpt_entrypoint.hook.writer import fsync_tree, write_files
 
-        self._after_commit = after_commit
-        write_small(pending.path)
-        write_files(writers(pending.path, tensors()))
+        self._after_commit = parts.after_commit
+        parts.write_small(pending.path)
+        write_files(parts.writers(pending.path, parts.tensors()))
         fsync_tree(pending.path)
 
     def _start_writer(self) -> tuple[BackgroundWriter, ControlGroup]:

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from transformers.trainer_callback import TrainerCallback
 
-from jitckpt_entrypoint.hook.manager import CheckpointManager, PendingSave, current
+from jitckpt_entrypoint.hook.manager import CheckpointManager, PendingSave, SaveParts, current
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol.layout import step_of
 
@@ -98,10 +98,11 @@ def _save_ours(manager: CheckpointManager, trainer: Any, pending: PendingSave) -
         if trainer.args.should_save:
             rotate_checkpoints(trainer, ckpt.run_dir)
 
+    parts = SaveParts(ckpt.write_small, ckpt.tensors, ckpt.writers, after_commit)
     if pending.kind == "jit":
-        manager.save_now(pending, ckpt.write_small, ckpt.tensors, ckpt.writers, after_commit)
+        manager.save_now(pending, parts)
     else:
-        manager.save_async(pending, ckpt.write_small, ckpt.tensors, ckpt.writers, after_commit)
+        manager.save_async(pending, parts)
 
 
 def rotate_checkpoints(trainer: Any, run_dir: str) -> None:
