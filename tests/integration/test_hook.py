@@ -93,6 +93,23 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(spawn, base_env
     assert manifest(jdir, step)["kind"] == "jit"
 
 
+def test_with_long_steps_a_sigterm_stops_at_the_step_in_progress(spawn, base_env, jdir):
+    """Steps long enough for a blocking agreement round after each (hook/control.py): SIGTERM
+    to one rank during step N stops every rank at N, not one round later."""
+    proc = spawn(
+        hf("--max-steps", "2000", "--save-steps", "1000", "--step-sleep", "0.3"), env=base_env
+    )
+    rank1 = int(proc.expect(r"^begin rank=1 pid=(\d+)").group(1))
+    wait_for_step(proc, 10)  # calibrated after 8 steps
+    time.sleep(0.1)  # inside step 11's 0.3 s (or, on a slow runner, still at step 10's end)
+    os.kill(rank1, signal.SIGTERM)
+    assert proc.wait(timeout=120) == JIT_EXIT, proc.output()
+    assert hook_lines(proc, "stop agreement after every step"), proc.output()
+    step = jit_record(jdir)["step"]  # type: ignore[index]
+    assert step in (10, 11), proc.output()  # an async round would stop at 12
+    assert max(steps_seen(proc, 0)) == max(steps_seen(proc, 1)) == step
+
+
 def start_holding_save(spawn, env, release: Path, save_steps: int, hold_at: int):
     """Train until the save at `hold_at` is written but not yet committed, and hold it there
     (the Trainer's own synchronous save: async saves are held in test_async_save.py)."""

@@ -4,12 +4,20 @@ A separate group keeps our tiny messages off the training communicator (NCCL or 
 never reorder or block gradient all-reduces. Every method is collective: all ranks must call
 the same methods in the same order. With one process (no torch.distributed) they are local.
 
-The stop agreement costs about half a millisecond of CPU per round on a busy host (gloo's
-thread must be scheduled beside the training threads): 1% of a 50 ms step, but 6% of a 9 ms
-one. So short steps share a round: after CALIBRATION_CALLS steps every rank contributes its
-median step time to one blocking round, and from then on a round runs every `every` steps, as
-many as fill ROUND_SECONDS. All ranks agree on `every`, so they still start and read the same
-rounds at the same steps; a stop waits at most about ROUND_SECONDS longer.
+The stop agreement is calibrated on the first CALIBRATION_CALLS steps (each with an async
+round). Then one blocking round carries every rank's median step time, and TIMED_ROUNDS more
+measure what a blocking round costs (each rank's quickest; the slowest rank's counts):
+
+- Long steps (a blocking round costs at most BLOCKING_COST of a step, e.g. steps of 40 ms or
+  more on one host, where a round takes ~0.2 ms): a blocking round after every step, so a
+  SIGTERM that arrives during step N stops at step N itself.
+- Short steps: an async round, started after a step and read one round later (no step waits
+  for it). A round costs about half a millisecond of CPU on a busy host (gloo's thread must be
+  scheduled beside the training threads): 6% of a 9 ms step. So short steps share a round, one
+  every `every` steps, as many as fill ROUND_SECONDS; a stop waits at most about two rounds.
+
+All ranks agree on the mode and on `every`, so they start and read the same rounds at the same
+steps.
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ ROUND_SECONDS = 0.05
 """Training time per agreement round once steps are known to be short."""
 CALIBRATION_CALLS = 8
 """Steps (with a round each) whose durations decide how many steps share a round."""
+TIMED_ROUNDS = 3
+"""Blocking rounds timed at calibration (the quickest counts: the first may include set-up)."""
+BLOCKING_COST = 0.005
+"""A blocking round after every step when it costs at most this fraction of a step."""
 
 
 class ControlGroup:
@@ -38,6 +50,8 @@ class ControlGroup:
         """Times of the first calls of stop_requested (until calibrated)."""
         self.every = 1
         """Steps per agreement round (1 until calibrated)."""
+        self.blocking = False
+        """A blocking round after every step (long steps; decided by calibration)."""
         self._calibrated = False
         self._count = 0
         self.world_size = 1
@@ -73,6 +87,8 @@ class ControlGroup:
             self._calls.append(time.monotonic())
             if len(self._calls) >= CALIBRATION_CALLS:
                 return self._calibrate(local)
+        elif self.blocking:
+            return self.any_now(local)
         elif self._count % self.every:
             return False
         agreed = self._collect()
@@ -84,7 +100,9 @@ class ControlGroup:
         return agreed
 
     def _calibrate(self, local: bool) -> bool:
-        """One blocking round that carries the stop flag and every rank's median step time."""
+        """Blocking rounds: the stop flag with every rank's median step time, then a few timed
+        ones (every rank in step now), then the slowest rank's quickest. Decides `blocking`
+        and `every`."""
         import torch
 
         if self._collect():
@@ -93,13 +111,24 @@ class ControlGroup:
         step = statistics.median(b - a for a, b in zip(times, times[1:]))
         both = torch.tensor([1 if local else 0, int(step * 1e6)], dtype=torch.int64)
         self._dist.all_reduce(both, op=self._dist.ReduceOp.MAX, group=self._group)
+        rounds = []
+        for _ in range(TIMED_ROUNDS):
+            started = time.monotonic()
+            self._dist.all_reduce(self._flag(False), group=self._group)
+            rounds.append(time.monotonic() - started)
+        cost = torch.tensor([int(min(rounds) * 1e6)], dtype=torch.int64)
+        self._dist.all_reduce(cost, op=self._dist.ReduceOp.MAX, group=self._group)
         self._calibrated, self._calls = True, []
-        step_us = max(1, int(both[1].item()))
-        self.every = max(1, math.ceil(ROUND_SECONDS * 1e6 / step_us))
+        step_us, round_us = max(1, int(both[1].item())), max(1, int(cost[0].item()))
+        self.blocking = round_us <= BLOCKING_COST * step_us
+        self.every = 1 if self.blocking else max(1, math.ceil(ROUND_SECONDS * 1e6 / step_us))
         self._count = 0
-        if self._dist.get_rank() == 0 and self.every > 1:
+        if self._dist.get_rank() == 0:
             log.info(
-                "stop agreement every %d steps (a step takes %.1f ms)", self.every, step_us / 1e3
+                "stop agreement %s (a step takes %.1f ms, a blocking round %.2f ms)",
+                "after every step" if self.blocking else f"every {self.every} steps, async",
+                step_us / 1e3,
+                round_us / 1e3,
             )
         return bool(both[0].item())
 

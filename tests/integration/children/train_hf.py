@@ -90,8 +90,11 @@ def strategy_args(strategy: str) -> dict[str, Any]:
 
 
 class Progress(TrainerCallback):
-    def __init__(self, hold_at: int, release: str) -> None:
-        self.hold_at, self.release = hold_at, release
+    def __init__(self, hold_at: int, release: str, step_sleep: float = 0.0) -> None:
+        self.hold_at, self.release, self.step_sleep = hold_at, release, step_sleep
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        time.sleep(self.step_sleep)  # --step-sleep: a longer step, as a bigger model's
 
     def on_train_begin(self, args, state, control, **kwargs):
         say(f"begin rank={os.environ.get('RANK', '0')} pid={os.getpid()} step={state.global_step}")
@@ -192,6 +195,7 @@ def main() -> None:
         "--wait-after-train", action="store_true", help="until --release-file exists"
     )
     parser.add_argument("--slow-save", type=float, default=0.0, help="seconds added to saves")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds added to steps")
     parser.add_argument(
         "--slow-write",
         type=float,
@@ -213,7 +217,7 @@ def main() -> None:
         max_position_embeddings=64,
     )
     model = LlamaForCausalLM(config)
-    callbacks = [Progress(opts.hold_save_at, opts.release_file)]
+    callbacks = [Progress(opts.hold_save_at, opts.release_file, opts.step_sleep)]
     if opts.trainer == "sft":
         trainer = sft_trainer(opts, model, callbacks)
     else:
