@@ -256,7 +256,7 @@ def main() -> None:
         print(
             f"  {row['label']}: disk {row['disk'] / 1e9:.2f} GB/s (page cache {row['cache'] / 1e9:.2f},"
             f" fresh pages + fsync {row['fresh'] / 1e9:.2f}),"
-            f" the Trainer's own save {row['save']:.3f} s ({row['bytes'] / row['save'] / 1e9:.2f} GB/s),"
+            f" jitckpt's save (begin to commit) {row['save']:.3f} s ({row['bytes'] / row['save'] / 1e9:.2f} GB/s),"
             f" exit codes ours/HF {row['rc']},"
             f" HF's JIT checkpoint appeared in {row['hf_committed']} of {trials} trials"
         )

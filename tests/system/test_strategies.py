@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from harness.checkpoints import committed_in_s3, scrape
 from harness.pod import Node, Pod, finish_resumed_job, resumed_from, start_job
 from harness.procs import Proc, free_port, wait_for
-from harness.training import TRAIN_HF, strategy_env, torchrun
+from harness.training import TRAIN_HF, entrypoint, hook_lines, strategy_env, torchrun
 from jitckpt_entrypoint.protocol import status
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -238,3 +238,76 @@ def test_two_node_fsdp2_sharded_job_keeps_every_nodes_volume_within_its_limit(po
     assert resumed_from(again[0]) == step
     for pod in again:
         assert pod.finish().trainer == 0, pod.output()
+
+
+def dcp_state(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint directory, flattened (model or optimizer)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "state.pt"
+        dcp_to_torch_save(str(directory), str(out))
+        loaded = torch.load(out, weights_only=False)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            flat[prefix] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}", item)
+
+    walk("", loaded)
+    return flat
+
+
+def test_fsdp2_sharded_periodic_saves_run_in_the_background_and_resume_bit_identically(
+    spawn, base_env, tmp_path
+):
+    """FSDP2 SHARDED with async saves: each rank stages its shards, DCP writes them off the
+    training thread. The checkpoints hold what synchronous saves hold, bit for bit, and plain
+    HF (no jitckpt) resumes from one to the weights of the uninterrupted run."""
+    runs = {}
+    for mode in ("1", "0"):
+        jdir = tmp_path / f"async-{mode}"
+        jdir.mkdir()
+        env = {
+            **base_env,
+            "JITCKPT_DIR": str(jdir),
+            "JITCKPT_ASYNC_SAVE": mode,
+            "JITCKPT_SAVE_STEPS": "3",
+        }
+        proc = spawn(entrypoint(torchrun(TRAIN_HF, *args("fsdp2-sharded"))), env=env)
+        assert proc.wait(timeout=300) == 0, proc.output()
+        runs[mode] = (jdir / "checkpoints", proc)
+
+    ckpts, proc = runs["1"]
+    assert hook_lines(proc, "async periodic saves on"), proc.output()
+    background = hook_lines(proc, "async: training blocked")
+    assert [re.search(r"committed (checkpoint-\d+)", line).group(1) for line in background] == [
+        "checkpoint-3",
+        "checkpoint-6",
+        "checkpoint-9",
+    ], proc.output()
+    assert not hook_lines(runs["0"][1], "async: training blocked")
+    for step in (3, 6, 9, TOTAL):
+        assert (ckpts / f"checkpoint-{step}" / LAYOUT["fsdp2-sharded"]).exists()
+    sync_ckpt, async_ckpt = runs["0"][0] / "checkpoint-6", ckpts / "checkpoint-6"
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert_same_weights(dcp_state(async_ckpt / part), dcp_state(sync_ckpt / part))
+    for name in ("scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
+        assert (async_ckpt / name).read_bytes() == (sync_ckpt / name).read_bytes(), name
+
+    plain_dir = tmp_path / "plain-hf"
+    plain = spawn(
+        torchrun(
+            TRAIN_HF,
+            *args("fsdp2-sharded"),
+            *("--output-dir", str(plain_dir), "--resume-from", str(async_ckpt)),
+        ),
+        env={k: v for k, v in base_env.items() if k != "JITCKPT_DIR"},
+    )
+    assert plain.wait(timeout=300) == 0, plain.output()
+    assert_same_weights(
+        weights(plain_dir / f"checkpoint-{TOTAL}"), weights(ckpts / f"checkpoint-{TOTAL}")
+    )

@@ -451,9 +451,24 @@ class CheckpointManager:
             _, wctl = self._start_writer()
             started = time.monotonic()
             future = start(pending.path, wctl.group)
-            self._submit(pending, lambda _job: future.result(), lambda: None, None, started)
+            self.save_staged(pending, lambda _group: future.result(), lambda: None, started)
         self.saved(step)
         return self.checkpoint_dir(step)
+
+    def save_staged(
+        self,
+        pending: PendingSave,
+        write: Callable[[Any], object],
+        after_commit: Callable[[], None],
+        started: float,
+    ) -> None:
+        """Training thread, after `begin_save`, once the big state is staged in host memory
+        (by DCP: the plain loop's `async_save`, the Trainer's FSDP saves): `write(group)` in
+        the background, collective on the writer's own group, then the vote and the commit.
+        `started`: when the training thread began the save (its blocking time counts from
+        there)."""
+        _, wctl = self._start_writer()
+        self._submit(pending, lambda _job: write(wctl.group), after_commit, None, started)
 
     def before_update(self) -> None:
         """Training thread, before every optimizer step: the snapshot must be complete."""

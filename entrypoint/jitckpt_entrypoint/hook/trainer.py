@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import weakref
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from transformers.trainer_callback import TrainerCallback
 
@@ -74,7 +75,11 @@ def patch(module: ModuleType) -> None:
         if pending is None:
             return None  # committed already (epoch-end saves repeat the final step)
         if manager.async_on and trial is None and pending.kind in ("periodic", "jit"):
-            return _save_ours(manager, self, pending)
+            if not getattr(self, "is_fsdp_enabled", False):
+                return _save_ours(manager, self, pending)
+            if pending.kind == "periodic":  # a JIT save is the Trainer's own, here and now
+                save = functools.partial(original_save, self, model, trial, *args, **kwargs)
+                return _save_fsdp(manager, self, pending, save)
         return original_save(self, model, trial, *args, **kwargs)
 
     trainer_cls.__init__ = __init__
@@ -103,6 +108,25 @@ def _save_ours(manager: CheckpointManager, trainer: Any, pending: PendingSave) -
         manager.save_now(pending, parts)
     else:
         manager.save_async(pending, parts)
+
+
+def _save_fsdp(
+    manager: CheckpointManager, trainer: Any, pending: PendingSave, save: Callable[[], None]
+) -> None:
+    """FSDP (sharded): the Trainer's own `save` with its DCP writes deferred to the manager's
+    writer (fsdp_checkpoint.py); HF's rotation after the commit."""
+    from jitckpt_entrypoint.hook.fsdp_checkpoint import DeferredSaves
+
+    started = time.monotonic()
+    run_dir = trainer._get_output_dir(trial=None)
+    with DeferredSaves(trainer) as deferred:
+        save()
+
+    def after_commit() -> None:
+        if trainer.args.should_save:
+            rotate_checkpoints(trainer, run_dir)
+
+    manager.save_staged(pending, deferred.write, after_commit, started)
 
 
 def rotate_checkpoints(trainer: Any, run_dir: str) -> None:

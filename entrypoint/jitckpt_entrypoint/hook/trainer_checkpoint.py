@@ -14,7 +14,8 @@ resume and `from_pretrained` read them unchanged, in two parts:
   `tensors()` of this step or a host copy of them (snapshot.py).
 
 Rotation (save_total_limit) is not done here: the manager does it after the commit.
-`unsupported()` names what this does not cover; those Trainers keep HF's own save.
+`unsupported()` names what this does not cover; those Trainers keep HF's own save. FSDP with a
+sharded state dict is written by the Trainer itself, its DCP saves deferred (fsdp_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -39,16 +40,19 @@ def unsupported(trainer: Any) -> Optional[str]:  # noqa: PLR0911 - one reason pe
     """Why this Trainer's checkpoints must be written by the Trainer itself, or None."""
     from transformers import trainer as hf
 
+    from jitckpt_entrypoint.hook import fsdp_checkpoint
+
     args = trainer.args
     if getattr(trainer, "is_deepspeed_enabled", False):
         return "DeepSpeed writes its own checkpoint layout with collectives on the training group"
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return "FSDP saves are collectives on the training group"
+    fsdp = fsdp_checkpoint.sharded(trainer)  # written by the Trainer itself, DCP deferred
+    if getattr(trainer, "is_fsdp_enabled", False) and not fsdp:
+        return "FSDP FULL_STATE_DICT gathers the whole model on rank 0 (training-group collectives)"
     if hf.is_torch_xla_available() or hf.is_sagemaker_mp_enabled():
         return "XLA and SageMaker model parallelism save through their own APIs"
     if getattr(trainer, "is_distributed_loading_by_transformers", False):
         return "the model was sharded when it was loaded"
-    if hf._is_peft_model(trainer.model):
+    if hf._is_peft_model(trainer.model) and not fsdp:
         return "PEFT adapters are small: their save is quick as it is"
     if getattr(trainer.model, "hf_quantizer", None) is not None:
         return "a quantized model is saved by its quantizer"
@@ -61,7 +65,7 @@ def unsupported(trainer: Any) -> Optional[str]:  # noqa: PLR0911 - one reason pe
         return "hyperparameter search"
     if args.save_total_limit == 1 and args.metric_for_best_model is not None:
         return "save_total_limit=1 with a best model: the Trainer deletes checkpoints at the end"
-    for name in REPLACED:
+    for name in () if fsdp else REPLACED:
         if getattr(type(trainer), name) is not getattr(hf.Trainer, name):
             return f"{type(trainer).__name__} overrides {name}"
     return None
@@ -70,6 +74,10 @@ def unsupported(trainer: Any) -> Optional[str]:  # noqa: PLR0911 - one reason pe
 def snapshot_bytes(trainer: Any) -> int:
     """Host memory an async save's snapshot takes on this rank: the model's and the optimizer's
     tensors (before the first step, Adam's two moments per trainable parameter are counted)."""
+    from jitckpt_entrypoint.hook import fsdp_checkpoint
+
+    if fsdp_checkpoint.sharded(trainer):
+        return fsdp_checkpoint.snapshot_bytes(trainer)
     ckpt = TrainerCheckpoint(trainer)
     if not ckpt.should_save:
         return 0
