@@ -178,8 +178,10 @@ OPTIONS = (
         doc="`1`: a Trainer's periodic saves are snapshotted to host memory on the training "
         "thread and written (same files, same format), fsynced and committed by a background "
         "thread; the JIT save uses the same writer on the training thread (parallel files, one "
-        "fsync pass); final saves, FSDP, DeepSpeed and Trainers that override a save method stay "
-        "the Trainer's own. `0`: the Trainer's own synchronous save. Off, with one warning "
+        "fsync pass). FSDP with a sharded state dict: each rank's shards are staged by DCP and "
+        "written by DCP in the background, the JIT save is the Trainer's own. Final saves, FSDP "
+        "FULL_STATE_DICT, DeepSpeed and Trainers that override a save method stay the Trainer's "
+        "own. `0`: the Trainer's own synchronous save. Off, with one warning "
         "naming the numbers, when the snapshot does not fit in host memory (node or cgroup)",
     ),
     Option(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,33 @@ def test_a_stop_at_a_newer_step_abandons_the_save_in_flight_uncommitted(tmp_path
     assert validity.committed(manager.checkpoint_dir(5)) is None
     assert not manager.is_committed(5)
     assert manager.begin_save(7).kind == "jit"  # type: ignore[union-attr]
+
+
+def test_a_sigterm_during_an_async_save_that_fails_does_not_claim_a_jit_checkpoint(
+    tmp_path: Path,
+):
+    """SIGTERM arrives during the save of step 5 and its background write fails: step 5 is
+    not a JIT checkpoint (no record, no exit); training goes on to stop at the next step."""
+    from jitckpt_entrypoint.hook.manager import SaveParts
+    from jitckpt_entrypoint.protocol import status
+
+    manager = manager_with_async(tmp_path)
+    manager.session.training = True
+    manager.session.flag.received_at = time.time()  # what the SIGTERM handler sets
+
+    def writers(path: str, host: dict) -> list:
+        def write() -> None:
+            raise OSError(28, "No space left on device")
+
+        return [write]
+
+    pending = manager.begin_save(5)
+    manager.save_async(
+        pending,
+        SaveParts(lambda path: Path(path).mkdir(parents=True), lambda: {}, writers, lambda: None),
+    )
+    manager.saved(5)  # would exit the process if it took step 5 for a JIT checkpoint
+    assert not manager.is_committed(5)
+    assert validity.committed(manager.checkpoint_dir(5)) is None
+    assert not Path(manager.session.layout.status, status.JIT).exists()
+    assert manager.stop_agreed()  # the flag is still set: the next step stops

@@ -189,7 +189,7 @@ class CheckpointManager:
 
     def stop_agreed(self) -> bool:
         """Once per optimizer step on every rank: True on all ranks at the same step once any
-        rank got SIGTERM (async; no blocking collective per step)."""
+        rank got SIGTERM (hook/control.py)."""
         session = self.session
         return bool(session.cfg.jit and session.control.stop_requested(session.flag.is_set))
 
@@ -224,9 +224,17 @@ class CheckpointManager:
     def finish_jit(self, step: int, save_seconds: float) -> NoReturn:
         """Record the JIT checkpoint of `step` and exit every rank with JITCKPT_EXIT_CODE."""
         self.drain(cancel_before=step)
+        session = self.session
+        if step not in self._committed:  # the same on every rank: commits are collective
+            if session.topo.rank == 0:
+                session.log.error(
+                    "no JIT checkpoint: %s is not committed; exiting 1", checkpoint_name(step)
+                )
+            session.control.barrier()
+            session.exit(1)
         self._record_jit(step, save_seconds)
-        self.session.control.barrier()  # the record exists before any rank's exit is seen
-        self.session.exit(self.session.cfg.exit_code)
+        session.control.barrier()  # the record exists before any rank's exit is seen
+        session.exit(session.cfg.exit_code)
 
     # -- saving --
 
@@ -265,9 +273,14 @@ class CheckpointManager:
             after_commit()
         if self._stop_step == step:
             self.finish_jit(step, seconds)
-        # A SIGTERM that arrived during the save: this step is committed, stop right here.
+        # A SIGTERM that arrived during the save: once this step is committed (an async save
+        # of it is waited for), stop right here. A step that was skipped, or whose background
+        # write failed, is not a JIT checkpoint: training goes on, and the next step's
+        # agreement (the flag is still set) stops there and saves that step.
         if self.stop_now():
-            self.finish_jit(step, 0.0)
+            self.drain()
+            if step in self._committed:
+                self.finish_jit(step, 0.0)
 
     def save(self, step: int, write: Callable[[str], object], kind: Optional[str] = None) -> str:
         """Begin, `write(path)` on this thread, commit: the plain loop's save. Collective."""
