@@ -178,7 +178,7 @@ def test_a_sigterm_during_an_async_save_that_fails_does_not_claim_a_jit_checkpoi
     pending = manager.begin_save(5)
     manager.save_async(
         pending,
-        SaveParts(lambda path: Path(path).mkdir(parents=True), lambda: {}, writers, lambda: None),
+        SaveParts(lambda path: Path(path).mkdir(parents=True), dict, writers, lambda: None),
     )
     manager.saved(5)  # would exit the process if it took step 5 for a JIT checkpoint
     assert not manager.is_committed(5)
