@@ -1,7 +1,7 @@
 """Steady-state cost of the hook: optimizer steps/s with and without it, alternating A/B runs.
 
 A = plain `torchrun --standalone --nproc-per-node 2 train_hf.py` (no hook on PYTHONPATH);
-B = the same under jitckpt-entrypoint (hook active: the per-step async stop agreement). Both
+B = the same under jitckpt-entrypoint (hook active: the per-step stop agreement). Both
 runs skip periodic saves; throughput is measured over a window of steps that excludes start-up
 and the end of training. Goal (issue 3): <= 1% slower.
 
