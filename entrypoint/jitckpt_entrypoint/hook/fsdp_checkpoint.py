@@ -17,10 +17,14 @@ the training group) and rank 0 writes it with torch.save.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+log = logging.getLogger("jitckpt.hook")
+_warned = False
 
 
 def sharded(trainer: Any) -> bool:
@@ -61,11 +65,13 @@ class DeferredSaves:
         self.trainer = trainer
         self._saves: list[tuple[Any, dict[str, Any]]] = []
         self._patches = contextlib.ExitStack()
+        self._original: Any = None
 
     def __enter__(self) -> DeferredSaves:
         import torch.distributed.checkpoint as dcp
         from transformers import trainer as hf
 
+        self._original = dcp.save
         self._patches.enter_context(_patched(dcp, "save", self._stage))
         if hasattr(hf, "rotate_checkpoints"):  # the manager rotates after the commit
             self._patches.enter_context(_patched(hf, "rotate_checkpoints", _no_rotation))
@@ -77,16 +83,25 @@ class DeferredSaves:
         self._patches.close()
 
     def _stage(self, state_dict: Any = None, **kwargs: Any) -> None:
-        """`dcp.save` while deferred: DCP's own staging (as `dcp.async_save` does it)."""
+        """`dcp.save` while deferred: DCP's own staging (as `dcp.async_save` does it). A state
+        its stager cannot copy is saved now, as it would have been (the same on every rank)."""
         from concurrent.futures import Future
 
         from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
 
         writer = kwargs.get("storage_writer")
         stager = writer if isinstance(writer, AsyncStager) else BlockingAsyncStager()
-        staged = stager.stage(state_dict)
-        if isinstance(staged, Future):
-            staged = staged.result()
+        try:
+            staged = stager.stage(state_dict)
+            if isinstance(staged, Future):
+                staged = staged.result()
+        except Exception as exc:  # noqa: BLE001 - the synchronous save is always right
+            global _warned  # noqa: PLW0603 - one warning per process
+            if not _warned:
+                _warned = True
+                log.warning("an FSDP state DCP cannot stage is saved synchronously: %s", exc)
+            self._original(state_dict, **kwargs)
+            return
         self._saves.append((staged, kwargs))
 
     @property
