@@ -15,8 +15,13 @@ from harness.training import checkpoint_steps
 
 pytestmark = pytest.mark.integration
 
-# 7.6 MB per checkpoint; 40 MB holds five, and pressure starts at 0.85 of it.
-ARGS = ["--max-steps", "3000", "--save-steps", "5", "--hidden", "128", "--layers", "4"]
+# 7.6 MB per checkpoint; 40 MB holds five, and pressure starts at 0.85 of it. Steps take at
+# least 0.2 s, so a checkpoint comes every second or more: with async saves nothing else slows
+# training, and a 2-core runner's first uploads (1.2 s for checkpoint-5) would fall behind.
+ARGS = [
+    *("--max-steps", "3000", "--save-steps", "5", "--hidden", "128", "--layers", "4"),
+    *("--step-sleep", "0.2"),
+]
 CAPACITY = 40_000_000
 
 
