@@ -8,8 +8,8 @@ The stop agreement is calibrated on the first CALIBRATION_CALLS steps (each with
 round). Then one blocking round carries every rank's median step time, and TIMED_ROUNDS more
 measure what a blocking round costs (each rank's quickest; the slowest rank's counts):
 
-- Long steps (a blocking round costs at most BLOCKING_COST of a step, e.g. steps of 40 ms or
-  more on one host, where a round takes ~0.2 ms): a blocking round after every step, so a
+- Long steps (a blocking round costs at most BLOCKING_COST of a step, e.g. steps of 60 ms or
+  more on one host, where a round takes ~0.3 ms): a blocking round after every step, so a
   SIGTERM that arrives during step N stops at step N itself.
 - Short steps: an async round, started after a step and read one round later (no step waits
   for it). A round costs about half a millisecond of CPU on a busy host (gloo's thread must be
