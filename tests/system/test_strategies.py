@@ -312,7 +312,12 @@ def test_fsdp_sharded_periodic_saves_run_in_the_background_and_resume_bit_identi
         ),
         env={k: v for k, v in base_env.items() if k != "JITCKPT_DIR"},
     )
-    assert plain.wait(timeout=300) == 0, plain.output()
+    # Training must end; the exit code is torch's: this plain script never destroys its process
+    # group, and a worker sometimes aborts in teardown ("terminate called without an active
+    # exception") after its last line.
+    plain.wait(timeout=300)
+    for rank in (0, 1):
+        assert f"done step={TOTAL} rank={rank}" in plain.stdout, plain.output()
     assert_same_weights(
         weights(plain_dir / f"checkpoint-{TOTAL}"), weights(ckpts / f"checkpoint-{TOTAL}")
     )

@@ -38,6 +38,21 @@ def sleeper():
     proc.wait()
 
 
+@pytest.fixture
+def saving_trainer():
+    """A process that, like a trainer saving its JIT checkpoint, lives on after SIGTERM."""
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "ready\n"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
 def test_a_registered_process_is_listed_alive_until_unregistered(status_dir):
     """register() records pid and start time in the run's directory; unregister() removes it."""
     path = registry.register(status_dir, "run-a", registry.TRAINER, rank=3)
@@ -112,9 +127,11 @@ def test_the_sigterm_line_names_the_real_shutdown_path(status_dir, sleeper):
 
 
 def test_after_sigterm_supervision_waits_for_live_trainers_not_for_a_dead_child(
-    status_dir, sleeper
+    status_dir, saving_trainer
 ):
-    """The child is gone but a registered trainer still runs: not done; once it is gone, done."""
+    """The child is gone but a registered trainer still runs: not done; once it is gone, done.
+    (`done` SIGTERMs registered trainers: this one, like a trainer saving, lives on.)"""
+    sleeper = saving_trainer
     w = watch(status_dir, 1)
     agent_start = registry.start_time(sleeper.pid) or 0
     entry = registry.Entry(sleeper.pid, agent_start, registry.TRAINER)
