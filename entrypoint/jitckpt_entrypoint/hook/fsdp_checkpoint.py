@@ -104,11 +104,6 @@ class DeferredSaves:
             return
         self._saves.append((staged, kwargs))
 
-    @property
-    def count(self) -> int:
-        """How many saves were deferred."""
-        return len(self._saves)
-
     def write(self, group: Any) -> None:
         """Background (collective on `group`): DCP's own save of each staged copy, in order."""
         from torch.distributed.checkpoint import state_dict_saver
