@@ -109,7 +109,7 @@ def async_save(manager, step: int, weight: torch.Tensor, gate: threading.Event) 
 
     """An async save of {"w": weight} whose big file waits for `gate`."""
 
-    def writers(path: str, host: dict) -> list:
+    def writers(path: str, host: dict, threads: int) -> list:
         def write() -> None:
             gate.wait(10)
             torch.save(host["w"], Path(path, "w.pt"))
@@ -169,7 +169,7 @@ def test_a_sigterm_during_an_async_save_that_fails_does_not_claim_a_jit_checkpoi
     manager.session.training = True
     manager.session.flag.received_at = time.time()  # what the SIGTERM handler sets
 
-    def writers(path: str, host: dict) -> list:
+    def writers(path: str, host: dict, threads: int) -> list:
         def write() -> None:
             raise OSError(28, "No space left on device")
 

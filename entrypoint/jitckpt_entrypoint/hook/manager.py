@@ -63,8 +63,9 @@ class SaveParts:
     """Training thread: everything small, into the checkpoint's directory."""
     tensors: Callable[[], dict[str, Any]]
     """The big state (model, optimizer) of this step, live."""
-    writers: Callable[[str, dict[str, Any]], list[Callable[[], object]]]
-    """The big files from `tensors` or a host copy of them, one writer each."""
+    writers: Callable[[str, dict[str, Any], int], list[Callable[[], object]]]
+    """The big files from `tensors` or a host copy of them, one writer each, each writing
+    with up to the given number of threads."""
     after_commit: Callable[[], None]
     """Once committed (HF's rotation)."""
 
@@ -387,7 +388,8 @@ class CheckpointManager:
         def write(job: Job) -> None:
             staging.run()
             job.check()
-            write_files(parts.writers(pending.path, host), job)
+            # One thread, one file after another: training keeps the other cores.
+            write_files(parts.writers(pending.path, host, 1), job, parallel=False)
             job.check()
             fsync_tree(pending.path)
 
@@ -397,11 +399,11 @@ class CheckpointManager:
         """Training thread, after `begin_save`: the same parts as `save_async`, written now
         from the live tensors (no copy): the big files side by side, one fsync pass. The JIT
         save; `saved` commits it, then runs `after_commit`."""
-        from jitckpt_entrypoint.hook.writer import fsync_tree, write_files
+        from jitckpt_entrypoint.hook.writer import WRITERS, fsync_tree, write_files
 
         self._after_commit = parts.after_commit
         parts.write_small(pending.path)
-        write_files(parts.writers(pending.path, parts.tensors()))
+        write_files(parts.writers(pending.path, parts.tensors(), WRITERS))
         fsync_tree(pending.path)
 
     def _start_writer(self) -> tuple[BackgroundWriter, ControlGroup]:

@@ -10,8 +10,9 @@ resume and `from_pretrained` read them unchanged, in two parts:
 - `write_small` (training thread, milliseconds): everything small, and everything that reads
   state other than weights: flops (a collective), the best-model path, RNG states, scheduler,
   scaler, the trainer state with its callbacks' state, training arguments, the tokenizer.
-- `writers(path, tensors)` (any thread): the model weights and the optimizer state, from the
-  `tensors()` of this step or a host copy of them (snapshot.py).
+- `writers(path, tensors, threads)` (any thread): the model weights and the optimizer state,
+  from the `tensors()` of this step or a host copy of them (snapshot.py), in the same formats
+  but written straight to the disk (safetensors_save, torch_save).
 
 Rotation (save_total_limit) is not done here: the manager does it after the commit.
 `unsupported()` names what this does not cover; those Trainers keep HF's own save. FSDP with a
@@ -20,8 +21,11 @@ sharded state dict is written by the Trainer itself, its DCP saves deferred (fsd
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -172,16 +176,21 @@ class TrainerCheckpoint:
                         state.stateful_callbacks[name] = cb.state()
             state.save_to_json(os.path.join(path, hf.TRAINER_STATE_NAME))
 
-    def writers(self, path: str, tensors: dict[str, Any]) -> list[Callable[[], object]]:
-        """The big files, one writer each, from `tensors` (this step's, or a copy of them)."""
+    def writers(
+        self, path: str, tensors: dict[str, Any], threads: int
+    ) -> list[Callable[[], object]]:
+        """The big files, one writer each, from `tensors` (this step's, or a copy of them),
+        each written straight to the disk by up to `threads` threads."""
         from transformers import trainer as hf
+
+        from jitckpt_entrypoint.hook import torch_save
 
         out: list[Callable[[], object]] = []
         if "model" in tensors:
-            out.append(lambda: self._save_model(path, tensors["model"]))
+            out.append(lambda: self._save_model(path, tensors["model"], threads))
         if "optimizer" in tensors:
             target = os.path.join(path, hf.OPTIMIZER_NAME)
-            out.append(lambda: torch.save(tensors["optimizer"], target))
+            out.append(lambda: torch_save.save(tensors["optimizer"], target, threads))
         return out
 
     # -- Trainer._save, from a given state dict --
@@ -196,18 +205,19 @@ class TrainerCheckpoint:
         unwrapped = self.trainer.accelerator.unwrap_model(model, keep_torch_compile=False)
         return unwrapped if isinstance(unwrapped, supported) else model
 
-    def _save_model(self, path: str, state_dict: dict[str, Any]) -> None:
-        import safetensors.torch
+    def _save_model(self, path: str, state_dict: dict[str, Any], threads: int) -> None:
         from transformers import modeling_utils
         from transformers import trainer as hf
 
+        from jitckpt_entrypoint.hook import safetensors_save
+
         model = self._model_to_save()
         if isinstance(model, modeling_utils.PreTrainedModel):
-            model.save_pretrained(path, state_dict=state_dict, is_main_process=True)
+            with _direct_safetensors(threads):
+                model.save_pretrained(path, state_dict=state_dict, is_main_process=True)
         else:
-            safetensors.torch.save_file(
-                state_dict, os.path.join(path, hf.SAFE_WEIGHTS_NAME), metadata={"format": "pt"}
-            )
+            target = os.path.join(path, hf.SAFE_WEIGHTS_NAME)
+            safetensors_save.save_file(state_dict, target, {"format": "pt"}, threads)
 
     def _save_processing_class(self, path: str) -> None:
         trainer = self.trainer
@@ -215,3 +225,38 @@ class TrainerCheckpoint:
             trainer.processing_class.save_pretrained(path)
         elif getattr(trainer.data_collator, "tokenizer", None) is not None:
             trainer.data_collator.tokenizer.save_pretrained(path)
+
+
+_direct = threading.local()
+
+
+@contextlib.contextmanager
+def _direct_safetensors(threads: int) -> Iterator[None]:
+    """`save_pretrained` on this thread writes its safetensors files with safetensors_save.
+
+    transformers calls the `safe_save_file` of its modeling_utils module; that name is replaced
+    once, for good, by a function that sends this thread's calls made in here to
+    safetensors_save and every other call to safetensors itself (no patch to undo, so saves on
+    other threads never see a half-restored module).
+    """
+    from transformers import modeling_utils
+
+    from jitckpt_entrypoint.hook import safetensors_save
+
+    if not getattr(modeling_utils.safe_save_file, "_jitckpt", False):
+        original = modeling_utils.safe_save_file
+
+        def safe_save_file(tensors: Any, filename: Any, metadata: Any = None) -> None:
+            n = getattr(_direct, "threads", 0)
+            if n:
+                safetensors_save.save_file(tensors, str(filename), metadata, n)
+            else:
+                original(tensors, filename, metadata=metadata)
+
+        safe_save_file._jitckpt = True  # type: ignore[attr-defined]
+        modeling_utils.safe_save_file = safe_save_file
+    _direct.threads = threads
+    try:
+        yield
+    finally:
+        _direct.threads = 0

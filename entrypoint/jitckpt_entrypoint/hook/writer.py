@@ -6,8 +6,9 @@ commit, so a cancelled save is never committed. A job stuck in a collective of a
 ranks cancelled is simply left behind: the process exits after its JIT checkpoint.
 
 `write_files` runs a checkpoint's file writers side by side (the serializers spend CPU time,
-CRCs and pickling, that overlaps with the disk's), and `fsync_tree` makes them durable in one
-pass before the manifest is written.
+CRCs and pickling, that overlaps with the disk's) or, for a background save, one after another,
+and `fsync_tree` makes them durable in one pass before the manifest is written. The big files
+themselves are written with O_DIRECT (direct_write: torch_save, safetensors_save).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 WRITERS = 4
-"""Files written side by side."""
+"""Files written side by side, and threads writing one big file (direct_write)."""
 
 
 class CancelledError(Exception):
@@ -96,11 +97,13 @@ class BackgroundWriter:
             job.execute()
 
 
-def write_files(writers: list[Callable[[], object]], job: Optional[Job] = None) -> None:
-    """Run `writers` side by side; the first error is raised once all have ended."""
-    if len(writers) <= 1:
+def write_files(
+    writers: list[Callable[[], object]], job: Optional[Job] = None, parallel: bool = True
+) -> None:
+    """Run `writers` side by side (or in turn); the first error is raised once all have ended."""
+    if len(writers) <= 1 or not parallel:
         for write in writers:
-            write()
+            _checked(write, job)()
         return
     with ThreadPoolExecutor(max_workers=min(WRITERS, len(writers))) as pool:
         futures = [pool.submit(_checked(write, job)) for write in writers]
