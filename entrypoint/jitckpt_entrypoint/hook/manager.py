@@ -101,6 +101,8 @@ class CheckpointManager:
         self._pending: Optional[PendingSave] = None
         self._after_commit: Optional[Callable[[], None]] = None
         """What `save_now`'s caller runs once its save is committed (HF's rotation)."""
+        self._phases = ""
+        """Where `save_now`'s time went (small files, big files, fsync), for the commit's log."""
         self._stop_step: Optional[int] = None
         """The step every rank agreed to stop at for a JIT checkpoint."""
         self._last_step: Optional[int] = None
@@ -402,9 +404,16 @@ class CheckpointManager:
         from jitckpt_entrypoint.hook.writer import WRITERS, fsync_tree, write_files
 
         self._after_commit = parts.after_commit
+        started = time.monotonic()
         parts.write_small(pending.path)
+        small = time.monotonic()
         write_files(parts.writers(pending.path, parts.tensors(), WRITERS))
+        big = time.monotonic()
         fsync_tree(pending.path)
+        self._phases = (
+            f"small files {small - started:.2f} s, big files {big - small:.2f} s,"
+            f" fsync {time.monotonic() - big:.2f} s"
+        )
 
     def _start_writer(self) -> tuple[BackgroundWriter, ControlGroup]:
         """The background writer and its own control group (collective on first call)."""
@@ -542,6 +551,10 @@ class CheckpointManager:
         event = committer.commit(
             session, pending.path, step, pending.kind, pending.started_at, control=control
         )
+        if inflight is not None:
+            detail = f", async: training blocked {inflight.blocked:.3f} s"
+        else:  # written on this thread by save_now, or by the caller
+            detail, self._phases = (f": {self._phases}" if self._phases else ""), ""
         if event is not None:
             with self._lock:
                 self._announce()
@@ -551,7 +564,7 @@ class CheckpointManager:
                 pending.kind,
                 event.bytes / 1e6,
                 event.seconds,
-                "" if inflight is None else f", async: training blocked {inflight.blocked:.3f} s",
+                detail,
             )
         if inflight is not None:
             self.blocking.append((pending.step, inflight.blocked))
