@@ -108,3 +108,19 @@ def test_direct_write_fills_gaps_with_zeros_and_ends_at_the_size(tmp_path: Path)
     for offset, piece in pieces:
         expected[offset : offset + len(piece)] = piece
     assert data == bytes(expected)
+
+
+def test_direct_write_keeps_its_buffers_for_the_next_file(tmp_path: Path):
+    """A background save writes one file after another: the second reuses the first's
+    buffer (no fresh memory mapped and faulted in), and at most KEEP stay mapped."""
+    data = memoryview(os.urandom(direct_write.CHUNK + 1))
+    direct_write._kept.clear()
+    direct_write.write(str(tmp_path / "a"), len(data), [(0, data)], 6)
+    kept = list(direct_write._kept)
+    if not kept:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT (tmpfs?): no buffers are used")
+    assert 0 < len(kept) <= direct_write.KEEP
+    direct_write.write(str(tmp_path / "b"), len(data), [(0, data)], 1)
+    assert direct_write._kept[-1] in kept
+    assert len(direct_write._kept) <= direct_write.KEEP
+    assert (tmp_path / "b").read_bytes() == (tmp_path / "a").read_bytes() == bytes(data)

@@ -4,8 +4,10 @@ A buffered write copies every byte into the page cache before the disk sees it. 
 kernel must take page-cache pages from memory never used since boot (a fresh node, a VM that
 hands freed memory back to its host) that copy is slower than the disk: on our CI VM 0.23 GB/s
 buffered against 1.6-1.8 GB/s with O_DIRECT, fsync included in both. `write` copies the bytes
-through a few reused, page-aligned 8 MiB buffers (memcpy speed) and writes them with O_DIRECT;
-it takes no page-cache pages and leaves the CPU mostly idle (the disk's DMA moves the bytes).
+through page-aligned 8 MiB buffers (memcpy speed) and writes them with O_DIRECT; it takes no
+page-cache pages and leaves the CPU mostly idle (the disk's DMA moves the bytes). The buffers
+are kept for the next file (`KEEP` of them, 8 MiB each: one for a background save's single
+thread), so periodic saves do not map and fault in fresh memory each time.
 
 Where the file system refuses O_DIRECT (tmpfs: an emptyDir with `medium: Memory`), the same
 bytes are written through the page cache. Either way the caller fsyncs (one pass per checkpoint).
@@ -18,6 +20,7 @@ import errno
 import mmap
 import os
 import queue
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -26,6 +29,9 @@ CHUNK = 8 << 20
 """Bytes one O_DIRECT write takes (a multiple of BLOCK)."""
 BLOCK = 4096
 """Alignment of O_DIRECT offsets, lengths and buffers (any logical block size up to a page)."""
+
+KEEP = 2
+"""Buffers kept between writes (more are mapped while several threads write, then unmapped)."""
 
 Piece = tuple[int, memoryview]
 """(file offset, bytes): the file is its pieces, in order, not overlapping; gaps are zeros."""
@@ -53,12 +59,20 @@ def write(path: str, size: int, pieces: list[Piece], threads: int) -> None:
     _buffered(path, size, pieces, threads)
 
 
+_kept: list[mmap.mmap] = []
+_kept_lock = threading.Lock()
+
+
 def _direct(fd: int, size: int, pieces: list[Piece], threads: int) -> None:
     starts = [offset for offset, _ in pieces]
     chunks = range(0, size, CHUNK)
+    wanted = min(threads, len(chunks)) or 1
+    with _kept_lock:  # page-aligned buffers, kept ones first, reused chunk after chunk
+        own = [_kept.pop() for _ in range(min(wanted, len(_kept)))]
+    own += [mmap.mmap(-1, CHUNK) for _ in range(wanted - len(own))]
     buffers: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
-    for _ in range(min(threads, len(chunks)) or 1):
-        buffers.put(mmap.mmap(-1, CHUNK))  # page-aligned, reused chunk after chunk
+    for buf in own:
+        buffers.put(buf)
 
     def one(start: int) -> None:
         end = min(start + CHUNK, size)
@@ -72,13 +86,17 @@ def _direct(fd: int, size: int, pieces: list[Piece], threads: int) -> None:
         finally:
             buffers.put(buf)
 
-    if threads <= 1:
-        for start in chunks:
-            one(start)
-    else:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            for future in [pool.submit(one, start) for start in chunks]:
-                future.result()
+    try:
+        if threads <= 1:
+            for start in chunks:
+                one(start)
+        else:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                for future in [pool.submit(one, start) for start in chunks]:
+                    future.result()
+    finally:
+        with _kept_lock:  # the rest are unmapped once dropped
+            _kept.extend(own[: max(0, KEEP - len(_kept))])
     os.ftruncate(fd, size)  # the padding of the last chunk
 
 
