@@ -133,7 +133,9 @@ def run_hf(model: list[str], root: Path) -> dict[str, float]:
     return {"commit": committed[0] - t0 if committed else float("nan"), "exit": exited, "rc": code}
 
 
-def write_bandwidth(nbytes: int, directory: Path, durable: bool, fresh: bool = False) -> float:
+def write_bandwidth(
+    nbytes: int, directory: Path, durable: bool, fresh: bool = False, reps: int = 5
+) -> float:
     """Bytes/s writing `nbytes` into `directory`: to the disk (fsync) or to the page cache.
 
     `fresh`: every file is kept until all are written, so each write takes page-cache pages
@@ -143,7 +145,7 @@ def write_bandwidth(nbytes: int, directory: Path, durable: bool, fresh: bool = F
     """
     block = os.urandom(1 << 20)
     rates, paths = [], []
-    for i in range(5):
+    for i in range(reps):
         path = directory / f"bw-{i}.bin"
         paths.append(path)
         start = time.perf_counter()
@@ -163,7 +165,7 @@ def write_bandwidth(nbytes: int, directory: Path, durable: bool, fresh: bool = F
     return statistics.median(rates)
 
 
-def direct_bandwidth(nbytes: int, directory: Path) -> float:
+def direct_bandwidth(nbytes: int, directory: Path, reps: int = 5) -> float:
     """Bytes/s writing `nbytes` with O_DIRECT in 8 MiB writes from one aligned buffer, fsync
     included: the disk without the page cache (0 where the file system refuses O_DIRECT)."""
     import mmap
@@ -171,7 +173,7 @@ def direct_bandwidth(nbytes: int, directory: Path) -> float:
     buf = mmap.mmap(-1, 8 << 20)
     buf.write(os.urandom(len(buf)))
     rates = []
-    for i in range(5):
+    for i in range(reps):
         path = directory / f"direct-{i}.bin"
         start = time.perf_counter()
         try:
@@ -187,6 +189,18 @@ def direct_bandwidth(nbytes: int, directory: Path) -> float:
         rates.append((nbytes - nbytes % len(buf)) / (time.perf_counter() - start))
         path.unlink()
     return statistics.median(rates)
+
+
+def trial_floor(run: dict[str, float], directory: Path) -> float:
+    """This trial's floor, the disk measured right after it (its speed drifts by 2x within
+    minutes on a shared VM): bytes / the faster of buffered + fsync and O_DIRECT + fsync
+    (3 writes each, median) + one optimizer step."""
+    size = max(int(run["bytes"]), 64 << 20)
+    disk = max(
+        write_bandwidth(size, directory, durable=True, reps=3),
+        direct_bandwidth(size, directory, reps=3),
+    )
+    return run["bytes"] / disk + run["step"]
 
 
 def _median_seen(values: list[float]) -> float:
@@ -218,6 +232,7 @@ def summarize(label: str, ours: list[dict[str, float]], hf: list[dict[str, float
         "fresh": fresh,
         "direct": direct,
         "floor": med["bytes"] / best + med["step"],
+        "paired": statistics.median(r["commit"] / r["floor"] for r in ours),
         "floor_fresh": med["bytes"] / fresh + med["step"],
         "rc": (ours[0]["rc"], hf[0]["rc"]),
     }
@@ -235,6 +250,7 @@ COLUMNS = [
     ("HF", "{hf_exit:8.3f}", 8),
     ("HF/ours", "{exit_x:9.1f}", 9),
     ("ours/floor", "{vs_floor:12.2f}", 12),
+    ("paired", "{paired:8.2f}", 8),
     ("fresh floor", "{floor_fresh:13.3f}", 13),
     ("ours/fresh", "{vs_fresh:12.2f}", 12),
 ]
@@ -248,10 +264,12 @@ def main() -> None:
         for i in range(trials):
             with tempfile.TemporaryDirectory(prefix="bench-jit-") as tmp:
                 ours.append(run_ours(model, Path(tmp)))
+                ours[-1]["floor"] = trial_floor(ours[-1], Path(tmp))
             with tempfile.TemporaryDirectory(prefix="bench-jit-") as tmp:
                 hf.append(run_hf(model, Path(tmp)))
             print(
-                f"  {label} #{i + 1}: ours commit {ours[-1]['commit']:.3f} s (stop step ended"
+                f"  {label} #{i + 1}: ours commit {ours[-1]['commit']:.3f} s"
+                f" (floor {ours[-1]['floor']:.3f} s; stop step ended"
                 f" {ours[-1]['agreed']:.3f} s after SIGTERM, {ours[-1]['steps_after']} steps;"
                 f" save {ours[-1]['save']:.3f} s), exit {ours[-1]['exit']:.3f} s"
                 f" | HF commit {hf[-1]['commit']:.3f} s, exit {hf[-1]['exit']:.3f} s",
@@ -279,7 +297,9 @@ def main() -> None:
         print("".join(fmt.format(**values) for _, fmt, _ in COLUMNS))
     print(
         "\nfloor = checkpoint bytes / disk write bandwidth (the faster of buffered writes + fsync"
-        "\nand O_DIRECT writes + fsync) + one median optimizer step;"
+        "\nand O_DIRECT writes + fsync) + one median optimizer step, the disk measured after all"
+        "\ntrials; paired: the median of each trial's commit / its own floor, the disk measured"
+        "\nright after that trial;"
         "\nfresh floor: the same with the bandwidth of writes into page-cache pages never used before"
     )
     for row in rows:
