@@ -1,7 +1,7 @@
 """The floor under an async save's wall-time cost: what writing a checkpoint on a spare core
 costs the training thread at all, whoever writes it.
 
-One process, one training thread (the 18M Llama of bench_periodic, AdamW, one CPU thread) and,
+One process, one training thread (a 21M-parameter Llama, AdamW, one CPU thread) and,
 every SAVE_EVERY steps, a background thread that writes the model's and optimizer's bytes to
 disk while training goes on. What the background thread does per save:
 
