@@ -1,7 +1,8 @@
 """The floor under an async save's wall-time cost: what writing a checkpoint on a spare core
 costs the training thread at all, whoever writes it.
 
-One process, one training thread (a 21M-parameter Llama, AdamW, one CPU thread) and,
+One process, one training thread (bench_periodic.py's 18M-parameter Llama and batch, from
+tests/integration/children/train_hf.py, AdamW, one CPU thread) and,
 every SAVE_EVERY steps, a background thread that writes the model's and optimizer's bytes to
 disk while training goes on. What the background thread does per save:
 
@@ -35,31 +36,25 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoint"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration" / "children"))
+
+from train_hf import SEQ_LEN, tiny_llama
 
 from jitckpt_entrypoint.hook import safetensors_save, torch_save
 from jitckpt_entrypoint.hook.snapshot import Stager, Staging
 from jitckpt_entrypoint.hook.writer import fsync_tree
 
 STEPS = 90
+VOCAB = 8192
 SAVE_EVERY = 5
 FIRST_TIMED = 10
 
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        vocab_size=8192,
-    )
-    model = LlamaForCausalLM(config)
+    """bench_periodic.py's 18M model and one rank's batch (train_hf.py: 4 samples)."""
+    model = tiny_llama(VOCAB, 512, 4)
     optimizer = torch.optim.AdamW(model.parameters())
-    return model, optimizer, torch.randint(0, 8192, (4, 64))
+    return model, optimizer, torch.randint(0, VOCAB, (4, SEQ_LEN))
 
 
 def state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -90,7 +85,7 @@ def write_raw(buf: mmap.mmap, nbytes: int, directory: Path) -> None:
         os.close(fd)
 
 
-def run(mode: str, root: Path) -> float:
+def run(mode: str, root: Path, nbytes: int) -> float:
     model, optimizer, batch = build()
     stager = Stager()
     buf = mmap.mmap(-1, 8 << 20)
@@ -131,7 +126,7 @@ def run(mode: str, root: Path) -> float:
             staged.start()
             work = functools.partial(copy_and_write, staged, host, target)
         else:
-            work = functools.partial(write_raw, buf, NBYTES, target)
+            work = functools.partial(write_raw, buf, nbytes, target)
         thread = threading.Thread(target=background, args=(work,))
         thread.start()
         pending.append(thread)
@@ -153,31 +148,27 @@ def excess(times: dict[int, float], writes: list[tuple[float, float]]) -> float:
     return total
 
 
-NBYTES = 0
-
-
 def main() -> None:
-    global NBYTES  # noqa: PLW0603 - the raw mode writes as many bytes as the checkpoint has
     trials = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     model, optimizer, batch = build()
     model(input_ids=batch, labels=batch).loss.backward()
     optimizer.step()
     with tempfile.TemporaryDirectory(prefix="bench-interference-") as tmp:
         write_jitckpt(state(model, optimizer), Path(tmp, "size"))
-        NBYTES = sum(p.stat().st_size for p in Path(tmp, "size").iterdir())
+        nbytes = sum(p.stat().st_size for p in Path(tmp, "size").iterdir())
     results: dict[str, list[float]] = {"sync": [], "jitckpt": [], "raw": []}
     modes = list(results)
     for trial in range(trials):
         for mode in modes[trial % 3 :] + modes[: trial % 3]:
             with tempfile.TemporaryDirectory(prefix="bench-interference-") as tmp:
-                results[mode].append(run(mode, Path(tmp)))
+                results[mode].append(run(mode, Path(tmp), nbytes))
         print(
             f"  trial {trial + 1}: cost per save "
             + ", ".join(f"{m} {results[m][-1]:.3f} s" for m in modes),
             flush=True,
         )
     med = {m: statistics.median(v) for m, v in results.items()}
-    print(f"\n{NBYTES / 1e6:.0f} MB per save, a save every {SAVE_EVERY} steps, medians of {trials}")
+    print(f"\n{nbytes / 1e6:.0f} MB per save, a save every {SAVE_EVERY} steps, medians of {trials}")
     print("writer on the spare core          cost per save s   / sync save")
     print(f"sync (the training thread writes)  {med['sync']:15.3f}   {1.0:10.2f}")
     print(

@@ -25,6 +25,9 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
+SEQ_LEN = 16
+"""Tokens per sample (per_device_train_batch_size is 4)."""
+
 
 def say(line: str) -> None:
     os.write(1, (line + "\n").encode())  # one write: ranks share the pipe
@@ -143,6 +146,21 @@ def slow_background_writes(seconds: float) -> None:
     torch.save = save
 
 
+def tiny_llama(vocab: int, hidden: int, layers: int) -> LlamaForCausalLM:
+    """The script's model, randomly initialised from seed 0 (bench_write_interference too)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config)
+
+
 def build_args(opts: argparse.Namespace, cls: type = TrainingArguments) -> TrainingArguments:
     kwargs: dict[str, Any] = {"use_cpu": True, **strategy_args(opts.strategy)}
     return cls(
@@ -206,17 +224,7 @@ def main() -> None:
     if opts.slow_write:
         slow_background_writes(opts.slow_write)
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=opts.vocab,
-        hidden_size=opts.hidden,
-        intermediate_size=opts.hidden * 2,
-        num_hidden_layers=opts.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(opts.vocab, opts.hidden, opts.layers)
     callbacks = [Progress(opts.hold_save_at, opts.release_file, opts.step_sleep)]
     if opts.trainer == "sft":
         trainer = sft_trainer(opts, model, callbacks)
@@ -224,7 +232,7 @@ def main() -> None:
         trainer = (SlowSaveTrainer if opts.slow_save else Trainer)(
             model=model,
             args=build_args(opts),
-            train_dataset=RandomTokens(opts.samples, 16, config.vocab_size),
+            train_dataset=RandomTokens(opts.samples, SEQ_LEN, opts.vocab),
             callbacks=callbacks,
         )
     trainer.slow_save = opts.slow_save
