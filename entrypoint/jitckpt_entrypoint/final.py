@@ -20,7 +20,7 @@ import time
 from typing import Optional
 
 from jitckpt_entrypoint.errors import JitckptError
-from jitckpt_entrypoint.protocol import atomic
+from jitckpt_entrypoint.protocol import atomic, durable
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.commit import link_or_copy, remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import FINAL_NAME, Layout, step_of
@@ -68,6 +68,7 @@ def stage(layout: Layout, record: OutputRecord) -> Optional[StagedFinal]:
             if not link_or_copy(os.path.join(source, rel), target):
                 copied += files[rel]
         entries = tuple(m.FileEntry(p, s, 0) for p, s in sorted(files.items()))
+        durable.sync_tree(tmp)  # the model's bytes before its manifest (the commit's rule)
         manifest = m.new_manifest(
             record.step, m.OUTPUT_KIND, node=0, nodes=1, world_size=1, files=entries
         )

@@ -153,3 +153,53 @@ def test_list_files_leaves_out_pruned_directories_manifests_and_temp_files(tmp_p
     os.symlink(tmp_path / "a.bin", tmp_path / "link.bin")
     found = m.list_files(str(tmp_path), lambda _parent, name: name == "skip")
     assert found == {"a.bin": 2, "keep/deep/b.bin": 2}
+
+
+def test_a_commit_makes_every_file_and_directory_durable_before_any_manifest(
+    tmp_path: Path, monkeypatch
+):
+    """Whatever path wrote the files (the Trainer's own save, DeepSpeed, FSDP, a plain loop),
+    the commit fsyncs each file, each directory under the checkpoint, the checkpoint directory
+    and `checkpoints/` itself before the first manifest exists."""
+    layout = Layout(str(tmp_path))
+    layout.ensure()
+    ckpt = Path(layout.checkpoint_dir(10))
+    (ckpt / "global_step10").mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(b"w" * 100)
+    (ckpt / "global_step10" / "states.pt").write_bytes(b"s" * 10)
+    synced: list[str] = []
+    manifests_seen_at: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if os.path.basename(path).startswith(m.MANIFEST_PREFIX) or ".tmp" in path:
+            manifests_seen_at.append(len(synced))
+        else:
+            synced.append(path)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    commit_node(
+        layout,
+        str(ckpt),
+        {0: m.list_files(str(ckpt))},
+        node=0,
+        nodes=1,
+        world_size=1,
+        step=10,
+        kind="periodic",
+        started_at=0.0,
+        run_id="r",
+        stage_for_upload=False,
+    )
+    wanted = {
+        str(ckpt / "model.safetensors"),
+        str(ckpt / "global_step10" / "states.pt"),
+        str(ckpt / "global_step10"),
+        str(ckpt),
+        layout.checkpoints,
+    }
+    first_manifest = manifests_seen_at[0]
+    assert wanted <= set(synced[:first_manifest]), synced
+    assert validity.committed(str(ckpt)) is not None

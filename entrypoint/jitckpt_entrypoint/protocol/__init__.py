@@ -14,4 +14,6 @@ written once.
   run-<id>/output.json, sidecar-ready.json)
 - registry.py: the run's process registry (status/run-<id>/), for PID 1's SIGTERM
 - atomic.py: crash-safe small-file writes (temp file, fsync, rename)
+- durable.py: the durability rule: a checkpoint's files and directories fsynced before any
+  manifest (commit.py applies it on every save path)
 """

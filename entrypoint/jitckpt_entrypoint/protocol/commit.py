@@ -2,11 +2,12 @@
 
 Once every rank's files of a checkpoint are on disk, each node's local rank 0 calls
 `commit_node` with what every node holds (the hook gathers it; the tests' harness builds it):
-every node's manifest is written into the checkpoint directory, this node's last (a node's
-volume holds all manifests, so either node may tell whether the checkpoint is committed); this
-node's owned files and then its manifest are hard-linked into staging/ for the sidecar; a save
-event is recorded. `remove_checkpoint` undoes a commit before it deletes any file, so a
-half-deleted checkpoint is never committed.
+the directory is made durable (durable.sync_tree: every file and directory fsynced, whichever
+path wrote them), every node's manifest is written into the checkpoint directory, this node's
+last (a node's volume holds all manifests, so either node may tell whether the checkpoint is
+committed); this node's owned files and then its manifest are hard-linked into staging/ for
+the sidecar; a save event is recorded. `remove_checkpoint` undoes a commit before it deletes
+any file, so a half-deleted checkpoint is never committed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import shutil
 import time
 from typing import Callable
 
-from jitckpt_entrypoint.protocol import atomic, status
+from jitckpt_entrypoint.protocol import atomic, durable, status
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.layout import Layout
 
@@ -42,6 +43,7 @@ def commit_node(
     every file it holds (one entry per node). Returns the save event it recorded. `clock` gives
     the wall time (a fixed one makes the recorded save time exact in tests)."""
     entries = m.assign_owners(holdings)
+    durable.sync_tree(ckpt_dir)  # the data before any manifest, on every save path
     save_seconds = clock() - started_at
     manifests = {
         n: m.new_manifest(
@@ -81,6 +83,7 @@ def stage(layout: Layout, ckpt_dir: str, own: m.Manifest) -> str:
         os.path.join(ckpt_dir, m.manifest_name(own.node)),
         os.path.join(dest, m.manifest_name(own.node)),
     )
+    durable.sync_tree(dest)  # the links (a PVC outlives a node crash)
     return dest
 
 
