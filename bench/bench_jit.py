@@ -7,6 +7,11 @@ also measures the floor: checkpoint bytes / disk write bandwidth (buffered write
 directory, as torch.save and safetensors write) plus one optimizer step.
 
     .venv/bin/python bench/bench_jit.py [TRIALS]        # default 5; medians are reported
+    .venv/bin/python bench/bench_jit.py [TRIALS] --cuda # one rank on the GPU (make test-gpu)
+
+With --cuda the model trains on the GPU (one rank) and a ~270M-parameter model (3.2 GB of
+checkpoint) is added: the JIT save streams the GPU state through page-locked buffers
+(hook/direct_write.py), HF's moves it to the host with torch.save and safetensors.
 """
 
 from __future__ import annotations
@@ -31,7 +36,19 @@ MODELS = {
     "tiny (test model)": ["--hidden", "32", "--layers", "2", "--vocab", "128"],
     "18M params": ["--hidden", "512", "--layers", "4", "--vocab", "8192"],
 }
+GPU_MODELS = {
+    **MODELS,
+    "270M params": ["--hidden", "1024", "--layers", "16", "--vocab", "32000"],
+}
 WARM_STEP = 15
+CUDA = "--cuda" in sys.argv[1:]
+"""One rank on the GPU instead of two CPU ranks."""
+
+
+def launch(*args: str) -> list[str]:
+    if CUDA:
+        return torchrun(TRAIN_HF, *args, "--cuda", nproc=1)
+    return torchrun(TRAIN_HF, *args)
 
 
 def base_env() -> dict[str, str]:
@@ -59,7 +76,7 @@ def run_ours(model: list[str], root: Path) -> dict[str, float]:
     jdir.mkdir()
     env = {**base_env(), "JITCKPT_DIR": str(jdir), "JITCKPT_TERMINATION_LOG": ""}
     proc = Proc(
-        entrypoint(torchrun(TRAIN_HF, "--max-steps", "100000", "--save-steps", "100000", *model)),
+        entrypoint(launch("--max-steps", "100000", "--save-steps", "100000", *model)),
         env=env,
     )
     try:
@@ -93,8 +110,7 @@ def run_ours(model: list[str], root: Path) -> dict[str, float]:
 
 def run_hf(model: list[str], root: Path) -> dict[str, float]:
     out = root / "hf-out"
-    command = torchrun(
-        TRAIN_HF,
+    command = launch(
         "--max-steps",
         "100000",
         "--save-steps",
@@ -257,9 +273,10 @@ COLUMNS = [
 
 
 def main() -> None:
-    trials = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    numbers = [a for a in sys.argv[1:] if a.isdigit()]
+    trials = int(numbers[0]) if numbers else 5
     rows = []
-    for label, model in MODELS.items():
+    for label, model in (GPU_MODELS if CUDA else MODELS).items():
         ours, hf = [], []
         for i in range(trials):
             with tempfile.TemporaryDirectory(prefix="bench-jit-") as tmp:
@@ -277,7 +294,8 @@ def main() -> None:
             )
         rows.append(summarize(label, ours, hf))
 
-    print(f"\nSIGTERM -> JIT checkpoint, 2 CPU ranks (gloo), median of {trials} alternating trials")
+    where = "1 rank on the GPU" if CUDA else "2 CPU ranks (gloo)"
+    print(f"\nSIGTERM -> JIT checkpoint, {where}, median of {trials} alternating trials")
     print(
         "".join(
             f"{name:>{width}}" if i else f"{name:{width}}"

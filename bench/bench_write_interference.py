@@ -42,7 +42,7 @@ from train_hf import SEQ_LEN, tiny_llama
 
 from jitckpt_entrypoint.hook import safetensors_save, torch_save
 from jitckpt_entrypoint.hook.snapshot import Stager, Staging
-from jitckpt_entrypoint.hook.writer import fsync_tree
+from jitckpt_entrypoint.protocol.durable import sync_tree
 
 STEPS = 90
 VOCAB = 8192
@@ -66,7 +66,7 @@ def write_jitckpt(tree: dict, directory: Path) -> None:
     model = {k: v.contiguous() for k, v in tree["model"].items()}
     safetensors_save.save_file(model, str(directory / "model.safetensors"), None, 1)
     torch_save.save(tree["optimizer"], str(directory / "optimizer.pt"), 1)
-    fsync_tree(str(directory))
+    sync_tree(str(directory))
 
 
 def copy_and_write(staged: Staging, host: dict, directory: Path) -> None:

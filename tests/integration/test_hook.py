@@ -149,7 +149,7 @@ def test_sigkill_mid_save_leaves_it_uncommitted_and_the_rerun_resumes_from_the_p
 
     rerun = finish(spawn, base_env, hf("--max-steps", "12", "--save-steps", "5"))
     assert resumed_from(rerun) == 5
-    assert hook_lines(rerun, "removed checkpoint directories past the resume point: checkpoint-10")
+    assert hook_lines(rerun, "past the resume point or uncommitted: checkpoint-10")
     assert manifest(jdir, 10)["kind"] == "periodic"  # saved afresh by the rerun
 
 

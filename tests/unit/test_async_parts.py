@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from jitckpt_entrypoint.hook import memory
-from jitckpt_entrypoint.hook.snapshot import Stager, UnsupportedStateError
-from jitckpt_entrypoint.hook.writer import BackgroundWriter, fsync_tree, write_files
+from jitckpt_entrypoint.hook.snapshot import Stager, UnsupportedStateError, storage_key
+from jitckpt_entrypoint.hook.writer import BackgroundWriter, write_files
 from jitckpt_entrypoint.protocol import validity
+from jitckpt_entrypoint.protocol.durable import sync_tree
 
 
 def test_a_snapshot_is_the_state_at_the_save_and_keeps_views_and_shared_storages():
@@ -70,7 +71,7 @@ def test_parallel_writes_then_one_fsync_pass(tmp_path: Path):
     paths = [tmp_path / "a" / f"f{i}" for i in range(5)]
     (tmp_path / "a").mkdir()
     write_files([lambda p=p: p.write_bytes(b"x" * 100) for p in paths])
-    assert fsync_tree(str(tmp_path)) == 500
+    assert sync_tree(str(tmp_path)) == 500
 
 
 def test_the_memory_budget_is_the_smaller_of_the_node_and_the_cgroup(tmp_path: Path):
@@ -105,13 +106,15 @@ def manager_with_async(root: Path):
 
 
 def async_save(manager, step: int, weight: torch.Tensor, gate: threading.Event) -> None:
+    """An async save of {"w": weight} whose big file waits for `gate`, checking for a cancel
+    every 10 ms as direct_write does before every chunk."""
     from jitckpt_entrypoint.hook.manager import SaveParts
 
-    """An async save of {"w": weight} whose big file waits for `gate`."""
-
-    def writers(path: str, host: dict, threads: int) -> list:
+    def writers(path: str, host: dict, threads: int, check) -> list:
         def write() -> None:
-            gate.wait(10)
+            deadline = time.monotonic() + 10
+            while not gate.wait(0.01) and time.monotonic() < deadline:
+                check()
             torch.save(host["w"], Path(path, "w.pt"))
 
         return [write]
@@ -121,9 +124,7 @@ def async_save(manager, step: int, weight: torch.Tensor, gate: threading.Event) 
         Path(path, "small.json").write_text("{}")
 
     pending = manager.begin_save(step)
-    manager.save_async(
-        pending, SaveParts(write_small, lambda: {"w": weight}, writers, lambda: None)
-    )
+    manager.save_async(pending, SaveParts(write_small, {"w": weight}, set, writers, lambda: None))
 
 
 def test_an_async_save_commits_the_state_at_its_step_in_the_background(tmp_path: Path):
@@ -145,16 +146,51 @@ def test_an_async_save_commits_the_state_at_its_step_in_the_background(tmp_path:
     assert [step for step, _ in manager.blocking] == [5]
 
 
-def test_a_stop_at_a_newer_step_abandons_the_save_in_flight_uncommitted(tmp_path: Path):
+def test_a_stop_at_a_newer_step_cancels_the_save_being_written_and_removes_it(tmp_path: Path):
+    """The writer stops at its next check (one buffer), not when its file is done; the
+    abandoned directory is removed (no rotation slot, no space held)."""
     manager = manager_with_async(tmp_path)
     gate = threading.Event()
     async_save(manager, 5, torch.zeros(4), gate)
     manager.saved(5)
-    threading.Timer(0.2, gate.set).start()
+    started = time.monotonic()
     manager.stop_at(7)  # cancels 5, waits for its writer to stop
-    assert validity.committed(manager.checkpoint_dir(5)) is None
+    assert time.monotonic() - started < 5  # the gate never opened: the check stopped it
+    assert not Path(manager.checkpoint_dir(5)).exists()
     assert not manager.is_committed(5)
     assert manager.begin_save(7).kind == "jit"  # type: ignore[union-attr]
+
+
+def test_a_stop_at_a_newer_step_commits_a_save_that_is_already_written(tmp_path: Path):
+    """A save whose files are all written when the stop comes is committed, not thrown away."""
+    from jitckpt_entrypoint.hook.manager import SaveParts, State
+
+    manager = manager_with_async(tmp_path)
+    written = threading.Event()
+    hold = threading.Event()
+
+    def writers(path: str, host: dict, threads: int, check) -> list:
+        def write() -> None:
+            torch.save(host["w"], Path(path, "w.pt"))
+            written.set()
+            hold.wait(10)  # written; the commit is still to come
+
+        return [write]
+
+    save = manager.begin_save(5)
+    assert save is not None
+    manager.save_async(
+        save,
+        SaveParts(
+            lambda p: Path(p).mkdir(parents=True), {"w": torch.ones(2)}, set, writers, lambda: None
+        ),
+    )
+    manager.saved(5)
+    assert written.wait(10)
+    threading.Timer(0.2, hold.set).start()
+    manager.stop_at(7)
+    assert save.state is State.COMMITTED
+    assert manager.is_committed(5)
 
 
 def test_a_sigterm_during_an_async_save_that_fails_does_not_claim_a_jit_checkpoint(
@@ -169,7 +205,7 @@ def test_a_sigterm_during_an_async_save_that_fails_does_not_claim_a_jit_checkpoi
     manager.session.training = True
     manager.session.flag.received_at = time.time()  # what the SIGTERM handler sets
 
-    def writers(path: str, host: dict, threads: int) -> list:
+    def writers(path: str, host: dict, threads: int, check) -> list:
         def write() -> None:
             raise OSError(28, "No space left on device")
 
@@ -178,10 +214,75 @@ def test_a_sigterm_during_an_async_save_that_fails_does_not_claim_a_jit_checkpoi
     pending = manager.begin_save(5)
     manager.save_async(
         pending,
-        SaveParts(lambda path: Path(path).mkdir(parents=True), dict, writers, lambda: None),
+        SaveParts(lambda path: Path(path).mkdir(parents=True), {}, set, writers, lambda: None),
     )
     manager.saved(5)  # would exit the process if it took step 5 for a JIT checkpoint
     assert not manager.is_committed(5)
     assert validity.committed(manager.checkpoint_dir(5)) is None
     assert not Path(manager.session.layout.status, status.JIT).exists()
     assert manager.stop_agreed()  # the flag is still set: the next step stops
+
+
+def test_what_the_next_forward_changes_is_copied_before_the_save_returns():
+    """Module buffers (BatchNorm statistics, num_batches_tracked) are copied on the training
+    thread; parameters and optimizer state may be copied while the next forward runs."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(4)
+    bn.train()
+    bn(torch.randn(8, 4))
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    stager = Stager()
+    deferrable = {storage_key(p) for p in bn.parameters()}
+    host, staging = stager.plan(bn.state_dict(), deferrable)
+    staging.start()
+    bn(torch.randn(8, 4) * 5)  # the next forward, before the writer thread copies anything
+    assert not torch.equal(bn.running_mean, before["running_mean"])
+    staging.run()
+    for name, value in before.items():
+        assert torch.equal(host[name], value), name
+
+
+def test_an_async_save_of_a_batchnorm_model_holds_the_statistics_of_its_step(tmp_path: Path):
+    """The background copy starts late (a busy node): the checkpoint still holds the step's
+    running statistics, not the next forward's."""
+    from jitckpt_entrypoint.hook.manager import SaveParts
+    from jitckpt_entrypoint.hook.snapshot import Staging
+
+    manager = manager_with_async(tmp_path)
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(4)
+    bn(torch.randn(8, 4))
+    expected = {k: v.clone() for k, v in bn.state_dict().items()}
+    go = threading.Event()
+    real_run = Staging.run
+
+    def late_run(self, check=None):  # the writer thread gets the CPU only after the forward
+        go.wait(10)
+        real_run(self, check)
+
+    def writers(path: str, host: dict, threads: int, check) -> list:
+        return [lambda: torch.save(host["model"], Path(path, "model.pt"))]
+
+    save = manager.begin_save(5)
+    assert save is not None
+    Staging.run = late_run  # type: ignore[method-assign]
+    try:
+        manager.save_async(
+            save,
+            SaveParts(
+                lambda p: Path(p).mkdir(parents=True),
+                {"model": bn.state_dict()},
+                lambda: {storage_key(p) for p in bn.parameters()},
+                writers,
+                lambda: None,
+            ),
+        )
+        manager.saved(5)
+        bn(torch.randn(8, 4) * 5)  # the next forward
+        go.set()
+        manager.drain()
+    finally:
+        Staging.run = real_run  # type: ignore[method-assign]
+    saved = torch.load(Path(manager.checkpoint_dir(5), "model.pt"))
+    for name, value in expected.items():
+        assert torch.equal(saved[name], value), name

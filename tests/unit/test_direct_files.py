@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 from pathlib import Path
 
@@ -114,13 +115,120 @@ def test_direct_write_keeps_its_buffers_for_the_next_file(tmp_path: Path):
     """A background save writes one file after another: the second reuses the first's
     buffer (no fresh memory mapped and faulted in), and at most KEEP stay mapped."""
     data = memoryview(os.urandom(direct_write.CHUNK + 1))
-    direct_write._kept.clear()
+    kept_now = direct_write._Buffer._kept
+    kept_now.clear()
     direct_write.write(str(tmp_path / "a"), len(data), [(0, data)], 6)
-    kept = list(direct_write._kept)
+    kept = list(kept_now)
     if not kept:
         pytest.skip(f"{tmp_path} refuses O_DIRECT (tmpfs?): no buffers are used")
     assert 0 < len(kept) <= direct_write.KEEP
     direct_write.write(str(tmp_path / "b"), len(data), [(0, data)], 1)
-    assert direct_write._kept[-1] in kept
-    assert len(direct_write._kept) <= direct_write.KEEP
+    assert kept_now[-1] in kept
+    assert len(kept_now) <= direct_write.KEEP
     assert (tmp_path / "b").read_bytes() == (tmp_path / "a").read_bytes() == bytes(data)
+
+
+def test_torch_save_binds_each_record_to_its_storage_by_identity_not_by_order():
+    """The archive's keys are read from its own pickle: a torch that numbered the storages in
+    another order (here: backwards) still gets each record filled from the right storage."""
+    import io
+    import pickle
+
+    a, b = torch.full((4,), 1.0), torch.full((4,), 2.0)  # same size: order is all that differs
+    state = {"exp_avg": a, "exp_avg_sq": b, "view": a[1:]}
+    storages = [a.untyped_storage(), b.untyped_storage()]
+
+    class Backwards(pickle.Pickler):
+        def persistent_id(self, obj):
+            if isinstance(obj, torch.storage.TypedStorage):
+                key = str(1 - [s._cdata for s in storages].index(obj._untyped_storage._cdata))
+                storage_type = getattr(torch, obj._pickle_storage_type())
+                return ("storage", storage_type, key, "cpu", obj._size())
+            return None
+
+    data = io.BytesIO()
+    Backwards(data, protocol=2).dump(state)
+    keys = torch_save._bind(data.getvalue(), state)
+    assert keys["1"]._cdata == a.untyped_storage()._cdata
+    assert keys["0"]._cdata == b.untyped_storage()._cdata
+
+
+class Holder:
+    def __init__(self) -> None:
+        self.t = torch.arange(6.0)
+
+
+def test_torch_save_falls_back_to_torch_save_for_a_state_it_cannot_walk(tmp_path: Path):
+    """Tensors inside an object (not a dict, list or tuple) cannot be bound to their records:
+    plain torch.save writes the file."""
+    state = {"holder": Holder(), "t": torch.ones(3)}
+    torch_save.save(state, str(tmp_path / "ours.pt"), 2)
+    loaded = torch.load(tmp_path / "ours.pt", weights_only=False)
+    assert torch.equal(loaded["holder"].t, torch.arange(6.0))
+
+
+def test_direct_write_streams_tensor_sources_and_takes_their_crcs(tmp_path: Path):
+    """Tensor sources (how GPU state is streamed; on the CPU the copy is a memcpy) land at
+    their offsets, and each piece's CRC-32 is combined across chunks."""
+    import zlib
+
+    big = torch.randint(0, 255, (direct_write.CHUNK * 2 + 777,), dtype=torch.uint8)
+    small = torch.arange(100, dtype=torch.uint8)
+    header = memoryview(b"HEAD")
+    size = 4 + len(small) + len(big) + 10
+    pieces = [(0, header), (4, small), (4 + len(small), big)]
+    with direct_write.DirectFile(str(tmp_path / "f"), size) as f:
+        crcs = f.write(pieces, 3, crc_of=[1, 2])
+    data = (tmp_path / "f").read_bytes()
+    assert data == b"HEAD" + small.numpy().tobytes() + big.numpy().tobytes() + bytes(10)
+    assert crcs == {1: zlib.crc32(small.numpy()), 2: zlib.crc32(big.numpy())}
+
+
+def test_crc32_combine_in_python_is_zlibs(monkeypatch):
+    import zlib
+
+    monkeypatch.setattr(direct_write, "_LIBZ", None)
+    a, b = os.urandom(1000), os.urandom(direct_write.CHUNK + 5)
+    combined = direct_write.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b))
+    assert combined == zlib.crc32(a + b)
+
+
+def test_a_cancel_stops_a_write_within_one_chunk(tmp_path: Path):
+    calls = []
+
+    class CancelledError(Exception):
+        pass
+
+    def check() -> None:
+        calls.append(1)
+        if len(calls) > 2:
+            raise CancelledError
+
+    data = memoryview(bytes(direct_write.CHUNK * 6))
+    with pytest.raises(CancelledError):
+        direct_write.write(str(tmp_path / "f"), len(data), [(0, data)], 1, check)
+    assert len(calls) == 3
+
+
+def test_einval_from_an_o_direct_write_on_a_full_disk_is_enospc(tmp_path: Path, monkeypatch):
+    """Some file systems answer a full disk with EINVAL to O_DIRECT writes: not taken for
+    "O_DIRECT unsupported" (writing it all again through the page cache), but for ENOSPC."""
+    real_pwrite, direct = os.pwrite, []
+
+    def pwrite(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            direct.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    class Full:
+        f_bavail, f_frsize = 10, 4096
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "statvfs", lambda _path: Full())
+    data = memoryview(bytes(direct_write.CHUNK))
+    with pytest.raises(OSError, match="No space left") as raised:
+        direct_write.write(str(tmp_path / "f"), len(data), [(0, data)], 1)
+    if not direct:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT (tmpfs?)")
+    assert raised.value.errno == errno.ENOSPC

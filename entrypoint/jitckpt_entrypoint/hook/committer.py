@@ -1,21 +1,64 @@
-"""Commit a checkpoint every rank has finished writing: the manifests, staging, the save event.
+"""Commit a checkpoint every rank has written, or abandon it when any rank could not.
 
-Collective: every rank calls `commit` after its own part of the checkpoint is on disk. After
-a barrier, each node's local rank 0 lists what the node holds; the lists are exchanged and each
-node commits its part with them (protocol.commit.commit_node: every node's manifests, its own
-last, its owned files staged for the sidecar, the save event). The caller (manager.py) ends
-with a barrier, so no rank exits before its node's checkpoint is committed.
+Collective: every rank calls `commit` once its own part of the checkpoint is written (or its
+write failed), with the outcome of that write. After a barrier, each node's local rank 0 lists
+what the node holds; outcomes and lists are exchanged in one round, so every rank learns the
+same thing at once:
+- every rank wrote: each node commits its part with the lists (protocol.commit.commit_node:
+  the files and directories fsynced, every node's manifests, its own last, its owned files
+  staged for the sidecar, the save event). A last round tells every rank whether every node's
+  commit went through; a node whose commit failed (a full disk while writing the manifests)
+  makes every node uncommit, so no rank counts a checkpoint that some node does not hold.
+- any rank failed or was cancelled: each node's local rank 0 removes the directory (it must not
+  hold a rotation slot, or a resume point, or the space the next save needs).
+Either way the last round is a barrier: no rank leaves before its node is done.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import os
 from typing import Optional
 
+from jitckpt_entrypoint.hook import memory
 from jitckpt_entrypoint.hook.control import ControlGroup
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol import status
-from jitckpt_entrypoint.protocol.commit import commit_node
+from jitckpt_entrypoint.protocol.commit import commit_node, remove_checkpoint
+
+OK, CANCELLED, DISK_FULL, FAILED = "ok", "cancelled", "disk full", "failed"
+"""A rank's outcome of writing its part of a checkpoint."""
+
+
+LOW_SPACE = 16 << 20
+"""Free bytes under which a failed write is taken for a full disk whatever it raised."""
+
+
+def outcome_of(exc: BaseException, path: Optional[str] = None) -> str:
+    """DISK_FULL for a full disk or quota, else FAILED. Serializers do not all say so with
+    ENOSPC or EDQUOT: torch's zip writer raises "file write failed" and safetensors its own
+    error, so a write that failed with (almost) no space left on `path`'s volume counts too."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DISK_FULL
+    if path is not None and memory.free_bytes(os.path.dirname(os.path.abspath(path))) < LOW_SPACE:
+        return DISK_FULL
+    return FAILED
+
+
+@dataclasses.dataclass(frozen=True)
+class Vote:
+    """What every rank learned from one commit (the same on every rank)."""
+
+    committed: bool
+    outcomes: tuple[tuple[int, str], ...]
+    """(node, outcome) of every rank, by rank."""
+    event: Optional[status.SaveEvent] = None
+    """This node's save event (on each node's local rank 0, when committed)."""
+
+    def any(self, outcome: str, node: Optional[int] = None) -> bool:
+        return any(o == outcome and node in (None, n) for n, o in self.outcomes)
 
 
 def commit(
@@ -25,27 +68,43 @@ def commit(
     kind: str,
     started_at: float,
     *,
+    outcome: str = OK,
     control: Optional[ControlGroup] = None,
-) -> Optional[status.SaveEvent]:
+) -> Vote:
     """Collective (on `control`, the background writer's own group for its saves; the
-    training's by default): commit `ckpt_dir`. Returns the save event on each node's local
-    rank 0, None on the other ranks."""
+    training's by default): commit `ckpt_dir`, or remove it when any rank's outcome is not OK."""
     topo, control = session.topo, control or session.control
-    control.barrier()  # every rank finished writing its files
-    holding = (topo.node, m.list_files(ckpt_dir)) if topo.is_leader else None
-    holdings = dict(filter(None, control.all_gather(holding)))
-    if not topo.is_leader:
-        return None
-    return commit_node(
-        session.layout,
-        ckpt_dir,
-        holdings,
-        node=topo.node,
-        nodes=topo.nodes,
-        world_size=topo.world_size,
-        step=step,
-        kind=kind,
-        started_at=started_at,
-        run_id=session.run_id,
-        stage_for_upload=bool(session.cfg.storage_uri),
-    )
+    control.barrier()  # every rank finished writing its files (or failed to)
+    holding = m.list_files(ckpt_dir) if topo.is_leader and outcome == OK else None
+    gathered = control.all_gather((topo.node, outcome, holding))
+    outcomes = tuple((node, o) for node, o, _ in gathered)
+    event, result = None, OK
+    written = all(o == OK for _, o in outcomes)
+    if written and topo.is_leader:
+        holdings = {node: files for node, _, files in gathered if files is not None}
+        try:
+            event = commit_node(
+                session.layout,
+                ckpt_dir,
+                holdings,
+                node=topo.node,
+                nodes=topo.nodes,
+                world_size=topo.world_size,
+                step=step,
+                kind=kind,
+                started_at=started_at,
+                run_id=session.run_id,
+                stage_for_upload=bool(session.cfg.storage_uri),
+            )
+        except OSError as exc:
+            session.log.error("cannot commit %s: %s", ckpt_dir, exc)  # noqa: TRY400 - one line
+            result = outcome_of(exc)
+    results = control.all_gather(result)  # every node committed, or none keeps it
+    if written and all(r == OK for r in results):
+        return Vote(True, outcomes, event)
+    outcomes = tuple((n, r if o == OK else o) for (n, o), r in zip(outcomes, results))
+    if topo.is_leader:
+        remove_checkpoint(ckpt_dir)
+        if written:  # its commit may have staged it
+            remove_checkpoint(session.layout.staged_dir(step))
+    return Vote(False, outcomes)

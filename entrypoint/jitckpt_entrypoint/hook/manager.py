@@ -2,34 +2,48 @@
 
 Like torchtitan's CheckpointManager: the Trainer callback (trainer.py) and the plain-loop API
 (hook/__init__.py) are thin adapters that say *when* (a step ended, a save was written,
-training ended) and *how to write* (the Trainer's own `_save_checkpoint`, or `dcp.save`); this
-object decides what happens and keeps the books (which steps are committed, what the sidecar's
-retention must keep).
+training ended) and *how to write* (the Trainer's own `_save_checkpoint`, its files in parts,
+or `dcp.save`); this object decides what happens and keeps the books (which steps are
+committed, what the sidecar's retention must keep).
 
-A save is two halves:
-- `begin_save`, on the training thread: skip a step that is already committed (a crash while
-  overwriting one would leave a manifest in front of torn files), pick the kind, tell the
-  sidecar a save started (its save-peak sampler). The adapter then writes the files.
-- `saved`, collective: the commit (every rank wrote: manifests, own node's last; staging; the
-  save event), then leave if this was the JIT save or a SIGTERM arrived meanwhile.
+A save (`Save`) moves through named states, changed only under `_lock`:
 
-An async save (issue 15; Trainer periodic saves, JITCKPT_ASYNC_SAVE=1) splits the write too:
-`save_async`, on the training thread, drains the previous save (one in flight), writes the
-small files, plans a host copy of the weights and optimizer state (snapshot.py) and hands the
-rest to the background writer (writer.py): finish the copy, write the big files in the
-Trainer's format, fsync, then a vote of every rank on the writer's own control group (all
-wrote, none cancelled) and the commit, on that group. `before_update` (before the next
-optimizer step) waits until the copy is done. Every synchronous save, the JIT stop and the end
-of training drain first, so the Trainer's rotation never sees a checkpoint being written.
+    PLANNED --(async: host copy done)--> STAGED --(files written)--> WRITTEN --> COMMITTED
+       \\________________________________________________________________/ \\--> ABANDONED
+
+- PLANNED: `begin_save`, on the training thread: a step already committed is skipped (a crash
+  while overwriting one would leave a manifest in front of torn files), the kind is picked, the
+  sidecar is told a save started (its save-peak sampler).
+- written by one of three ways, each ending in this rank's outcome (ok, cancelled, disk full,
+  failed): `write_own` (the Trainer's own save or the plain loop's write, on the training
+  thread; a full disk is an outcome, any other error is the library's own and propagates),
+  `save_now` (the JIT save's fast path: the Trainer's files written here from the live
+  tensors), `save_async` (periodic saves' fast path: the small files here, a host copy planned,
+  the rest on the background writer). The fast paths catch everything: never an exception
+  into training.
+- COMMITTED or ABANDONED: committer.commit, collective, with every rank's outcome: committed
+  when every rank wrote, else the directory is removed on every node (no rotation slot, no
+  resume point, no space held). A full disk is reported in one line (volume, bytes needed,
+  bytes free); a fast path that failed turns the fast paths off for the rest of the run (the
+  Trainer's own save from then on, one line); a JIT save that failed is written again by the
+  Trainer's own save, after what can be freed (uncommitted directories) is freed.
+
+Threads and what they own:
+- the training thread: `_pending`, `_inflight`, `_stop_step`, `_last_step`, `_skipped`, the
+  stager, `_fast_off`; it starts and waits for background saves (`drain`).
+- the background writer (writer.py, one thread, one save at a time): the in-flight save's
+  copy, files, vote and commit, on its own control group, so its collectives never interleave
+  with the training thread's.
+- both, under `_lock`: every `Save.state`, `_committed`, `blocking`, node.json (`_announce`).
 
 SIGTERM inside a training process, in order:
 1. `signals.SigtermFlag` records the time; nothing else happens in the handler.
-2. After every optimizer step the adapter asks `stop_agreed()`: an async all-reduce on the
-   control group (control.py), read one round later, so every rank says yes at the same step.
-3. `stop_at(step)`: an async save of an older step is cancelled (left uncommitted), one of
-   this step is finished; that step is committed already → `finish_jit` at once; else the adapter
-   saves it (kind jit) through `begin_save` and `save_now` (the async save's parts, written on
-   the training thread) or its own writer.
+2. After every optimizer step the adapter asks `stop_agreed()` (control.py), so every rank
+   says yes at the same step.
+3. `stop_at(step)`: an async save of an older step that is still being copied or written is
+   cancelled (within one buffer: direct_write checks before every chunk) and abandoned; one that
+   is written is committed; one of this very step is finished and is the JIT checkpoint. When
+   the step is committed, `finish_jit` at once; else the adapter saves it (kind jit).
 4. `saved(step)` commits it, then `finish_jit`: `status/jit.json`, a barrier, and
    `os._exit(JITCKPT_EXIT_CODE)` on every rank.
 """
@@ -37,22 +51,34 @@ SIGTERM inside a training process, in order:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import threading
 import time
 from typing import Any, Callable, NoReturn, Optional
 
-from jitckpt_entrypoint.hook import committer, memory, resume
+from jitckpt_entrypoint.hook import committer, fastpath, memory, resume
+from jitckpt_entrypoint.hook.committer import CANCELLED, DISK_FULL, FAILED, OK
 from jitckpt_entrypoint.hook.control import ControlGroup
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol import status
-from jitckpt_entrypoint.protocol.layout import checkpoint_name
+from jitckpt_entrypoint.protocol.commit import remove_checkpoint
+from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
 from jitckpt_entrypoint.protocol.manifest import KINDS
+from jitckpt_entrypoint.protocol.validity import committed
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from jitckpt_entrypoint.hook.snapshot import Stager, Staging
     from jitckpt_entrypoint.hook.writer import BackgroundWriter, Job
+
+
+class State(enum.Enum):
+    PLANNED = "planned"
+    STAGED = "staged"
+    WRITTEN = "written"
+    COMMITTED = "committed"
+    ABANDONED = "abandoned"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,48 +87,57 @@ class SaveParts:
 
     write_small: Callable[[str], None]
     """Training thread: everything small, into the checkpoint's directory."""
-    tensors: Callable[[], dict[str, Any]]
+    tensors: dict[str, Any]
     """The big state (model, optimizer) of this step, live."""
-    writers: Callable[[str, dict[str, Any], int], list[Callable[[], object]]]
+    deferrable: Callable[[], set[Any]]
+    """Storage keys (snapshot.storage_key) only an optimizer step changes (parameters and
+    optimizer state): an async save may copy them while the next forward runs."""
+    writers: Callable[[str, dict[str, Any], int, Any], list[Callable[[], object]]]
     """The big files from `tensors` or a host copy of them, one writer each, each writing
-    with up to the given number of threads."""
+    with up to the given number of threads and calling the given check before every chunk."""
     after_commit: Callable[[], None]
     """Once committed (HF's rotation)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class PendingSave:
-    """A save that began and is not committed yet."""
+@dataclasses.dataclass(eq=False)
+class Save:
+    """One save of one step, from `begin_save` to committed or abandoned."""
 
     step: int
     kind: str
     path: str
     started_at: float
     """Unix time the save began (the save event's and the manifest's save time start here)."""
-
-
-@dataclasses.dataclass
-class InFlight:
-    """An async save handed to the background writer, not yet committed or abandoned."""
-
-    pending: PendingSave
-    job: Job
-    staging: Optional[Staging]
+    state: State = State.PLANNED
+    outcome: str = OK
+    """This rank's outcome of writing its part (set by the thread that writes)."""
+    error: str = ""
+    job: Optional[Job] = None
+    """The background writer's job (async saves)."""
+    staging: Optional[Staging] = None
     """The host copy still being made (Trainer saves; DCP stages before it returns)."""
-    blocked: float
-    """Seconds the training thread spent on it so far (save call, then waits for the copy)."""
+    blocked: float = 0.0
+    """Seconds the training thread spent on it (save call, then waits for the copy)."""
+    retry: Optional[Callable[[], object]] = None
+    """JIT saves written by a fast path: the Trainer's own save, should this one fail."""
+    after_commit: Optional[Callable[[], None]] = None
+
+    def failed(self, exc: BaseException) -> None:
+        self.outcome = committer.outcome_of(exc, self.path)
+        self.error = str(exc) or type(exc).__name__
 
 
 class CheckpointManager:
     def __init__(self, session: Session) -> None:
         self.session = session
+        self._lock = threading.Lock()
         self._committed: set[int] = set()
         """Steps committed (or resumed from) in this process; identical on every rank."""
-        self._pending: Optional[PendingSave] = None
-        self._after_commit: Optional[Callable[[], None]] = None
-        """What `save_now`'s caller runs once its save is committed (HF's rotation)."""
+        self._pending: Optional[Save] = None
+        self._inflight: Optional[Save] = None
+        """The async save handed to the background writer, until drained."""
         self._phases = ""
-        """Where `save_now`'s time went (small files, big files, fsync), for the commit's log."""
+        """Where `save_now`'s time went (small files, big files), for the commit's log."""
         self._stop_step: Optional[int] = None
         """The step every rank agreed to stop at for a JIT checkpoint."""
         self._last_step: Optional[int] = None
@@ -111,20 +146,23 @@ class CheckpointManager:
         self._best_step: Optional[int] = None
         self._announced: Optional[status.NodeStatus] = None
         self._async = False
-        """Periodic saves go through `save_async` (agreed on every rank by `enable_async`)."""
+        """The fast paths are on (agreed on every rank by `enable_async`)."""
+        self._fast_off: Optional[str] = None
+        """Why the fast paths were turned off mid-run (a probe, a failed fast save)."""
+        self._expected_bytes = 0
+        """About what one checkpoint takes on this node's volume (for a full disk's report)."""
         self._writer: Optional[BackgroundWriter] = None
         self._writer_control: Optional[ControlGroup] = None
         self._stager: Optional[Stager] = None
-        self._inflight: Optional[InFlight] = None
         self._skipped: set[int] = set()
-        self._lock = threading.Lock()
         self.blocking: list[tuple[int, float]] = []
         """(step, seconds the training thread was held) of every async save, in order."""
 
     # -- bookkeeping --
 
     def is_committed(self, step: int) -> bool:
-        return step in self._committed
+        with self._lock:
+            return step in self._committed
 
     def checkpoint_dir(self, step: int) -> str:
         return self.session.layout.checkpoint_dir(step)
@@ -147,7 +185,8 @@ class CheckpointManager:
         """Collective on first call: the control group, node.json, the SIGTERM flag."""
         session = self.session
         session.control  # noqa: B018 - collective: create the group while every rank is here
-        self._announce()
+        with self._lock:
+            self._announce()
         session.training_started()
 
     def training_ended(self) -> None:
@@ -168,14 +207,15 @@ class CheckpointManager:
     # -- resume --
 
     def resume(self, *, asked: bool = False) -> Optional[int]:
-        """Collective: the newest step committed on every node, or None. Directories past it are
-        removed (training will write those steps again). JITCKPT_RESUME=0 gives None unless the
-        script `asked` for the newest checkpoint itself."""
+        """Collective: the newest step committed on every node, or None. Directories past it,
+        and uncommitted ones, are removed (training writes those steps again; a partial one
+        would hold a rotation slot). JITCKPT_RESUME=0 gives None unless the script `asked` for
+        the newest checkpoint itself."""
         session = self.session
         if not (asked or session.cfg.resume):
             return None
         step = resume.agreed_step(session)
-        resume.remove_newer(session, step)
+        resume.remove_stale(session, step)
         if step is None:
             if session.topo.rank == 0:
                 session.log.info(
@@ -183,7 +223,8 @@ class CheckpointManager:
                     session.layout.checkpoints,
                 )
             return None
-        self._committed.add(step)
+        with self._lock:
+            self._committed.add(step)
         if session.topo.rank == 0:
             session.log.info("resuming from %s", self.checkpoint_dir(step))
         return step
@@ -210,12 +251,13 @@ class CheckpointManager:
         if self.session.topo.rank == 0:
             self.session.log.info("all ranks stop at step %d for a JIT checkpoint", step)
         self.drain(cancel_before=step)
-        if step in self._committed:
+        if self.is_committed(step):
             self.finish_jit(step, 0.0)
+        self._make_room(step)
 
     def last_step(self, step: int) -> bool:
         """`step` is training's last: its save has kind final. False when it is committed."""
-        if step in self._committed:
+        if self.is_committed(step):
             return False
         self._last_step = step
         return True
@@ -228,7 +270,7 @@ class CheckpointManager:
         """Record the JIT checkpoint of `step` and exit every rank with JITCKPT_EXIT_CODE."""
         self.drain(cancel_before=step)
         session = self.session
-        if step not in self._committed:  # the same on every rank: commits are collective
+        if not self.is_committed(step):  # the same on every rank: commits are collective
             if session.topo.rank == 0:
                 session.log.error(
                     "no JIT checkpoint: %s is not committed; exiting 1", checkpoint_name(step)
@@ -241,39 +283,47 @@ class CheckpointManager:
 
     # -- saving --
 
-    def begin_save(self, step: int, path: Optional[str] = None) -> Optional[PendingSave]:
+    def begin_save(self, step: int, path: Optional[str] = None) -> Optional[Save]:
         """Training thread, before the files are written; None: `step` is committed, skip it.
         Drains an async save in flight first (one save at a time)."""
         self.drain()
-        if step in self._committed:
+        if self.is_committed(step):
             return None
-        pending = PendingSave(
-            step, self._kind_of(step), path or self.checkpoint_dir(step), time.time()
-        )
+        save = Save(step, self._kind_of(step), path or self.checkpoint_dir(step), time.time())
         session = self.session
         if session.topo.is_leader:  # the sidecar samples the volume until the commit
-            start = status.SaveStart(session.run_id, step, pending.started_at)
+            start = status.SaveStart(session.run_id, step, save.started_at)
             status.write_save_start(session.layout.status, start)
-        self._pending = pending
-        return pending
+        self._pending = save
+        return save
+
+    def write_own(self, save: Save, write: Callable[[], object]) -> None:
+        """Training thread: `write()` writes `save` the library's own way (the Trainer's own
+        save, the plain loop's `dcp.save`). A full disk makes the save's outcome (reported and
+        abandoned at the commit, training goes on); any other error is the library's own."""
+        try:
+            write()
+        except Exception as exc:
+            if committer.outcome_of(exc, save.path) != DISK_FULL:
+                raise
+            save.failed(exc)
+        self._advance(save, State.WRITTEN)
 
     def saved(self, step: int, path: Optional[str] = None) -> None:
         """Collective, after every rank wrote `step` (or skipped it as committed): commit it,
         then leave if it was the JIT save or if a SIGTERM arrived on any rank meanwhile."""
-        pending, self._pending = self._pending, None
+        save, self._pending = self._pending, None
         seconds = 0.0
         inflight = self._inflight
-        if step in self._skipped or (inflight is not None and inflight.pending.step == step):
+        if step in self._skipped or (inflight is not None and inflight.step == step):
             pass  # skipped, or committed by the background writer
-        elif step not in self._committed:
-            if pending is None or pending.step != step:  # written without begin_save
-                pending = PendingSave(
-                    step, self._kind_of(step), path or self.checkpoint_dir(step), time.time()
-                )
-            seconds = self._commit(pending)
-        after_commit, self._after_commit = self._after_commit, None
-        if after_commit is not None and step in self._committed:
-            after_commit()
+        elif not self.is_committed(step):
+            if save is None or save.step != step:  # written without begin_save
+                where = path or self.checkpoint_dir(step)
+                save = Save(step, self._kind_of(step), where, time.time())
+            seconds = self._commit(save)
+            if save.state is State.ABANDONED and save.retry is not None:
+                seconds = self._retry_jit(save)
         if self._stop_step == step:
             self.finish_jit(step, seconds)
         # A SIGTERM that arrived during the save: once this step is committed (an async save
@@ -282,15 +332,15 @@ class CheckpointManager:
         # agreement (the flag is still set) stops there and saves that step.
         if self.stop_now():
             self.drain()
-            if step in self._committed:
+            if self.is_committed(step):
                 self.finish_jit(step, 0.0)
 
     def save(self, step: int, write: Callable[[str], object], kind: Optional[str] = None) -> str:
         """Begin, `write(path)` on this thread, commit: the plain loop's save. Collective."""
         self._mark(step, kind)
-        pending = self.begin_save(step)
-        if pending is not None:
-            write(pending.path)
+        save = self.begin_save(step)
+        if save is not None:
+            self.write_own(save, lambda: write(save.path))
         self.saved(step)
         return self.checkpoint_dir(step)
 
@@ -303,7 +353,7 @@ class CheckpointManager:
         """Training ended at `step` (collective): save it unless committed (kind jit when
         stopping, else final), and leave when a stop is agreed."""
         self.drain()
-        if step not in self._committed and save is not None:
+        if not self.is_committed(step) and save is not None:
             if self._stop_step is not None:
                 self._stop_step = step
             else:
@@ -317,29 +367,35 @@ class CheckpointManager:
         if self.stop_now():
             self.finish_jit(step, 0.0)
 
-    # -- async saves --
+    # -- the fast paths: async periodic saves, JIT saves from live tensors --
 
     def enable_async(self, snapshot_bytes: int, unsupported: Optional[str]) -> bool:
-        """Collective, once when training starts: async periodic saves on every rank or none.
+        """Collective, once when training starts: the fast paths on every rank or none.
 
-        Off with JITCKPT_ASYNC_SAVE=0, when `unsupported` names why, or when the snapshot
-        (`snapshot_bytes` of host memory on this rank) does not fit into what the node and the
-        container's cgroup leave (one warning with the numbers)."""
+        Off with JITCKPT_ASYNC_SAVE=0; when `unsupported` names why (the Trainer's set-up) or
+        a library's version is outside the tested range (fastpath.py); or when the snapshots
+        of this node's local ranks (`snapshot_bytes` of host memory each) do not fit into what
+        the node and the container's cgroup leave (one warning with the numbers)."""
         session = self.session
+        if not self._expected_bytes:  # about what a checkpoint of this node takes
+            self._expected_bytes = snapshot_bytes * session.topo.local_world_size
         if not session.cfg.async_save or self._writer_control is not None:
             return self._async
-        short = None
-        if unsupported is None:
-            budget = memory.budget()
-            if not budget.fits(snapshot_bytes):
-                short = (
-                    f"a snapshot needs {snapshot_bytes / 1e9:.2f} GB of host memory, more than "
-                    f"{memory.HEADROOM:.0%} of the {budget.describe()}"
-                )
-                session.log.warning("async saves off, saving synchronously: %s", short)
-        if session.control.any_now(unsupported is not None or short is not None):
-            if unsupported is not None and session.topo.rank == 0:
-                session.log.info("periodic saves stay synchronous: %s", unsupported)
+        reason = unsupported or fastpath.version_problem()
+        budget = memory.budget()
+        gathered = session.control.all_gather(
+            (session.topo.node, reason, snapshot_bytes, budget.available, budget.limit)
+        )
+        reason = next((r for _, r, _, _, _ in gathered if r), None)
+        node_bytes = sum(b for n, _, b, _, _ in gathered if n == session.topo.node)
+        self._expected_bytes = node_bytes
+        if reason is None:
+            reason = memory.short_node(
+                [(n, b, memory.Budget(a, lim)) for n, _, b, a, lim in gathered]
+            )
+        if reason is not None:
+            if session.topo.rank == 0:
+                session.log.info("checkpoints are the Trainer's own save: %s", reason)
             return False
         from jitckpt_entrypoint.hook.snapshot import Stager
 
@@ -348,14 +404,28 @@ class CheckpointManager:
         self._async = True
         if session.topo.rank == 0:
             session.log.info(
-                "async periodic saves on: %.1f MB host snapshot per rank 0 save",
-                snapshot_bytes / 1e6,
+                "async periodic saves on (%s): %.1f MB host snapshot per save on this node",
+                fastpath.versions_line(),
+                node_bytes / 1e6,
             )
         return True
 
     @property
     def async_on(self) -> bool:
-        return self._async
+        return self._async and self._fast_off is None
+
+    def use_fast(self, problem: Optional[str]) -> bool:
+        """Collective, before a Trainer save the fast paths may write: whether they write this
+        one, on every rank. `problem`: why this rank's state is not theirs (fastpath.py's probe
+        of it), or None; a state any rank's probe refuses turns them off for the rest of the
+        run, with one line."""
+        if not self.async_on:
+            return False
+        problems = self.session.control.all_gather(problem)
+        found = next((p for p in problems if p), None)
+        if found is not None:
+            self._turn_off(f"{found} (rank {problems.index(found)})")
+        return self.async_on
 
     def should_skip(self, step: int) -> bool:
         """Collective, before a periodic save (JITCKPT_ASYNC_BUSY=skip): True on every rank
@@ -363,9 +433,9 @@ class CheckpointManager:
         inflight = self._inflight
         if self.session.cfg.async_busy != "skip" or not self._async:
             return False
-        if self._kind_of(step) != "periodic" or step in self._committed:
+        if self._kind_of(step) != "periodic" or self.is_committed(step):
             return False  # a JIT or final save is never skipped
-        busy = inflight is not None and not inflight.job.done
+        busy = inflight is not None and inflight.job is not None and not inflight.job.done
         if not self.session.control.any_now(busy):
             return False
         self._skipped.add(step)
@@ -375,44 +445,60 @@ class CheckpointManager:
             )
         return True
 
-    def save_async(self, pending: PendingSave, parts: SaveParts) -> None:
-        """Training thread, after `begin_save`: small files now, the rest in the background."""
-        from jitckpt_entrypoint.hook.writer import fsync_tree, write_files
+    def save_async(self, save: Save, parts: SaveParts) -> None:
+        """Training thread, after `begin_save`: small files and the copy of what the next
+        forward changes now, the rest in the background."""
+        from jitckpt_entrypoint.hook.writer import CancelledError, write_files
 
         stager = self._stager
         if stager is None:
             raise RuntimeError("save_async before enable_async")
         started = time.monotonic()
-        parts.write_small(pending.path)
-        host, staging = stager.plan(parts.tensors())
-        staging.start()
+        host: dict[str, Any] = {}
+        staging = None
+        try:
+            parts.write_small(save.path)
+            host, staging = stager.plan(parts.tensors, parts.deferrable())
+            staging.start()
+        except Exception as exc:  # noqa: BLE001 - never into training: this save is abandoned
+            save.failed(exc)
 
         def write(job: Job) -> None:
-            staging.run()
-            job.check()
-            # One thread, one file after another: training keeps the other cores.
-            write_files(parts.writers(pending.path, host, 1), job, parallel=False)
-            job.check()
-            fsync_tree(pending.path)
+            if save.outcome != OK or staging is None:
+                return
+            try:
+                staging.run(job.check)
+                self._advance(save, State.STAGED)
+                # One thread, one file after another: training keeps the other cores.
+                write_files(parts.writers(save.path, host, 1, job.check), job, parallel=False)
+            except CancelledError:
+                save.outcome = CANCELLED
+            except Exception as exc:  # noqa: BLE001 - reported at the commit
+                save.failed(exc)
 
-        self._submit(pending, write, parts.after_commit, staging, started)
+        save.staging = staging
+        self._submit(save, write, parts.after_commit, started)
 
-    def save_now(self, pending: PendingSave, parts: SaveParts) -> None:
+    def save_now(self, save: Save, parts: SaveParts, retry: Callable[[], object]) -> None:
         """Training thread, after `begin_save`: the same parts as `save_async`, written now
-        from the live tensors (no copy): the big files side by side, one fsync pass. The JIT
-        save; `saved` commits it, then runs `after_commit`."""
-        from jitckpt_entrypoint.hook.writer import WRITERS, fsync_tree, write_files
+        from the live tensors (no copy; GPU state streams through direct_write's buffers), the
+        big files side by side. The JIT save; `saved` commits it, then runs `after_commit`;
+        should it fail on any rank, `retry` (the Trainer's own save) writes it again."""
+        from jitckpt_entrypoint.hook.writer import WRITERS, write_files
 
-        self._after_commit = parts.after_commit
+        save.after_commit, save.retry = parts.after_commit, retry
         started = time.monotonic()
-        parts.write_small(pending.path)
-        small = time.monotonic()
-        write_files(parts.writers(pending.path, parts.tensors(), WRITERS))
-        big = time.monotonic()
-        fsync_tree(pending.path)
+        small = started
+        try:
+            parts.write_small(save.path)
+            small = time.monotonic()
+            _sync_devices(parts.tensors)
+            write_files(parts.writers(save.path, parts.tensors, WRITERS, None))
+        except Exception as exc:  # noqa: BLE001 - never into training: the retry writes it
+            save.failed(exc)
+        self._advance(save, State.WRITTEN)
         self._phases = (
-            f"small files {small - started:.2f} s, big files {big - small:.2f} s,"
-            f" fsync {time.monotonic() - big:.2f} s"
+            f"small files {small - started:.2f} s, big files {time.monotonic() - small:.2f} s"
         )
 
     def _start_writer(self) -> tuple[BackgroundWriter, ControlGroup]:
@@ -426,43 +512,25 @@ class CheckpointManager:
 
     def _submit(
         self,
-        pending: PendingSave,
+        save: Save,
         write: Callable[[Job], object],
         after_commit: Callable[[], None],
-        staging: Optional[Staging],
         started: float,
     ) -> None:
-        """Hand `pending` to the writer: `write` it, vote on the writer's group (every rank
-        wrote, none cancelled), commit on that group, `after_commit`."""
-        from jitckpt_entrypoint.hook.writer import CancelledError
-
+        """Hand `save` to the writer: `write` it (setting its outcome), then the commit with
+        every rank's outcome on the writer's own group, then `after_commit`."""
         writer, wctl = self._start_writer()
 
         def run(job: Job) -> None:
-            ok = False
-            try:
-                write(job)
-                ok = True
-            except CancelledError:
-                pass
-            except Exception as exc:  # noqa: BLE001 - reported, training goes on
-                self.session.log.error(  # noqa: TRY400 - one line, no traceback
-                    "async save of %s failed, not committed: %s",
-                    checkpoint_name(pending.step),
-                    exc,
-                )
-            if not all(wctl.all_gather(ok and not job.cancelled)):
-                if self.session.topo.rank == 0:
-                    self.session.log.warning(
-                        "%s abandoned uncommitted", checkpoint_name(pending.step)
-                    )
-                return
-            self._commit(pending, wctl, inflight)
-            after_commit()
+            write(job)
+            if save.outcome == OK:
+                self._advance(save, State.WRITTEN)
+            self._commit(save, wctl)
 
-        job = writer.submit(run, checkpoint_name(pending.step))
-        inflight = InFlight(pending, job, staging, time.monotonic() - started)
-        self._inflight = inflight
+        save.after_commit = after_commit
+        save.job = writer.submit(run, checkpoint_name(save.step))
+        save.blocked = time.monotonic() - started
+        self._inflight = save
         self._pending = None
 
     def save_dcp_async(self, step: int, start: Callable[[str, Any], Any]) -> str:
@@ -470,18 +538,26 @@ class CheckpointManager:
         begins DCP's own `async_save` (it stages to host memory and plans here, then writes on
         its thread) and returns its future; our writer waits for it, then votes and commits as
         for the Trainer's saves."""
-        pending = self.begin_save(step)
-        if pending is not None:
+        save = self.begin_save(step)
+        if save is not None:
             _, wctl = self._start_writer()
             started = time.monotonic()
-            future = start(pending.path, wctl.group)
-            self.save_staged(pending, lambda _group: future.result(), lambda: None, started)
+            try:
+                future = start(save.path, wctl.group)
+            except Exception as exc:
+                if committer.outcome_of(exc, save.path) != DISK_FULL:
+                    raise
+                save.failed(exc)
+                future = None
+            self.save_staged(
+                save, lambda _group: future.result() if future else None, lambda: None, started
+            )
         self.saved(step)
         return self.checkpoint_dir(step)
 
     def save_staged(
         self,
-        pending: PendingSave,
+        save: Save,
         write: Callable[[Any], object],
         after_commit: Callable[[], None],
         started: float,
@@ -492,7 +568,16 @@ class CheckpointManager:
         `started`: when the training thread began the save (its blocking time counts from
         there)."""
         _, wctl = self._start_writer()
-        self._submit(pending, lambda _job: write(wctl.group), after_commit, None, started)
+
+        def run(_job: Job) -> None:
+            if save.outcome != OK:
+                return
+            try:
+                write(wctl.group)
+            except Exception as exc:  # noqa: BLE001 - reported at the commit
+                save.failed(exc)
+
+        self._submit(save, run, after_commit, started)
 
     def before_update(self) -> None:
         """Training thread, before every optimizer step: the snapshot must be complete."""
@@ -505,23 +590,29 @@ class CheckpointManager:
 
     def drain(self, cancel_before: Optional[int] = None) -> None:
         """Training thread, on every rank in step: wait until the async save in flight is
-        committed or abandoned; one older than `cancel_before` is cancelled (abandoned)."""
+        committed or abandoned. One of a step older than `cancel_before` that is still being
+        copied or written is cancelled (it stops within one buffer and is abandoned); one
+        already written is committed (a commit takes milliseconds)."""
         inflight = self._inflight
-        if inflight is None:
+        if inflight is None or inflight.job is None:
             return
-        if cancel_before is not None and inflight.pending.step < cancel_before:
-            inflight.job.cancel()
+        if cancel_before is not None and inflight.step < cancel_before:
+            with self._lock:
+                if inflight.state in (State.PLANNED, State.STAGED):
+                    inflight.job.cancel()
         self.before_update()
         inflight.job.wait()
         self._inflight = None
         if inflight.job.error is not None:  # the commit or what follows it failed
             self.session.log.error(
-                "async save of %s: %s",
-                checkpoint_name(inflight.pending.step),
-                inflight.job.error,
+                "async save of %s: %s", checkpoint_name(inflight.step), inflight.job.error
             )
 
     # -- internals --
+
+    def _advance(self, save: Save, state: State) -> None:
+        with self._lock:
+            save.state = state
 
     def _mark(self, step: int, kind: Optional[str]) -> None:
         if kind is not None and kind not in KINDS:
@@ -538,42 +629,122 @@ class CheckpointManager:
             return "final"
         return "periodic"
 
-    def _commit(
-        self,
-        pending: PendingSave,
-        control: Optional[ControlGroup] = None,
-        inflight: Optional[InFlight] = None,
-    ) -> float:
-        """Collective (on `control`, the training's by default): commit `pending`; returns the
-        seconds from its start to the commit. `inflight`: it was an async save."""
-        session, step = self.session, pending.step
-        control = control or session.control
-        event = committer.commit(
-            session, pending.path, step, pending.kind, pending.started_at, control=control
+    def _commit(self, save: Save, control: Optional[ControlGroup] = None) -> float:
+        """Collective (on `control`, the training's by default): commit `save`, or abandon it
+        when any rank's outcome is not ok; returns the seconds from its start to the end."""
+        session, step = self.session, save.step
+        started = time.monotonic()
+        vote = committer.commit(
+            session,
+            save.path,
+            step,
+            save.kind,
+            save.started_at,
+            outcome=save.outcome,
+            control=control,
         )
-        if inflight is not None:
-            detail = f", async: training blocked {inflight.blocked:.3f} s"
-        else:  # written on this thread by save_now, or by the caller
-            detail, self._phases = (f": {self._phases}" if self._phases else ""), ""
-        if event is not None:
+        if vote.committed:
             with self._lock:
+                save.state = State.COMMITTED
+                self._committed.add(step)
                 self._announce()
+            self._log_committed(save, vote, time.monotonic() - started)
+            if save.after_commit is not None:
+                save.after_commit()
+        else:
+            self._advance(save, State.ABANDONED)
+            self._report_abandoned(save, vote)
+        if save.job is not None:
+            with self._lock:
+                self.blocking.append((step, save.blocked))
+        return time.time() - save.started_at
+
+    def _log_committed(self, save: Save, vote: committer.Vote, commit_seconds: float) -> None:
+        event = vote.event
+        if event is None:
+            return
+        self._expected_bytes = event.bytes
+        if save.job is not None:
+            detail = f", async: training blocked {save.blocked:.3f} s"
+        elif self._phases:  # written on this thread by save_now
+            detail = f": {self._phases}, commit (fsync, manifests) {commit_seconds:.2f} s"
+        else:
+            detail = ""
+        self._phases = ""
+        self.session.log.info(
+            "committed %s (%s, %.1f MB, %.2f s%s)",
+            checkpoint_name(save.step),
+            save.kind,
+            event.bytes / 1e6,
+            event.seconds,
+            detail,
+        )
+
+    def _report_abandoned(self, save: Save, vote: committer.Vote) -> None:
+        """One line per cause: a full disk (each node's local rank 0, for its volume), a
+        failure (the rank it happened on), a cancel (rank 0). A fast path that failed is off
+        from now on (decided from the vote: the same on every rank)."""
+        session, name = self.session, checkpoint_name(save.step)
+        topo = session.topo
+        if save.outcome == FAILED:
+            session.log.error("%s not saved: %s", name, save.error)
+        if topo.is_leader and vote.any(DISK_FULL, topo.node):
+            needed = self._expected_bytes
+            session.log.error(memory.no_space(name, session.layout.checkpoints, needed))
+        if topo.rank == 0 and vote.any(CANCELLED) and not vote.any(FAILED):
+            session.log.info("%s abandoned uncommitted", name)
+        elif topo.rank == 0:
+            session.log.warning("%s abandoned uncommitted; its directory is removed", name)
+        fast = save.job is not None or save.retry is not None
+        if fast and vote.any(FAILED):
+            self._turn_off(f"a fast save of {name} failed")
+
+    def _turn_off(self, reason: str) -> None:
+        if self._fast_off is None:
+            self._fast_off = reason
+            if self.session.topo.rank == 0:
+                self.session.log.info(
+                    "checkpoints are the Trainer's own save from now on: %s", reason
+                )
+
+    def _retry_jit(self, failed: Save) -> float:
+        """Collective: the JIT save written by a fast path failed somewhere; the Trainer's own
+        save writes it again, after uncommitted directories are freed."""
+        retry, failed.retry = failed.retry, None
+        self._make_room(failed.step, force=True)
+        save = Save(failed.step, failed.kind, failed.path, time.time())
+        save.after_commit = failed.after_commit
+        if self.session.topo.rank == 0:
+            self.session.log.info("writing %s with the Trainer's own save", failed.path)
+        if retry is not None:
+            self.write_own(save, retry)
+        return self._commit(save)
+
+    def _make_room(self, step: int, force: bool = False) -> None:
+        """Before a JIT save: when the volume has less free space than a checkpoint takes,
+        remove the uncommitted checkpoint directories (this node's local rank 0)."""
+        session = self.session
+        if not session.topo.is_leader:
+            return
+        root = session.layout.checkpoints
+        if not force and memory.free_bytes(root) >= self._expected_bytes:
+            return
+        freed = []
+        for other in checkpoint_steps(root):
+            path = self.checkpoint_dir(other)
+            if other != step and committed(path, session.topo.node) is None:
+                remove_checkpoint(path)
+                freed.append(checkpoint_name(other))
+        if freed:
             session.log.info(
-                "committed %s (%s, %.1f MB, %.2f s%s)",
-                checkpoint_name(pending.step),
-                pending.kind,
-                event.bytes / 1e6,
-                event.seconds,
-                detail,
+                "removed uncommitted %s to make room for the JIT save (%s free)",
+                ", ".join(freed),
+                memory.gb(memory.free_bytes(root)),
             )
-        if inflight is not None:
-            self.blocking.append((pending.step, inflight.blocked))
-        self._committed.add(pending.step)
-        control.barrier()  # no rank leaves before the manifests exist
-        return time.time() - pending.started_at
 
     def _announce(self) -> None:
-        """Tell this node's sidecar which node it is and what the trainer keeps (node.json)."""
+        """Tell this node's sidecar which node it is and what the trainer keeps (node.json).
+        Under `_lock`."""
         session = self.session
         if not session.topo.is_leader:
             return
@@ -608,6 +779,19 @@ class CheckpointManager:
             record.checkpoint,
             "" if after is None else f" {after:.2f} s after SIGTERM",
         )
+
+
+def _sync_devices(tree: dict[str, Any]) -> None:
+    """Wait for the work queued on the GPUs the state lives on (the optimizer step), before
+    other threads read it."""
+    import torch
+
+    from jitckpt_entrypoint.hook.snapshot import map_tree
+
+    devices: set[torch.device] = set()
+    map_tree(tree, lambda t: devices.add(t.device) if t.is_cuda else None)
+    for device in devices:
+        torch.cuda.synchronize(device)
 
 
 _current: Optional[CheckpointManager] = None

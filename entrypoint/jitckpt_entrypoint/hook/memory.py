@@ -1,14 +1,22 @@
-"""How much more host memory this process may use: the node's, and its container's cgroup limit.
+"""Room for a save: host memory for async snapshots, disk space for checkpoints.
 
-An async save keeps a copy of the model and optimizer state in host memory. In a pod the limit
-that matters is the container's cgroup (the OOM killer acts on it), not the node's free memory.
-Page cache counts in a cgroup's usage but is reclaimable, so it is taken out (the kubelet's
-working set does the same: usage minus inactive file pages).
+An async save keeps a copy of the model and optimizer state in host memory, on every local rank.
+In a pod the limit that matters is the container's cgroup (the OOM killer acts on it; an OOM
+kill also loses the JIT save), not the node's free memory. Page cache counts in a cgroup's usage
+but is reclaimable, so it is taken out (the kubelet's working set does the same: usage minus
+inactive file pages). `short_node` adds up the snapshots of each node's local ranks, which share
+that container. CUDA snapshots are page-locked at their exact size (snapshot.PinnedBuffer:
+cudaHostRegister, as DCP does for its cached copies), so there is no power-of-two rounding of
+torch's pinned allocator (up to twice the memory) to count; FSDP's saves are staged by DCP's
+blocking stager into plain host memory of the shards' size.
+
+A checkpoint that does not fit on its volume is reported in one line (`no_space`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 HEADROOM = 0.75
@@ -26,8 +34,55 @@ class Budget:
         return nbytes <= self.available * HEADROOM
 
     def describe(self) -> str:
-        limit = "" if self.limit is None else f" (cgroup limit {_gb(self.limit)})"
-        return f"{_gb(self.available)} available{limit}"
+        limit = "" if self.limit is None else f" (cgroup limit {gb(self.limit)})"
+        return f"{gb(self.available)} available{limit}"
+
+
+def short_node(ranks: list[tuple[int, int, Budget]]) -> Optional[str]:
+    """Why the snapshots of some node's ranks do not fit, or None; `ranks`: (node, bytes of
+    its snapshot, its budget) of every rank. A node's ranks share its memory and container:
+    their snapshots add up, against the smallest budget any of them read."""
+    nodes: dict[int, tuple[int, Budget]] = {}
+    for node, nbytes, seen in ranks:
+        total, least = nodes.get(node, (0, seen))
+        nodes[node] = (total + nbytes, least if least.available <= seen.available else seen)
+    for node, (total, least) in sorted(nodes.items()):
+        if not least.fits(total):
+            return (
+                f"the async snapshots of node {node}'s ranks need {gb(total)} of host memory, "
+                f"more than {HEADROOM:.0%} of the {least.describe()}"
+            )
+    return None
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the file system of `path`."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def volume_of(path: str) -> str:
+    """The mount point `path` lives on."""
+    path = os.path.realpath(path)
+    while not os.path.ismount(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def no_space(name: str, path: str, needed: int) -> str:
+    """The one line for a checkpoint that did not fit: the volume, bytes needed, bytes free."""
+    need = f"needs about {gb(needed)}, " if needed else ""
+    return (
+        f"{name} not saved: no space left on {volume_of(path)} ({need}{gb(free_bytes(path))} "
+        "free once its partial files are removed); free space on the volume or raise its size "
+        "(emptyDir sizeLimit), or lower save_total_limit"
+    )
 
 
 def budget(root: str = "") -> Budget:
@@ -88,5 +143,7 @@ def _read_int(path: str) -> Optional[int]:
         return None
 
 
-def _gb(nbytes: int) -> str:
+def gb(nbytes: int) -> str:
+    if nbytes < 1e9:
+        return f"{nbytes / 1e6:.1f} MB"
     return f"{nbytes / 1e9:.2f} GB"

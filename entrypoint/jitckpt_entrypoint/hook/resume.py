@@ -8,7 +8,7 @@ from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
-from jitckpt_entrypoint.protocol.validity import committed_steps
+from jitckpt_entrypoint.protocol.validity import committed, committed_steps
 
 
 def agreed_step(session: Session) -> Optional[int]:
@@ -45,22 +45,27 @@ def agreed_step(session: Session) -> Optional[int]:
     return step
 
 
-def remove_newer(session: Session, resume_step: Optional[int]) -> list[str]:
-    """Delete this node's checkpoint directories past the resume point.
+def remove_stale(session: Session, resume_step: Optional[int]) -> list[str]:
+    """Delete this node's checkpoint directories past the resume point, and the uncommitted ones.
 
-    Training will reach those steps again and the Trainer would save into the same directories,
-    mixing stale files with new ones. On one node these are always partial saves; with several
-    nodes they can also be checkpoints that not every node committed.
+    Training will reach the steps past the resume point again and the Trainer would save into
+    the same directories, mixing stale files with new ones. On one node these are always partial
+    saves; with several nodes they can also be checkpoints that not every node committed. An
+    uncommitted directory before the resume point (a save cut short by a crash) is never
+    loaded, but would hold a slot of HF's rotation (save_total_limit) and disk space.
     """
     if not session.topo.is_leader:
         return []
     removed = []
-    for step in checkpoint_steps(session.layout.checkpoints):
-        if resume_step is None or step > resume_step:
-            remove_checkpoint(session.layout.checkpoint_dir(step))
+    root, node = session.layout.checkpoints, session.topo.node
+    for step in checkpoint_steps(root):
+        path = session.layout.checkpoint_dir(step)
+        if resume_step is None or step > resume_step or committed(path, node) is None:
+            remove_checkpoint(path)
             removed.append(checkpoint_name(step))
     if removed:
         session.log.info(
-            "removed checkpoint directories past the resume point: %s", ", ".join(removed)
+            "removed checkpoint directories past the resume point or uncommitted: %s",
+            ", ".join(removed),
         )
     return removed

@@ -1,12 +1,14 @@
 """`safetensors.torch.save_file`'s file, written straight to the disk by several threads.
 
 A safetensors file is 8 bytes of header length, a JSON header (padded with spaces to 8 bytes)
-naming each tensor's dtype, shape and byte range, then the tensors' bytes. safetensors orders
-the tensors by dtype then name and writes them on one thread, holding the GIL;
-`save_file` builds the same header (a test compares the files byte for byte) and writes the
-bytes with direct_write. Tensors safetensors itself would refuse or that this does not expect
-(not contiguous, not on the CPU, sharing memory, an unknown dtype) go to safetensors' own
-save_file, which writes them or raises its own error.
+naming each tensor's dtype, shape and byte range, then the tensors' bytes, back to back in the
+header's order. safetensors writes them on one thread. `save_file` writes the same file with
+direct_write (from host memory or straight from a GPU through page-locked buffers): the order
+of the tensors and their dtype names are safetensors' own, read from the header safetensors
+itself writes for one-element stand-ins of the same names and dtypes (once per set of names and
+dtypes); shapes and byte ranges follow from the format. A test compares the files byte for byte.
+Tensors safetensors would refuse (not contiguous, sharing memory, sparse, a subclass) go to
+safetensors' own save_file, which writes them or raises its own error.
 """
 
 from __future__ import annotations
@@ -19,21 +21,7 @@ import torch
 
 from jitckpt_entrypoint.hook import direct_write
 
-DTYPES = {
-    torch.int64: "I64",
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.int32: "I32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-"""safetensors' names of the dtypes written here (others go to safetensors itself), in the
-order safetensors writes them."""
-_RANK = {dtype: i for i, dtype in enumerate(DTYPES)}
+_orders: dict[tuple[tuple[str, torch.dtype], ...], list[tuple[str, str]]] = {}
 
 
 def save_file(
@@ -41,6 +29,7 @@ def save_file(
     filename: str,
     metadata: Optional[dict[str, str]] = None,
     threads: int = 1,
+    check: direct_write.Check = None,
 ) -> None:
     """`safetensors.torch.save_file(tensors, filename, metadata)`, written by `threads`."""
     if not _plain(tensors):
@@ -48,42 +37,60 @@ def save_file(
 
         safetensors.torch.save_file(tensors, filename, metadata=metadata)
         return
-    order = sorted(tensors, key=lambda k: (_RANK[tensors[k].dtype], k))
     header: dict[str, object] = {}
     if metadata is not None:
         header["__metadata__"] = metadata
     offset = 0
-    for name in order:
+    ranges = []
+    for name, dtype_name in _order(tensors):
         t = tensors[name]
         nbytes = t.numel() * t.element_size()
         header[name] = {
-            "dtype": DTYPES[t.dtype],
+            "dtype": dtype_name,
             "shape": list(t.shape),
             "data_offsets": [offset, offset + nbytes],
         }
+        ranges.append((name, offset))
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     start = 8 + len(text)
-    pieces = [(0, memoryview(struct.pack("<Q", len(text)) + text))]
-    for name in order:
+    pieces: list[direct_write.Piece] = [(0, memoryview(struct.pack("<Q", len(text)) + text))]
+    for name, at in ranges:
         t = tensors[name]
         if t.numel():
-            data = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
-            pieces.append((start + header[name]["data_offsets"][0], data))  # type: ignore[index]
-    direct_write.write(filename, start + offset, pieces, threads)
+            pieces.append((start + at, t.detach().reshape(-1).view(torch.uint8)))
+    direct_write.write(filename, start + offset, pieces, threads, check)
+
+
+def _order(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """(name, safetensors' dtype name) in the order safetensors writes them."""
+    key = tuple((name, t.dtype) for name, t in tensors.items())
+    order = _orders.get(key)
+    if order is None:
+        import safetensors.torch
+
+        stand_ins = {name: torch.zeros(1, dtype=dtype) for name, dtype in key}
+        data = safetensors.torch.save(stand_ins)
+        (n,) = struct.unpack("<Q", data[:8])
+        theirs = json.loads(data[8 : 8 + n])
+        theirs.pop("__metadata__", None)
+        by_offset = sorted(theirs.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        order = [(name, spec["dtype"]) for name, spec in by_offset]
+        _orders[key] = order
+    return order
 
 
 def _plain(tensors: dict[str, torch.Tensor]) -> bool:
-    """Dense, contiguous CPU tensors of known dtypes, no two on one storage."""
+    """Dense, contiguous CPU or CUDA tensors, no two on one storage."""
     storages = set()
     for t in tensors.values():
         if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, torch.nn.Parameter):
             return False
-        if t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous():
+        if t.device.type not in ("cpu", "cuda") or t.layout != torch.strided:
             return False
-        if t.dtype not in DTYPES:
+        if not t.is_contiguous() or t.is_quantized:
             return False
         if t.numel():
-            storages.add(t.untyped_storage().data_ptr())
+            storages.add((str(t.device), t.untyped_storage().data_ptr()))
     return len(storages) == sum(1 for t in tensors.values() if t.numel())

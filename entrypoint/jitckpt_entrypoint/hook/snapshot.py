@@ -1,30 +1,34 @@
 """A consistent copy of training state in host memory, taken without holding training for it.
 
-`Stager.plan(tree)` runs on the training thread and copies nothing: it walks a nested state
-(dicts, lists, tuples; tensors and plain values), gives every tensor storage a host buffer (the
-same one as last time when the storage is the same, so buffers are allocated once and reused;
-pinned memory for CUDA storages) and returns the same tree over those buffers, views kept:
-offsets, strides and shared storages (tied weights) are as in the original, so serializers see
-the same aliasing as they would on the live tensors.
+`Stager.plan(tree, deferrable)` runs on the training thread: it walks a nested state (dicts,
+lists, tuples; tensors and plain values), gives every tensor storage a host buffer (the same one
+as last time when the storage is the same, so buffers are allocated once and reused; page-locked
+memory for CUDA storages, of exactly their size) and returns the same tree over those buffers,
+views kept: offsets, strides and shared storages (tied weights) are as in the original, so
+serializers see the same aliasing as they would on the live tensors.
 
-The returned `Staging` copies the storages, whole, into their buffers:
-- CUDA: `start()` on the training thread queues non-blocking copies on a side stream that first
-  waits for the current stream (the optimizer step just done); an event marks their end. Before
-  the next optimizer step `before_update()` makes the current stream wait for that event: the
-  GPU orders it, the host does not block. The writer calls `wait()` (the event's host sync)
-  before it reads the buffers.
-- CPU: `start()` queues nothing; the writer thread calls `run()` (the copies), while the
-  training thread runs the next forward and backward passes, which only read the weights.
-  `before_update()` blocks until the copies are done. With a spare core this costs nothing.
-
-Only the optimizer step changes weights and optimizer state, so a copy that ends before it is a
-copy of the state as it was at the save's step.
+What the next forward or backward pass can change is copied before `start()` returns: module
+buffers (BatchNorm's running statistics and `num_batches_tracked`, any registered buffer) and
+every storage the caller did not name `deferrable`. Only the optimizer step changes the
+deferrable storages (parameters, optimizer state), so those may be copied while training runs
+the next forward and backward:
+- CUDA: `start()` queues the eager copies on the current stream (the next forward is queued
+  after them) and the deferred ones on a side stream that first waits for the current stream;
+  events mark their ends. `before_update()`, before the next optimizer step, makes the current
+  stream wait for the side stream's event: the GPU orders it, the host does not block. The
+  writer's `run()` waits on the events before it reads the buffers.
+- CPU: `start()` copies the eager storages itself; the writer thread's `run()` copies the rest
+  while the training thread runs the next forward and backward passes, which only read them.
+  `before_update()` blocks until those copies are done. With a spare core this costs nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import mmap
 import threading
+from collections.abc import Collection
 from typing import Any, Callable, Optional
 
 import torch
@@ -35,6 +39,12 @@ StorageKey = tuple[str, int, int]
 
 class UnsupportedStateError(Exception):
     """A tensor this stager cannot copy exactly (a tensor subclass such as DTensor, meta)."""
+
+
+def storage_key(t: torch.Tensor) -> StorageKey:
+    """What identifies a tensor's storage between saves: device, address, size."""
+    storage = t.untyped_storage()
+    return (str(t.device), storage.data_ptr(), storage.nbytes())
 
 
 class CudaOps:
@@ -53,7 +63,32 @@ class CudaOps:
         return torch.cuda.stream(stream)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        """Page-locked host memory of exactly `nbytes` (torch's pinned allocator would round it
+        up to a power of two: up to twice the memory)."""
+        return PinnedBuffer(nbytes).tensor
+
+
+class PinnedBuffer:
+    """Anonymous memory registered with CUDA (cudaHostRegister); unregistered when dropped."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._mem = mmap.mmap(-1, max(nbytes, 1))
+        view = memoryview(self._mem)[:nbytes]
+        self.tensor = torch.frombuffer(view, dtype=torch.uint8) if nbytes else torch.empty(0)
+        self._ptr = self.tensor.data_ptr()
+        self._registered = False
+        if nbytes:
+            err = torch.cuda.cudart().cudaHostRegister(self._ptr, nbytes, 0)
+            if int(err) != 0:
+                raise UnsupportedStateError(f"cudaHostRegister of {nbytes} bytes failed ({err})")
+            self._registered = True
+        self.tensor._jitckpt_pinned = self  # lives as long as the tensor
+
+    def __del__(self) -> None:
+        if self._registered:
+            self._registered = False
+            with contextlib.suppress(Exception):  # interpreter teardown: nothing to do
+                torch.cuda.cudart().cudaHostUnregister(self._ptr)
 
 
 class Stager:
@@ -69,36 +104,39 @@ class Stager:
         """Bytes of host memory the buffers hold now."""
         return sum(b.numel() for b in self._buffers.values())
 
-    def plan(self, tree: Tree) -> tuple[Tree, Staging]:
-        """The host tree and its staging (nothing copied yet). Training thread."""
+    def plan(
+        self, tree: Tree, deferrable: Optional[Collection[StorageKey]] = None
+    ) -> tuple[Tree, Staging]:
+        """The host tree and its staging (nothing copied yet). Training thread. Storages whose
+        key is in `deferrable` may be copied after `start()` returns; all when it is None."""
         used: dict[StorageKey, torch.Tensor] = {}
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
 
         def host(t: torch.Tensor) -> torch.Tensor:
             if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta or t.is_sparse:
                 raise UnsupportedStateError(f"cannot stage a {type(t).__name__} on {t.device}")
-            storage = t.untyped_storage()
-            key = (str(t.device), storage.data_ptr(), storage.nbytes())
+            if t.device.type not in ("cpu", "cuda") or t.layout != torch.strided:
+                raise UnsupportedStateError(f"cannot stage a {t.layout} tensor on {t.device}")
+            key = storage_key(t)
             buf = used.get(key)
             if buf is None:
                 buf = self._buffers.get(key)
                 if buf is None:
-                    nbytes = storage.nbytes()
                     if t.is_cuda:
-                        buf = self._cuda.host_buffer(nbytes)
+                        buf = self._cuda.host_buffer(key[2])
                     else:
-                        buf = torch.empty(nbytes, dtype=torch.uint8)
+                        buf = torch.empty(key[2], dtype=torch.uint8)
                 used[key] = buf
+                storage = t.untyped_storage()
                 whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-                copies.append((whole, buf))
+                copies.append((whole, buf, deferrable is None or key in deferrable))
             view = torch.empty(0, dtype=t.dtype)
             return view.set_(buf.untyped_storage(), t.storage_offset(), t.size(), t.stride())
 
         with torch.no_grad():
             out = map_tree(tree, host)
         self._buffers = used  # storages gone since the last save free their buffers
-        cuda = [(s, d) for s, d in copies if s.is_cuda]
-        return out, Staging([(s, d) for s, d in copies if not s.is_cuda], cuda, self)
+        return out, Staging(copies, self)
 
     def _stream(self, device: torch.device) -> Any:
         key = str(device)
@@ -107,45 +145,53 @@ class Stager:
         return self._streams[key]
 
 
+Copy = tuple[torch.Tensor, torch.Tensor]
+
+
 class Staging:
     """The copies of one save: started on the training thread, finished before the next update."""
 
-    def __init__(
-        self,
-        cpu: list[tuple[torch.Tensor, torch.Tensor]],
-        cuda: list[tuple[torch.Tensor, torch.Tensor]],
-        stager: Stager,
-    ) -> None:
-        self._cpu, self._cuda_copies, self._stager = cpu, cuda, stager
-        self._events: list[Any] = []
+    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor, bool]], stager: Stager):
+        self._stager = stager
+        self._eager = [(s, d) for s, d, deferred in copies if not deferred]
+        self._cpu = [(s, d) for s, d, deferred in copies if deferred and not s.is_cuda]
+        self._cuda_copies = [(s, d) for s, d, deferred in copies if deferred and s.is_cuda]
+        self._events: list[tuple[torch.device, Any, bool]] = []
+        """(device, event, on the side stream) of the queued CUDA copies."""
         self._done = threading.Event()
         self._error: Optional[BaseException] = None
-        self.nbytes = sum(d.numel() for _, d in cpu + cuda)
+        self.nbytes = sum(d.numel() for _, d, _ in copies)
 
     def start(self) -> None:
-        """Training thread: queue the CUDA copies behind the work already queued."""
+        """Training thread: copy what the next forward can change, queue the CUDA copies."""
         ops = self._stager._cuda
-        by_device: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for src, dst in self._cuda_copies:
-            by_device.setdefault(str(src.device), []).append((src, dst))
-        for pairs in by_device.values():
-            device = pairs[0][0].device
-            side = self._stager._stream(device)
-            side.wait_stream(ops.current_stream(device))
-            with ops.stream_context(side):
-                for src, dst in pairs:
-                    dst.copy_(src, non_blocking=True)
-                event = ops.new_event()
-                event.record(side)
-            self._events.append((device, event))
+        with torch.no_grad():
+            for src, dst in self._eager:
+                if not src.is_cuda:
+                    dst.copy_(src)
+            for pairs, side in ((_cuda(self._eager), False), (self._cuda_copies, True)):
+                for device, group in _by_device(pairs).items():
+                    stream = ops.current_stream(device)
+                    if side:
+                        stream = self._stager._stream(device)
+                        stream.wait_stream(ops.current_stream(device))
+                    with ops.stream_context(stream):
+                        for src, dst in group:
+                            dst.copy_(src, non_blocking=True)
+                        event = ops.new_event()
+                        event.record(stream)
+                    self._events.append((device, event, side))
 
-    def run(self) -> None:
-        """Writer thread: the host copies, then the CUDA copies' completion; wakes the trainer."""
+    def run(self, check: Optional[Callable[[], None]] = None) -> None:
+        """Writer thread: the deferred host copies, then the CUDA copies' completion; wakes the
+        trainer. `check` runs between copies (a cancelled save stops early)."""
         try:
             with torch.no_grad():
                 for src, dst in self._cpu:
+                    if check is not None:
+                        check()
                     dst.copy_(src)
-            for _, event in self._events:
+            for _, event, _ in self._events:
                 event.synchronize()
         except BaseException as exc:
             self._error = exc
@@ -162,14 +208,26 @@ class Staging:
     def before_update(self) -> None:
         """Training thread, before the next optimizer step changes what is being copied."""
         ops = self._stager._cuda
-        for device, event in self._events:
-            ops.current_stream(device).wait_event(event)
+        for device, event, side in self._events:
+            if side:
+                ops.current_stream(device).wait_event(event)
         if self._cpu:
             self._done.wait()
 
     @property
     def copied(self) -> bool:
         return self._done.is_set()
+
+
+def _cuda(pairs: list[Copy]) -> list[Copy]:
+    return [(s, d) for s, d in pairs if s.is_cuda]
+
+
+def _by_device(pairs: list[Copy]) -> dict[torch.device, list[Copy]]:
+    out: dict[torch.device, list[Copy]] = {}
+    for src, dst in pairs:
+        out.setdefault(src.device, []).append((src, dst))
+    return out
 
 
 def map_tree(tree: Tree, leaf: Callable[[torch.Tensor], Any]) -> Tree:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 from transformers.trainer_callback import TrainerCallback
 
-from jitckpt_entrypoint.hook.manager import CheckpointManager, PendingSave, SaveParts, current
+from jitckpt_entrypoint.hook.manager import CheckpointManager, Save, SaveParts, current
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol.layout import step_of
 
@@ -71,16 +71,18 @@ def patch(module: ModuleType) -> None:
         step = self.state.global_step
         if manager.should_skip(step):
             return None  # JITCKPT_ASYNC_BUSY=skip and the last save is still being written
-        pending = manager.begin_save(step)
-        if pending is None:
+        save = manager.begin_save(step)
+        if save is None:
             return None  # committed already (epoch-end saves repeat the final step)
-        if manager.async_on and trial is None and pending.kind in ("periodic", "jit"):
+        own = functools.partial(original_save, self, model, trial, *args, **kwargs)
+        if manager.async_on and trial is None and save.kind in ("periodic", "jit"):
             if not getattr(self, "is_fsdp_enabled", False):
-                return _save_ours(manager, self, pending)
-            if pending.kind == "periodic":  # a JIT save is the Trainer's own, here and now
-                save = functools.partial(original_save, self, model, trial, *args, **kwargs)
-                return _save_fsdp(manager, self, pending, save)
-        return original_save(self, model, trial, *args, **kwargs)
+                return _save_ours(manager, self, save, own)
+            # FSDP: a JIT save is the Trainer's own, here and now
+            if save.kind == "periodic" and manager.use_fast(None):
+                return _save_fsdp(manager, self, save, own)
+        manager.write_own(save, own)
+        return None
 
     trainer_cls.__init__ = __init__
     trainer_cls.train = train
@@ -89,13 +91,25 @@ def patch(module: ModuleType) -> None:
     trainer_cls._jitckpt_patched = True
 
 
-def _save_ours(manager: CheckpointManager, trainer: Any, pending: PendingSave) -> None:
+def _save_ours(
+    manager: CheckpointManager, trainer: Any, save: Save, own: Callable[[], object]
+) -> None:
     """The Trainer's checkpoint of this step in its own files and format, written by the
     manager's writer: in the background (periodic), or here and now (JIT: nothing else runs
-    between the agreed step and the commit)."""
+    between the agreed step and the commit). A state the fast paths do not cover (fastpath.py,
+    probed on every rank) is the Trainer's own save, `own`."""
+    from jitckpt_entrypoint.hook import fastpath
     from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
 
     ckpt = TrainerCheckpoint(trainer)
+    try:
+        tensors = ckpt.tensors()
+        problem = fastpath.state_problem(tensors)
+    except Exception as exc:  # noqa: BLE001 - the Trainer's own save knows its state
+        tensors, problem = {}, f"cannot read the state to save ({exc!r:.80})"
+    if not manager.use_fast(problem):
+        manager.write_own(save, own)
+        return
 
     def after_commit() -> None:
         # HF's rotation, after our commit (HF rotates right after writing): the newest
@@ -103,30 +117,30 @@ def _save_ours(manager: CheckpointManager, trainer: Any, pending: PendingSave) -
         if trainer.args.should_save:
             rotate_checkpoints(trainer, ckpt.run_dir)
 
-    parts = SaveParts(ckpt.write_small, ckpt.tensors, ckpt.writers, after_commit)
-    if pending.kind == "jit":
-        manager.save_now(pending, parts)
+    parts = SaveParts(ckpt.write_small, tensors, ckpt.deferrable, ckpt.writers, after_commit)
+    if save.kind == "jit":
+        manager.save_now(save, parts, own)
     else:
-        manager.save_async(pending, parts)
+        manager.save_async(save, parts)
 
 
 def _save_fsdp(
-    manager: CheckpointManager, trainer: Any, pending: PendingSave, save: Callable[[], None]
+    manager: CheckpointManager, trainer: Any, save: Save, own: Callable[[], object]
 ) -> None:
-    """FSDP (sharded): the Trainer's own `save` with its DCP writes deferred to the manager's
+    """FSDP (sharded): the Trainer's own save with its DCP writes deferred to the manager's
     writer (fsdp_checkpoint.py); HF's rotation after the commit."""
     from jitckpt_entrypoint.hook.fsdp_checkpoint import DeferredSaves
 
     started = time.monotonic()
     run_dir = trainer._get_output_dir(trial=None)
     with DeferredSaves(trainer) as deferred:
-        save()
+        manager.write_own(save, own)
 
     def after_commit() -> None:
         if trainer.args.should_save:
             rotate_checkpoints(trainer, run_dir)
 
-    manager.save_staged(pending, deferred.write, after_commit, started)
+    manager.save_staged(save, deferred.write, after_commit, started)
 
 
 def rotate_checkpoints(trainer: Any, run_dir: str) -> None:
@@ -146,13 +160,14 @@ def rotate_checkpoints(trainer: Any, run_dir: str) -> None:
 
 
 def _start_async(manager: CheckpointManager, trainer: Any) -> None:
-    """Decide (collectively) whether this Trainer's periodic saves run in the background."""
+    """Decide (collectively) whether this Trainer's saves take the fast paths."""
     from jitckpt_entrypoint.hook import trainer_checkpoint
 
-    if not manager.session.cfg.async_save:
-        return
-    reason = trainer_checkpoint.unsupported(trainer)
-    nbytes = 0 if reason else trainer_checkpoint.snapshot_bytes(trainer)
+    try:
+        reason = trainer_checkpoint.unsupported(trainer)
+        nbytes = trainer_checkpoint.snapshot_bytes(trainer)
+    except Exception as exc:  # noqa: BLE001 - the Trainer's own save needs none of this
+        reason, nbytes = f"cannot size the training state ({exc!r:.80})", 0
     manager.enable_async(nbytes, reason)
 
 

@@ -10,9 +10,12 @@ resume and `from_pretrained` read them unchanged, in two parts:
 - `write_small` (training thread, milliseconds): everything small, and everything that reads
   state other than weights: flops (a collective), the best-model path, RNG states, scheduler,
   scaler, the trainer state with its callbacks' state, training arguments, the tokenizer.
-- `writers(path, tensors, threads)` (any thread): the model weights and the optimizer state,
-  from the `tensors()` of this step or a host copy of them (snapshot.py), in the same formats
-  but written straight to the disk (safetensors_save, torch_save).
+- `writers(path, tensors, threads, check)` (any thread): the model weights and the optimizer
+  state, from the `tensors()` of this step or a host copy of them (snapshot.py), in the same
+  formats but written straight to the disk (safetensors_save, torch_save); `check` runs before
+  every chunk (a cancelled background save stops within one buffer).
+- `deferrable()`: the storages only an optimizer step changes (parameters, optimizer state);
+  the rest (module buffers such as BatchNorm's statistics) is copied before the next forward.
 
 Rotation (save_total_limit) is not done here: the manager does it after the commit.
 `unsupported()` names what this does not cover; those Trainers keep HF's own save. FSDP with a
@@ -134,6 +137,17 @@ class TrainerCheckpoint:
                 out["optimizer"] = trainer.optimizer.state_dict()
         return out
 
+    def deferrable(self) -> set[Any]:
+        """Storage keys of the parameters and the optimizer state (snapshot.storage_key)."""
+        from jitckpt_entrypoint.hook.snapshot import storage_key
+
+        keys = {storage_key(p) for p in self._model_to_save().parameters()}
+        optimizer = self.trainer.optimizer
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                keys.update(storage_key(v) for v in state.values() if isinstance(v, torch.Tensor))
+        return keys
+
     def write_small(self, path: str) -> None:
         """Training thread: everything but the model weights and the optimizer state."""
         from transformers import trainer as hf
@@ -177,7 +191,7 @@ class TrainerCheckpoint:
             state.save_to_json(os.path.join(path, hf.TRAINER_STATE_NAME))
 
     def writers(
-        self, path: str, tensors: dict[str, Any], threads: int
+        self, path: str, tensors: dict[str, Any], threads: int, check: Any = None
     ) -> list[Callable[[], object]]:
         """The big files, one writer each, from `tensors` (this step's, or a copy of them),
         each written straight to the disk by up to `threads` threads."""
@@ -187,10 +201,10 @@ class TrainerCheckpoint:
 
         out: list[Callable[[], object]] = []
         if "model" in tensors:
-            out.append(lambda: self._save_model(path, tensors["model"], threads))
+            out.append(lambda: self._save_model(path, tensors["model"], threads, check))
         if "optimizer" in tensors:
             target = os.path.join(path, hf.OPTIMIZER_NAME)
-            out.append(lambda: torch_save.save(tensors["optimizer"], target, threads))
+            out.append(lambda: torch_save.save(tensors["optimizer"], target, threads, check))
         return out
 
     # -- Trainer._save, from a given state dict --
@@ -205,7 +219,7 @@ class TrainerCheckpoint:
         unwrapped = self.trainer.accelerator.unwrap_model(model, keep_torch_compile=False)
         return unwrapped if isinstance(unwrapped, supported) else model
 
-    def _save_model(self, path: str, state_dict: dict[str, Any], threads: int) -> None:
+    def _save_model(self, path: str, state_dict: dict[str, Any], threads: int, check: Any) -> None:
         from transformers import modeling_utils
         from transformers import trainer as hf
 
@@ -213,11 +227,11 @@ class TrainerCheckpoint:
 
         model = self._model_to_save()
         if isinstance(model, modeling_utils.PreTrainedModel):
-            with _direct_safetensors(threads):
+            with _direct_safetensors(threads, check):
                 model.save_pretrained(path, state_dict=state_dict, is_main_process=True)
         else:
             target = os.path.join(path, hf.SAFE_WEIGHTS_NAME)
-            safetensors_save.save_file(state_dict, target, {"format": "pt"}, threads)
+            safetensors_save.save_file(state_dict, target, {"format": "pt"}, threads, check)
 
     def _save_processing_class(self, path: str) -> None:
         trainer = self.trainer
@@ -231,7 +245,7 @@ _direct = threading.local()
 
 
 @contextlib.contextmanager
-def _direct_safetensors(threads: int) -> Iterator[None]:
+def _direct_safetensors(threads: int, check: Any = None) -> Iterator[None]:
     """`save_pretrained` on this thread writes its safetensors files with safetensors_save.
 
     transformers calls the `safe_save_file` of its modeling_utils module; that name is replaced
@@ -249,14 +263,14 @@ def _direct_safetensors(threads: int) -> Iterator[None]:
         def safe_save_file(tensors: Any, filename: Any, metadata: Any = None) -> None:
             n = getattr(_direct, "threads", 0)
             if n:
-                safetensors_save.save_file(tensors, str(filename), metadata, n)
+                safetensors_save.save_file(tensors, str(filename), metadata, n, _direct.check)
             else:
                 original(tensors, filename, metadata=metadata)
 
         safe_save_file._jitckpt = True  # type: ignore[attr-defined]
         modeling_utils.safe_save_file = safe_save_file
-    _direct.threads = threads
+    _direct.threads, _direct.check = threads, check
     try:
         yield
     finally:
-        _direct.threads = 0
+        _direct.threads, _direct.check = 0, None

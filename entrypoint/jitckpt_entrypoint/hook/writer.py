@@ -1,19 +1,19 @@
-"""Writing the checkpoints we write ourselves: a background thread, parallel files, one fsync pass.
+"""Writing the checkpoints we write ourselves: a background thread, files side by side.
 
 `BackgroundWriter` runs one job at a time on a daemon thread (the manager keeps at most one save
-in flight). A job can be cancelled: it checks between its phases and then stops before the
-commit, so a cancelled save is never committed. A job stuck in a collective of a save that other
+in flight). A job can be cancelled: `check()` raises CancelledError once it is, and the writers
+call it before every file and every chunk of a file (direct_write), so a cancelled save stops
+within one buffer and is never committed. A job stuck in a collective of a save that other
 ranks cancelled is simply left behind: the process exits after its JIT checkpoint.
 
 `write_files` runs a checkpoint's file writers side by side (the serializers spend CPU time,
-CRCs and pickling, that overlaps with the disk's) or, for a background save, one after another,
-and `fsync_tree` makes them durable in one pass before the manifest is written. The big files
-themselves are written with O_DIRECT (direct_write: torch_save, safetensors_save).
+CRCs and pickling, that overlaps with the disk's) or, for a background save, one after another.
+The big files themselves are written with O_DIRECT (direct_write: torch_save, safetensors_save);
+the commit makes everything durable before the manifest (protocol.durable).
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -118,26 +118,3 @@ def _checked(write: Callable[[], object], job: Optional[Job]) -> Callable[[], ob
         return write()
 
     return run
-
-
-def fsync_tree(root: str) -> int:
-    """fsync every file under `root`, then every directory (deepest first); returns bytes."""
-    total = 0
-    dirs = []
-    for dirpath, _, filenames in os.walk(root):
-        dirs.append(dirpath)
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                total += os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-    for dirpath in reversed(dirs):
-        fd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return total

@@ -10,7 +10,7 @@ train() returns; --slow-save S makes every save (periodic or JIT) take S seconds
 tokenizer with --trainer sft) and a metrics JSON.
 --strategy picks DDP (default), FSDP or DeepSpeed ZeRO (both through the test-only
 `accelerate_on_cpu` shim: accelerate mishandles them on CPU ranks otherwise); --logging-steps 1
-prints every step's loss.
+prints every step's loss; --cuda trains on the GPU (tests/gpu, bench_jit --cuda).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def tiny_llama(vocab: int, hidden: int, layers: int) -> LlamaForCausalLM:
 
 
 def build_args(opts: argparse.Namespace, cls: type = TrainingArguments) -> TrainingArguments:
-    kwargs: dict[str, Any] = {"use_cpu": True, **strategy_args(opts.strategy)}
+    kwargs: dict[str, Any] = {"use_cpu": not opts.cuda, **strategy_args(opts.strategy)}
     return cls(
         output_dir=opts.output_dir,
         max_steps=opts.max_steps if opts.epochs == 0 else -1,
@@ -179,6 +179,7 @@ def build_args(opts: argparse.Namespace, cls: type = TrainingArguments) -> Train
         dataloader_num_workers=opts.num_workers,
         disable_tqdm=True,
         enable_jit_checkpoint=opts.hf_jit,
+        full_determinism=opts.deterministic,
         **kwargs,
     )
 
@@ -202,6 +203,10 @@ def main() -> None:
     )
     parser.add_argument("--save-model", action="store_true", help="save_model() after training")
     parser.add_argument("--strategy", choices=STRATEGIES, default="ddp")
+    parser.add_argument("--cuda", action="store_true", help="train on the GPU (tests/gpu, bench)")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="HF's full_determinism (GPU kernels)"
+    )
     parser.add_argument("--logging-steps", type=int, default=5)
     parser.add_argument("--save-total-limit", type=int, default=None)
     parser.add_argument(

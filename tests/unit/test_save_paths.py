@@ -1,0 +1,277 @@
+"""Every save path's failures, in one process: the manager never lets a fast path's error into
+training, removes what it abandons, reports a full disk in one line, and falls back to the
+library's own save."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from jitckpt_entrypoint.config import Config
+from jitckpt_entrypoint.hook import fastpath, memory
+from jitckpt_entrypoint.hook.manager import CheckpointManager, SaveParts, State
+from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.hook.topology import Topology
+from jitckpt_entrypoint.protocol import validity
+
+ENOSPC = OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.fixture
+def hook_log() -> Any:
+    """What the hook logs (its logger writes to stderr and does not propagate)."""
+    import logging
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger("jitckpt.hook").addHandler(handler)
+    yield lines
+    logging.getLogger("jitckpt.hook").removeHandler(handler)
+
+
+class ExitedError(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def manager(root: Path, async_save: bool = True) -> CheckpointManager:
+    session = Session(Config(dir=str(root), async_save=async_save), Topology(), "run-1")
+    session.layout.ensure()
+
+    def leave(code: int) -> Any:
+        raise ExitedError(code)
+
+    session.exit = leave  # type: ignore[method-assign]  # os._exit would end the test run
+    made = CheckpointManager(session)
+    made.enable_async(1000, None)
+    return made
+
+
+def small(path: str) -> None:
+    Path(path).mkdir(parents=True, exist_ok=True)
+    Path(path, "trainer_state.json").write_text("{}")
+
+
+def parts(writers: Any) -> SaveParts:
+    return SaveParts(small, {"w": torch.ones(4)}, set, writers, lambda: None)
+
+
+def failing(exc: BaseException) -> Any:
+    def writers(path: str, host: dict, threads: int, check: Any) -> list:
+        def write() -> None:
+            Path(path, "optimizer.pt").write_bytes(b"partial")
+            raise exc
+
+        return [write]
+
+    return writers
+
+
+def test_a_trainers_own_save_on_a_full_disk_is_abandoned_and_training_goes_on(tmp_path, hook_log):
+    """ENOSPC from the Trainer's own save: one line (volume, bytes needed, bytes free), the
+    partial directory removed, no exception; the next save writes afresh."""
+    m = manager(tmp_path, async_save=False)
+    save = m.begin_save(5)
+    assert save is not None
+
+    def write() -> None:
+        small(save.path)
+        raise ENOSPC
+
+    m.write_own(save, write)
+    m.saved(5)
+    assert save.state is State.ABANDONED
+    assert not Path(m.checkpoint_dir(5)).exists()
+    (line,) = [x for x in hook_log if "no space left" in x]
+    assert "checkpoint-5 not saved: no space left on /" in line
+    assert "free once its partial files are removed" in line
+    again = m.begin_save(10)
+    assert again is not None
+    m.write_own(again, lambda: small(again.path))
+    m.saved(10)
+    assert m.is_committed(10)
+
+
+def test_any_other_error_of_the_trainers_own_save_is_the_librarys_own(tmp_path):
+    m = manager(tmp_path, async_save=False)
+    save = m.begin_save(5)
+    assert save is not None
+    with pytest.raises(ValueError, match="the library's"):
+        m.write_own(save, lambda: (_ for _ in ()).throw(ValueError("the library's")))
+
+
+def test_an_async_save_that_fails_is_removed_and_the_fast_paths_turn_off(tmp_path, hook_log):
+    m = manager(tmp_path)
+    save = m.begin_save(5)
+    assert save is not None
+    m.save_async(save, parts(failing(RuntimeError("a bug in a fast path"))))
+    m.saved(5)
+    m.drain()
+    assert save.state is State.ABANDONED
+    assert not Path(m.checkpoint_dir(5)).exists()
+    assert not m.async_on
+    err = "\n".join(hook_log)
+    assert "checkpoint-5 not saved: a bug in a fast path" in err
+    assert "the Trainer's own save from now on: a fast save of checkpoint-5 failed" in err
+
+
+def test_an_async_save_on_a_full_disk_keeps_the_fast_paths(tmp_path, hook_log):
+    m = manager(tmp_path)
+    save = m.begin_save(5)
+    assert save is not None
+    m.save_async(save, parts(failing(ENOSPC)))
+    m.saved(5)
+    m.drain()
+    assert save.state is State.ABANDONED
+    assert not Path(m.checkpoint_dir(5)).exists()
+    assert m.async_on
+    assert "checkpoint-5 not saved: no space left on" in "\n".join(hook_log)
+
+
+def test_an_exception_on_the_training_thread_part_of_an_async_save_never_reaches_training(
+    tmp_path,
+):
+    m = manager(tmp_path)
+    save = m.begin_save(5)
+    assert save is not None
+
+    def broken_small(path: str) -> None:
+        raise RuntimeError("cannot write the trainer state")
+
+    m.save_async(save, SaveParts(broken_small, {"w": torch.ones(2)}, set, failing(ENOSPC), dict))
+    m.saved(5)
+    m.drain()
+    assert save.state is State.ABANDONED
+    assert not m.is_committed(5)
+
+
+def test_a_jit_save_whose_fast_writer_fails_is_written_by_the_trainers_own_save(tmp_path):
+    """The JIT checkpoint must not be lost to a fast path: the Trainer's own save writes it
+    again, and the process exits with the JIT code once it is committed."""
+    m = manager(tmp_path)
+    m.session.training = True
+    m.stop_at(7)
+    save = m.begin_save(7)
+    assert save is not None
+    assert save.kind == "jit"
+    own_calls = []
+
+    def own() -> None:
+        own_calls.append(1)
+        small(save.path)
+        Path(save.path, "optimizer.pt").write_bytes(b"whole")
+
+    m.save_now(save, parts(failing(RuntimeError("fast writer broke"))), own)
+    with pytest.raises(ExitedError) as exited:
+        m.saved(7)
+    assert exited.value.code == m.session.cfg.exit_code
+    assert own_calls == [1]
+    assert validity.committed(m.checkpoint_dir(7)) is not None
+    assert Path(m.checkpoint_dir(7), "optimizer.pt").read_bytes() == b"whole"
+
+
+def test_a_jit_save_frees_uncommitted_directories_when_the_disk_is_short(tmp_path, monkeypatch):
+    m = manager(tmp_path)
+    for step in (3, 4):
+        Path(m.checkpoint_dir(step)).mkdir()
+        Path(m.checkpoint_dir(step), "optimizer.pt").write_bytes(b"x" * 100)
+    monkeypatch.setattr(memory, "free_bytes", lambda _path: 10)
+    m._expected_bytes = 1000
+    m.stop_at(7)
+    assert not Path(m.checkpoint_dir(3)).exists()
+    assert not Path(m.checkpoint_dir(4)).exists()
+
+
+class Holder:
+    def __init__(self) -> None:
+        self.t = torch.ones(1)
+
+
+def test_a_state_the_fast_paths_do_not_cover_is_named():
+    class Quantized(torch.Tensor):
+        pass
+
+    plain = {"model": {"w": torch.ones(2)}, "optimizer": {"state": {0: {"step": 3}}}}
+    assert fastpath.state_problem(plain) is None
+    sub = {"optimizer": {"state": {0: {"exp_avg": torch.ones(2).as_subclass(Quantized)}}}}
+    assert "Quantized" in str(fastpath.state_problem(sub))
+    assert "meta" in str(fastpath.state_problem({"m": torch.empty(2, device="meta")}))
+    assert "holds tensors inside a Holder" in str(fastpath.state_problem({"o": Holder()}))
+
+
+def test_versions_outside_the_tested_range_turn_the_fast_paths_off(monkeypatch):
+    import sys
+    import types
+
+    assert fastpath.version_problem() is None  # this venv is tested
+    fake = types.ModuleType("transformers")
+    fake.__version__ = "6.0.0"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers", fake)
+    assert "transformers 6.0.0 is newer than the newest tested" in str(fastpath.version_problem())
+    fake.__version__ = "4.40.2"  # type: ignore[attr-defined]
+    assert "older than the oldest tested" in str(fastpath.version_problem())
+
+
+def test_the_snapshots_of_a_nodes_local_ranks_add_up():
+    budget = memory.Budget(1_000_000_000, None)
+    ranks = [(0, 300_000_000, budget), (0, 300_000_000, budget), (1, 300_000_000, budget)]
+    assert memory.short_node(ranks) is None
+    ranks.append((0, 300_000_000, budget))  # a third rank on node 0: 900 MB > 75% of 1 GB
+    assert "node 0's ranks need 900.0 MB" in str(memory.short_node(ranks))
+
+
+def test_the_writer_thread_and_the_training_thread_share_a_save_only_under_the_lock(tmp_path):
+    """States move planned -> staged -> written -> committed for an async save."""
+    m = manager(tmp_path)
+    seen: list[State] = []
+    gate = threading.Event()
+    save = m.begin_save(5)
+    assert save is not None
+
+    def writers(path: str, host: dict, threads: int, check: Any) -> list:
+        def write() -> None:
+            seen.append(save.state)
+            gate.wait(10)
+            torch.save(host["w"], Path(path, "w.pt"))
+
+        return [write]
+
+    assert save.state is State.PLANNED
+    m.save_async(save, parts(writers))
+    m.saved(5)
+    gate.set()
+    m.drain()
+    assert seen == [State.STAGED]
+    assert save.state is State.COMMITTED
+
+
+def test_a_serializers_own_error_on_a_full_disk_counts_as_a_full_disk(tmp_path, monkeypatch):
+    """torch's zip writer says "file write failed" and safetensors its own error, no ENOSPC:
+    with (almost) no space left on the volume that is a full disk too; with space left it is
+    the library's own error."""
+    m = manager(tmp_path, async_save=False)
+    save = m.begin_save(5)
+    assert save is not None
+
+    def write() -> None:
+        small(save.path)
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+
+    with pytest.raises(RuntimeError, match="file write failed"):
+        m.write_own(save, write)
+    monkeypatch.setattr(memory, "free_bytes", lambda _path: 4096)
+    m.write_own(save, write)
+    m.saved(5)
+    assert save.state is State.ABANDONED
+    assert not Path(m.checkpoint_dir(5)).exists()
