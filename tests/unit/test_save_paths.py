@@ -33,10 +33,14 @@ def hook_log() -> Any:
         def emit(self, record: logging.LogRecord) -> None:
             lines.append(record.getMessage())
 
-    handler = Collect()
-    logging.getLogger("jitckpt.hook").addHandler(handler)
+    handler = Collect(logging.INFO)
+    logger = logging.getLogger("jitckpt.hook")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
     yield lines
-    logging.getLogger("jitckpt.hook").removeHandler(handler)
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 class ExitedError(Exception):
@@ -78,9 +82,12 @@ def failing(exc: BaseException) -> Any:
     return writers
 
 
-def test_a_trainers_own_save_on_a_full_disk_is_abandoned_and_training_goes_on(tmp_path, hook_log):
-    """ENOSPC from the Trainer's own save: one line (volume, bytes needed, bytes free), the
-    partial directory removed, no exception; the next save writes afresh."""
+def test_a_trainers_own_save_on_a_full_disk_is_named_and_its_error_stays_its_own(
+    tmp_path, hook_log
+):
+    """ENOSPC from the Trainer's own save: one line (volume, bytes needed, bytes free), then the
+    library's own error, as without jitckpt (its collectives may be half done on other ranks);
+    the rerun's resume removes the partial directory."""
     m = manager(tmp_path, async_save=False)
     save = m.begin_save(5)
     assert save is not None
@@ -89,26 +96,25 @@ def test_a_trainers_own_save_on_a_full_disk_is_abandoned_and_training_goes_on(tm
         small(save.path)
         raise ENOSPC
 
-    m.write_own(save, write)
-    m.saved(5)
-    assert save.state is State.ABANDONED
-    assert not Path(m.checkpoint_dir(5)).exists()
+    with pytest.raises(OSError, match="No space left"):
+        m.write_own(save, write)
     (line,) = [x for x in hook_log if "no space left" in x]
     assert "checkpoint-5 not saved: no space left on /" in line
-    assert "free once its partial files are removed" in line
-    again = m.begin_save(10)
-    assert again is not None
-    m.write_own(again, lambda: small(again.path))
-    m.saved(10)
-    assert m.is_committed(10)
+    assert "free); free space on the volume" in line
+    assert Path(m.checkpoint_dir(5)).exists()
+    rerun = manager(tmp_path, async_save=False)
+    rerun.session.control  # noqa: B018 - one process: no collective
+    assert rerun.resume() is None
+    assert not Path(m.checkpoint_dir(5)).exists()
 
 
-def test_any_other_error_of_the_trainers_own_save_is_the_librarys_own(tmp_path):
+def test_any_other_error_of_the_trainers_own_save_is_the_librarys_own(tmp_path, hook_log):
     m = manager(tmp_path, async_save=False)
     save = m.begin_save(5)
     assert save is not None
     with pytest.raises(ValueError, match="the library's"):
         m.write_own(save, lambda: (_ for _ in ()).throw(ValueError("the library's")))
+    assert not [x for x in hook_log if "no space left" in x]
 
 
 def test_an_async_save_that_fails_is_removed_and_the_fast_paths_turn_off(tmp_path, hook_log):
@@ -258,20 +264,23 @@ def test_the_writer_thread_and_the_training_thread_share_a_save_only_under_the_l
 
 def test_a_serializers_own_error_on_a_full_disk_counts_as_a_full_disk(tmp_path, monkeypatch):
     """torch's zip writer says "file write failed" and safetensors its own error, no ENOSPC:
-    with (almost) no space left on the volume that is a full disk too; with space left it is
-    the library's own error."""
-    m = manager(tmp_path, async_save=False)
+    in a fast path, with (almost) no space left on the volume that is a full disk (the fast
+    paths stay on); with space left it is a failure (they turn off)."""
+    m = manager(tmp_path)
+    error = RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+    monkeypatch.setattr(memory, "free_bytes", lambda _path: 4096)
     save = m.begin_save(5)
     assert save is not None
-
-    def write() -> None:
-        small(save.path)
-        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
-
-    with pytest.raises(RuntimeError, match="file write failed"):
-        m.write_own(save, write)
-    monkeypatch.setattr(memory, "free_bytes", lambda _path: 4096)
-    m.write_own(save, write)
+    m.save_async(save, parts(failing(error)))
     m.saved(5)
-    assert save.state is State.ABANDONED
-    assert not Path(m.checkpoint_dir(5)).exists()
+    m.drain()
+    assert save.outcome == "disk full"
+    assert m.async_on
+    monkeypatch.undo()
+    save = m.begin_save(10)
+    assert save is not None
+    m.save_async(save, parts(failing(error)))
+    m.saved(10)
+    m.drain()
+    assert save.outcome == "failed"
+    assert not m.async_on

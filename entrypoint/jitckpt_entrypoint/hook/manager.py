@@ -16,11 +16,12 @@ A save (`Save`) moves through named states, changed only under `_lock`:
   sidecar is told a save started (its save-peak sampler).
 - written by one of three ways, each ending in this rank's outcome (ok, cancelled, disk full,
   failed): `write_own` (the Trainer's own save or the plain loop's write, on the training
-  thread; a full disk is an outcome, any other error is the library's own and propagates),
-  `save_now` (the JIT save's fast path: the Trainer's files written here from the live
-  tensors), `save_async` (periodic saves' fast path: the small files here, a host copy planned,
-  the rest on the background writer). The fast paths catch everything: never an exception
-  into training.
+  thread: its errors are the library's own and propagate, as without jitckpt, a full disk
+  named in one line first), `save_now` (the JIT save's fast path: the Trainer's files written
+  here from the live tensors), `save_async` (periodic saves' fast path: the small files here,
+  a host copy planned, the rest on the background writer). The fast paths catch everything
+  after the Trainer's one collective (`store_flos`, which every rank passes first): never an
+  exception into training.
 - COMMITTED or ABANDONED: committer.commit, collective, with every rank's outcome: committed
   when every rank wrote, else the directory is removed on every node (no rotation slot, no
   resume point, no space held). A full disk is reported in one line (volume, bytes needed,
@@ -299,14 +300,19 @@ class CheckpointManager:
 
     def write_own(self, save: Save, write: Callable[[], object]) -> None:
         """Training thread: `write()` writes `save` the library's own way (the Trainer's own
-        save, the plain loop's `dcp.save`). A full disk makes the save's outcome (reported and
-        abandoned at the commit, training goes on); any other error is the library's own."""
+        save, the plain loop's `dcp.save`). Its errors are the library's own and propagate, as
+        they would without jitckpt: its collectives may be half done on the other ranks, so no
+        rank may carry on alone. A full disk is named in one line first; the partial directory
+        is removed when training resumes (resume.remove_stale)."""
         try:
             write()
         except Exception as exc:
-            if committer.outcome_of(exc, save.path) != DISK_FULL:
-                raise
-            save.failed(exc)
+            if committer.outcome_of(exc, save.path) == DISK_FULL:
+                root = self.session.layout.checkpoints
+                name = checkpoint_name(save.step)
+                needed = self._expected_bytes
+                self.session.log.error(memory.no_space(name, root, needed, False))  # noqa: TRY400
+            raise
         self._advance(save, State.WRITTEN)
 
     def saved(self, step: int, path: Optional[str] = None) -> None:
@@ -542,16 +548,8 @@ class CheckpointManager:
         if save is not None:
             _, wctl = self._start_writer()
             started = time.monotonic()
-            try:
-                future = start(save.path, wctl.group)
-            except Exception as exc:
-                if committer.outcome_of(exc, save.path) != DISK_FULL:
-                    raise
-                save.failed(exc)
-                future = None
-            self.save_staged(
-                save, lambda _group: future.result() if future else None, lambda: None, started
-            )
+            future = start(save.path, wctl.group)  # DCP's own: its errors are its own
+            self.save_staged(save, lambda _group: future.result(), lambda: None, started)
         self.saved(step)
         return self.checkpoint_dir(step)
 
@@ -690,7 +688,7 @@ class CheckpointManager:
             session.log.error("%s not saved: %s", name, save.error)
         if topo.is_leader and vote.any(DISK_FULL, topo.node):
             needed = self._expected_bytes
-            session.log.error(memory.no_space(name, session.layout.checkpoints, needed))
+            session.log.error(memory.no_space(name, session.layout.checkpoints, needed, True))
         if topo.rank == 0 and vote.any(CANCELLED) and not vote.any(FAILED):
             session.log.info("%s abandoned uncommitted", name)
         elif topo.rank == 0:

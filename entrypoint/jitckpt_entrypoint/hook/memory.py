@@ -75,13 +75,16 @@ def volume_of(path: str) -> str:
     return path
 
 
-def no_space(name: str, path: str, needed: int) -> str:
-    """The one line for a checkpoint that did not fit: the volume, bytes needed, bytes free."""
+def no_space(name: str, path: str, needed: int, removed: bool) -> str:
+    """The one line for a checkpoint that did not fit: the volume, bytes needed, bytes free
+    (`removed`: once its partial files are removed)."""
     need = f"needs about {gb(needed)}, " if needed else ""
+    free = gb(free_bytes(path)) + (
+        " free once its partial files are removed" if removed else " free"
+    )
     return (
-        f"{name} not saved: no space left on {volume_of(path)} ({need}{gb(free_bytes(path))} "
-        "free once its partial files are removed); free space on the volume or raise its size "
-        "(emptyDir sizeLimit), or lower save_total_limit"
+        f"{name} not saved: no space left on {volume_of(path)} ({need}{free}); free space on "
+        "the volume or raise its size (emptyDir sizeLimit), or lower save_total_limit"
     )
 
 
