@@ -5,15 +5,18 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.jitckpt-installed
 PYTEST_ARGS ?=
 
-.PHONY: test test-py39 unit integration lint fmt docs demo bench image image-test k8s-check clean
+.PHONY: test test-py39 test-oldest test-gpu unit integration lint fmt docs demo bench image image-test k8s-check clean
 
-$(STAMP): requirements-dev.txt requirements-deepspeed.txt pyproject.toml
+$(STAMP): requirements-dev.txt requirements-deepspeed.txt requirements-states.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; set PYTHON=/path/to/python3.11" >&2; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet --upgrade --no-deps \
 	  --target $(VENV)/deepspeed -r requirements-deepspeed.txt
+	$(BIN)/python -m pip install --quiet --upgrade --no-deps \
+	  --target $(VENV)/states -r requirements-states.txt
+	rm -rf $(VENV)/states/test  # torchao's own tests, a top-level `test` that hides the stdlib's
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
@@ -37,6 +40,38 @@ test-py39:
 	  .venv39/bin/python -m pip install --quiet "pytest<9" "pytest-timeout<3" && \
 	  .venv39/bin/python -m pip install --quiet --no-deps -e .; }
 	.venv39/bin/python -m pytest -p no:cacheprovider $(PY39_TESTS) $(PYTEST_ARGS)
+
+# The state matrix (tests/system/test_states.py) on the oldest supported stack: the training
+# child runs under .venv-oldest's python (requirements-oldest.txt: torch 2.7.1, transformers
+# 4.57), with its own states/ (requirements-oldest-states.txt); the entrypoint and pytest are
+# .venv's. .ci/run calls it.
+OLDEST       := .venv-oldest
+OLDEST_STAMP := $(OLDEST)/.jitckpt-installed
+$(OLDEST_STAMP): requirements-oldest.txt requirements-oldest-states.txt
+	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; set PYTHON=/path/to/python3.11" >&2; exit 2; }
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet --upgrade pip
+	$(OLDEST)/bin/python -m pip install --quiet -r requirements-oldest.txt
+	$(OLDEST)/bin/python -m pip install --quiet --upgrade --no-deps \
+	  --target $(OLDEST)/states -r requirements-oldest-states.txt
+	rm -rf $(OLDEST)/states/test
+	touch $@
+
+test-oldest: $(STAMP) $(OLDEST_STAMP)
+	JITCKPT_TEST_PYTHON=$(abspath $(OLDEST))/bin/python \
+	  $(BIN)/python -m pytest tests/system/test_states.py $(PYTEST_ARGS)
+
+# On a machine with a CUDA GPU (never in CI): the GPU paths of the saves (tests/gpu: bytes equal to
+# torch's and safetensors', snapshots, a Trainer on the GPU under the entrypoint) and bench_jit
+# with the model on the GPU. It runs under the machine's own python3 with a CUDA build of torch
+# and transformers (GPU_PYTHON=... to choose), with this checkout's packages on PYTHONPATH.
+GPU_PYTHON ?= python3
+GPU_PATH   := $(abspath entrypoint):$(abspath sidecar):$(abspath tests)
+test-gpu:
+	@$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+	  'make test-gpu: no CUDA device for $(GPU_PYTHON) (torch ' + torch.__version__ + ')')"
+	PYTHONPATH=$(GPU_PATH) $(GPU_PYTHON) -m pytest -p no:cacheprovider tests/gpu $(PYTEST_ARGS)
+	PYTHONPATH=$(GPU_PATH) $(GPU_PYTHON) bench/bench_jit.py 3 --cuda
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
@@ -85,4 +120,4 @@ k8s-check: $(STAMP)
 	$(BIN)/python -m pytest tests/k8s $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .venv39 .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) .venv39 $(OLDEST) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
