@@ -54,6 +54,9 @@ def launch(*args: str) -> list[str]:
 def base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JITCKPT_", "PYTHONPATH"))}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # This checkout's entrypoint, also under a python where jitckpt is not installed (make
+    # test-gpu runs this under the GPU machine's own python3).
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "entrypoint")
     return env
 
 
