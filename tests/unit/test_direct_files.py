@@ -232,3 +232,46 @@ def test_einval_from_an_o_direct_write_on_a_full_disk_is_enospc(tmp_path: Path, 
     if not direct:
         pytest.skip(f"{tmp_path} refuses O_DIRECT (tmpfs?)")
     assert raised.value.errno == errno.ENOSPC
+
+
+def test_an_empty_storage_next_to_a_header_at_a_chunk_boundary_leaves_the_header_whole(
+    tmp_path: Path,
+):
+    """An empty storage shares its offset with the record that follows it; that record's
+    header must not be taken for the empty piece's place and zero-filled."""
+    for n in (8387776, direct_write.CHUNK - 64):
+        obj = {
+            "state": {
+                0: {
+                    "a": torch.zeros(n, dtype=torch.uint8),
+                    "z": torch.empty(0),
+                    "b": torch.full((100000,), 7.0),
+                }
+            },
+            "param_groups": [{"params": [0]}],
+        }
+        for side in ("torch", "ours"):
+            (tmp_path / side).mkdir(exist_ok=True)
+        torch.save(obj, tmp_path / "torch" / "x.pt")  # the archive is named for the file
+        torch_save.save(obj, str(tmp_path / "ours" / "x.pt"), 2)
+        ours = (tmp_path / "ours" / "x.pt").read_bytes()
+        assert ours == (tmp_path / "torch" / "x.pt").read_bytes(), n
+
+
+def test_safetensors_names_and_metadata_beyond_ascii_are_written_as_safetensors_does(
+    tmp_path: Path,
+):
+    tensors = {"wörter.ü": torch.ones(3), "del\x7f": torch.zeros(2, dtype=torch.bfloat16)}
+    meta = {"note": "ünïcode"}  # one key: safetensors orders several by a hash seeded per process
+    safetensors.torch.save_file(tensors, tmp_path / "theirs.safetensors", meta)
+    safetensors_save.save_file(tensors, str(tmp_path / "ours.safetensors"), meta, 2)
+    ours = (tmp_path / "ours.safetensors").read_bytes()
+    assert ours == (tmp_path / "theirs.safetensors").read_bytes()
+
+
+def test_packed_sub_byte_dtypes_go_to_safetensors_itself(tmp_path: Path):
+    packed = torch.zeros(2, 3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    safetensors.torch.save_file({"x": packed}, tmp_path / "theirs.safetensors")
+    safetensors_save.save_file({"x": packed}, str(tmp_path / "ours.safetensors"), None, 2)
+    ours = (tmp_path / "ours.safetensors").read_bytes()
+    assert ours == (tmp_path / "theirs.safetensors").read_bytes()

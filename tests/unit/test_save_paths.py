@@ -284,3 +284,102 @@ def test_a_serializers_own_error_on_a_full_disk_counts_as_a_full_disk(tmp_path, 
     m.drain()
     assert save.outcome == "failed"
     assert not m.async_on
+
+
+def test_the_best_model_is_loaded_only_once_the_last_async_save_is_committed(tmp_path, monkeypatch):
+    """HF loads the best checkpoint after the training loop, before on_train_end: the save in
+    flight is drained first, so its copy never sees the best model's weights (and a best
+    checkpoint that is that very save is read whole)."""
+    import types
+
+    import transformers
+
+    from jitckpt_entrypoint.hook import manager as manager_module
+    from jitckpt_entrypoint.hook import trainer as trainer_hook
+
+    m = manager(tmp_path)
+    monkeypatch.setattr(manager_module, "_current", m)
+    order: list[str] = []
+    monkeypatch.setattr(m, "drain", lambda _cancel_before=None: order.append("drain"))
+
+    class Trainer(transformers.Trainer):  # a subclass: the real class stays unpatched
+        def _load_best_model(self) -> None:
+            order.append("load best")
+
+    trainer_hook.patch(types.SimpleNamespace(Trainer=Trainer, TrainingArguments=None))
+    Trainer._load_best_model(object.__new__(Trainer))
+    assert order == ["drain", "load best"]
+
+
+def test_parameters_an_optimizer_swaps_outside_its_step_are_copied_before_the_next_forward():
+    """Schedule-free optimizers swap the parameters in `train()`, which the Trainer calls
+    before the next forward: those parameters are not deferred to the background copy; the
+    optimizer state still is. A plain optimizer's parameters are."""
+    import types
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from jitckpt_entrypoint.hook.snapshot import storage_key
+    from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
+
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM(config)
+    params = {storage_key(p) for p in model.parameters()}
+    moment = torch.zeros(3)
+
+    class ScheduleFree(torch.optim.SGD):
+        def train(self) -> None: ...
+
+    for cls, deferred_params in ((torch.optim.SGD, True), (ScheduleFree, False)):
+        optimizer = cls(model.parameters(), lr=0.1)
+        optimizer.state[next(model.parameters())] = {"z": moment}
+        trainer = types.SimpleNamespace(
+            model=model, optimizer=optimizer, _get_output_dir=lambda **_: "/nowhere"
+        )
+        keys = TrainerCheckpoint(trainer).deferrable()
+        assert storage_key(moment) in keys
+        assert (params <= keys) is deferred_params, cls.__name__
+
+
+def test_files_written_after_the_save_call_are_in_the_async_commit(tmp_path):
+    """A Trainer subclass (TRL's GRPO) or an on_save callback may write into the checkpoint
+    after the Trainer's save call returns: the background commit waits for the training
+    thread to be done with the directory, so the manifest lists them."""
+    import json
+
+    m = manager(tmp_path)
+    save = m.begin_save(5)
+    assert save is not None
+    m.save_async(save, parts(lambda *_: []))
+    Path(save.path, "entropy_ctrl_state.json").write_text("{}")  # after the save call
+    m.saved(5)
+    m.drain()
+    assert save.state is State.COMMITTED
+    manifest = json.loads(Path(save.path, "jitckpt-manifest.node-0.json").read_text())
+    assert "entropy_ctrl_state.json" in {f["path"] for f in manifest["files"]}
+
+
+def test_a_snapshot_that_cannot_start_abandons_the_save_and_never_holds_training(
+    tmp_path, monkeypatch
+):
+    from jitckpt_entrypoint.hook.snapshot import Staging
+
+    def broken(self: Any) -> None:
+        raise RuntimeError("cannot queue the copies")
+
+    monkeypatch.setattr(Staging, "start", broken)
+    m = manager(tmp_path)
+    save = m.begin_save(5)
+    assert save is not None
+    m.save_async(save, parts(lambda *_: []))
+    m.saved(5)
+    m.before_update()  # the next optimizer step: nothing to wait for
+    m.drain()
+    assert save.state is State.ABANDONED

@@ -1,12 +1,13 @@
 """Commit a checkpoint every rank has written, or abandon it when any rank could not.
 
 Collective: every rank calls `commit` once its own part of the checkpoint is written (or its
-write failed), with the outcome of that write. After a barrier, each node's local rank 0 lists
-what the node holds; outcomes and lists are exchanged in one round, so every rank learns the
-same thing at once:
+write failed), with the outcome of that write. After a barrier, each node's local rank 0 makes
+the node's files durable (protocol.durable) and lists them; outcomes and lists are exchanged in
+one round, so every rank learns the same thing at once, and no node writes a manifest before
+every node's data is on disk:
 - every rank wrote: each node commits its part with the lists (protocol.commit.commit_node:
-  the files and directories fsynced, every node's manifests, its own last, its owned files
-  staged for the sidecar, the save event). A last round tells every rank whether every node's
+  every node's manifests, its own last, its owned files staged for the sidecar, the save
+  event). A last round tells every rank whether every node's
   commit went through; a node whose commit failed (a full disk while writing the manifests)
   makes every node uncommit, so no rank counts a checkpoint that some node does not hold.
 - any rank failed or was cancelled: each node's local rank 0 removes the directory (it must not
@@ -24,8 +25,8 @@ from typing import Optional
 from jitckpt_entrypoint.hook import memory
 from jitckpt_entrypoint.hook.control import ControlGroup
 from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.protocol import durable, status
 from jitckpt_entrypoint.protocol import manifest as m
-from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.commit import commit_node, remove_checkpoint
 
 OK, CANCELLED, DISK_FULL, FAILED = "ok", "cancelled", "disk full", "failed"
@@ -75,7 +76,16 @@ def commit(
     training's by default): commit `ckpt_dir`, or remove it when any rank's outcome is not OK."""
     topo, control = session.topo, control or session.control
     control.barrier()  # every rank finished writing its files (or failed to)
-    holding = m.list_files(ckpt_dir) if topo.is_leader and outcome == OK else None
+    holding = None
+    if topo.is_leader and outcome == OK:
+        # Durable before the round below: on a shared volume every node writes every node's
+        # manifests, so each node's data must be on disk before any node commits.
+        try:
+            durable.sync_tree(ckpt_dir)
+            holding = m.list_files(ckpt_dir)
+        except OSError as exc:
+            session.log.error("cannot make %s durable: %s", ckpt_dir, exc)  # noqa: TRY400
+            outcome = outcome_of(exc, ckpt_dir)
     gathered = control.all_gather((topo.node, outcome, holding))
     outcomes = tuple((node, o) for node, o, _ in gathered)
     event, result = None, OK
@@ -95,6 +105,7 @@ def commit(
                 started_at=started_at,
                 run_id=session.run_id,
                 stage_for_upload=bool(session.cfg.storage_uri),
+                synced=True,
             )
         except OSError as exc:
             session.log.error("cannot commit %s: %s", ckpt_dir, exc)  # noqa: TRY400 - one line

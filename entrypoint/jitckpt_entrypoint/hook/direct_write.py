@@ -181,7 +181,10 @@ class _Layout:
     """The pieces, sorted by offset, and which of them want a CRC."""
 
     def __init__(self, pieces: Sequence[Piece], crc_of: Iterable[int]) -> None:
-        order = sorted(range(len(pieces)), key=lambda i: pieces[i][0])
+        # Empty pieces hold no bytes (their CRC is 0); kept, one could share its offset with
+        # the piece that follows and be found in its place.
+        kept = [i for i in range(len(pieces)) if _length(pieces[i][1])]
+        order = sorted(kept, key=lambda i: pieces[i][0])
         self.pieces = [pieces[i] for i in order]
         self.index = order  # sorted position -> the caller's index
         self.starts = [offset for offset, _ in self.pieces]
@@ -204,7 +207,8 @@ class _Buffer:
         self.view = np.frombuffer(self.mem, dtype=np.uint8)
         self._host: Any = None  # the buffer as a torch tensor (CUDA copies land here)
         self._registered = False
-        self._stream: Any = None
+        self._streams: dict[Any, Any] = {}
+        """A side stream per GPU this buffer copies from (one process may use several)."""
 
     @classmethod
     def take(cls) -> _Buffer:
@@ -260,8 +264,8 @@ class _Buffer:
             pos = upto
         self.view[pos - start : end - start] = 0
         if copied:
-            if self._stream is not None:
-                self._stream.synchronize()  # the device copies have landed
+            for stream in self._streams.values():
+                stream.synchronize()  # the device copies have landed
             for index, at, a, b in copied:
                 if index in layout.crc_of:
                     crcs.append((index, at, self._crc(a, b), b - a))
@@ -285,10 +289,11 @@ class _Buffer:
             # synchronous copy through the driver (slower, as correct).
             err = torch.cuda.cudart().cudaHostRegister(self.view.ctypes.data, CHUNK, 0)
             self._registered = int(err) == 0
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(source.device)
-            self._stream.wait_stream(torch.cuda.current_stream(source.device))
-        with torch.cuda.stream(self._stream):
+        stream = self._streams.get(source.device)
+        if stream is None:
+            stream = self._streams[source.device] = torch.cuda.Stream(source.device)
+            stream.wait_stream(torch.cuda.current_stream(source.device))
+        with torch.cuda.stream(stream):
             self._host[at : at + hi - lo].copy_(source[lo:hi], non_blocking=True)
 
 
@@ -298,7 +303,7 @@ def _run(one: Callable[[_Buffer, int], None], starts: list[int], threads: int) -
     buffers: queue.SimpleQueue[_Buffer] = queue.SimpleQueue()
     own = [_Buffer.take() for _ in range(wanted)]
     for buf in own:
-        buf._stream = None  # a new write: its copies follow the work queued until now
+        buf._streams = {}  # a new write: its copies follow the work queued until now
         buffers.put(buf)
 
     def run(start: int) -> None:

@@ -115,6 +115,8 @@ def _tensor_problem(t: Any, where: str) -> Optional[str]:
         )
     if t.device.type not in ("cpu", "cuda"):
         return f"{where} is on {t.device}"
+    if t.is_conj() or t.is_neg():  # a lazy view: its bytes are not its values
+        return f"{where} is a conjugate or negative view"
     return None
 
 

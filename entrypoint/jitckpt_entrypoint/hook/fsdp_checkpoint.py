@@ -59,13 +59,21 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class DeferredSaves:
     """Inside `with`: `torch.distributed.checkpoint.save` stages and returns, and HF's rotation
-    does nothing; `write(group)` then runs the deferred saves (see the module doc)."""
+    does nothing; `write(group)` then runs the deferred saves (see the module doc). A state
+    DCP's stager cannot copy is not saved by one rank alone (its collectives would meet no
+    one): `staged` is False, and once every rank knows (the adapter asks them all),
+    `write_now()` saves everything as it would have been, on every rank."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
-        self._saves: list[tuple[Any, dict[str, Any]]] = []
+        self._saves: list[tuple[Any, Any, dict[str, Any]]] = []
+        """(live state dict, its staged copy or None, dcp.save's other arguments), in order."""
         self._patches = contextlib.ExitStack()
         self._original: Any = None
+
+    @property
+    def staged(self) -> bool:
+        return all(copy is not None for _, copy, _ in self._saves)
 
     def __enter__(self) -> DeferredSaves:
         import torch.distributed.checkpoint as dcp
@@ -83,33 +91,42 @@ class DeferredSaves:
         self._patches.close()
 
     def _stage(self, state_dict: Any = None, **kwargs: Any) -> None:
-        """`dcp.save` while deferred: DCP's own staging (as `dcp.async_save` does it). A state
-        its stager cannot copy is saved now, as it would have been (the same on every rank)."""
+        """`dcp.save` while deferred: DCP's own staging (as `dcp.async_save` does it)."""
         from concurrent.futures import Future
 
         from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
 
         writer = kwargs.get("storage_writer")
         stager = writer if isinstance(writer, AsyncStager) else BlockingAsyncStager()
-        try:
-            staged = stager.stage(state_dict)
-            if isinstance(staged, Future):
-                staged = staged.result()
-        except Exception as exc:  # noqa: BLE001 - the synchronous save is always right
-            global _warned  # noqa: PLW0603 - one warning per process
-            if not _warned:
-                _warned = True
-                log.warning("an FSDP state DCP cannot stage is saved synchronously: %s", exc)
-            self._original(state_dict, **kwargs)
-            return
-        self._saves.append((staged, kwargs))
+        staged = None
+        if self.staged:  # after one failure the rest is saved synchronously too
+            try:
+                staged = stager.stage(state_dict)
+                if isinstance(staged, Future):
+                    staged = staged.result()
+            except Exception as exc:  # noqa: BLE001 - the synchronous save is always right
+                global _warned  # noqa: PLW0603 - one warning per process
+                if not _warned:
+                    _warned = True
+                    log.warning("an FSDP state DCP cannot stage is saved synchronously: %s", exc)
+                staged = None
+        self._saves.append((state_dict, staged, kwargs))
 
-    def write(self, group: Any) -> None:
-        """Background (collective on `group`): DCP's own save of each staged copy, in order."""
+    def write(self, group: Any, check: Any = None) -> None:
+        """Background (collective on `group`): DCP's own save of each staged copy, in order;
+        `check` between them (a cancelled save stops before the next one)."""
         from torch.distributed.checkpoint import state_dict_saver
 
-        for staged, kwargs in self._saves:
+        for _, staged, kwargs in self._saves:
+            if check is not None:
+                check()
             state_dict_saver.save(staged, **{**kwargs, "process_group": group})
+
+    def write_now(self) -> None:
+        """Training thread, on every rank (some rank could not stage): every deferred save,
+        synchronously, as the Trainer would have made it."""
+        for state_dict, _, kwargs in self._saves:
+            self._original(state_dict, **kwargs)
 
 
 def _no_rotation(*_args: Any, **_kwargs: Any) -> None:

@@ -122,6 +122,10 @@ class Save:
     retry: Optional[Callable[[], object]] = None
     """JIT saves written by a fast path: the Trainer's own save, should this one fail."""
     after_commit: Optional[Callable[[], None]] = None
+    ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Set once the training thread is done with the save (`saved`, or a drain): what runs
+    after the Trainer's save call (a subclass's extra files, `on_save` callbacks) may still
+    write into the directory, so an async save commits only then."""
 
     def failed(self, exc: BaseException) -> None:
         self.outcome = committer.outcome_of(exc, self.path)
@@ -148,6 +152,8 @@ class CheckpointManager:
         self._announced: Optional[status.NodeStatus] = None
         self._async = False
         """The fast paths are on (agreed on every rank by `enable_async`)."""
+        self._decided = False
+        """`enable_async` decided for this training (once per `train()`)."""
         self._fast_off: Optional[str] = None
         """Why the fast paths were turned off mid-run (a probe, a failed fast save)."""
         self._expected_bytes = 0
@@ -191,8 +197,13 @@ class CheckpointManager:
         session.training_started()
 
     def training_ended(self) -> None:
+        """End of one `train()`: the next one (a second Trainer, a second stage) decides its
+        fast paths afresh. (Committed steps stay committed: they share checkpoints/.)"""
         self.drain()
         self.session.training_ended()
+        self._skipped.clear()
+        self._last_step = None
+        self._async, self._decided, self._fast_off = False, False, None
 
     def record_output(self, output_dir: str, step: int) -> None:
         """The output_dir whose content becomes the final model after exit 0 (world rank 0)."""
@@ -288,13 +299,14 @@ class CheckpointManager:
         """Training thread, before the files are written; None: `step` is committed, skip it.
         Drains an async save in flight first (one save at a time)."""
         self.drain()
+        self._skipped.discard(step)  # saved after all (training ended at a skipped step)
         if self.is_committed(step):
             return None
         save = Save(step, self._kind_of(step), path or self.checkpoint_dir(step), time.time())
         session = self.session
         if session.topo.is_leader:  # the sidecar samples the volume until the commit
             start = status.SaveStart(session.run_id, step, save.started_at)
-            status.write_save_start(session.layout.status, start)
+            self._advisory(status.write_save_start, session.layout.status, start)
         self._pending = save
         return save
 
@@ -321,8 +333,10 @@ class CheckpointManager:
         save, self._pending = self._pending, None
         seconds = 0.0
         inflight = self._inflight
-        if step in self._skipped or (inflight is not None and inflight.step == step):
-            pass  # skipped, or committed by the background writer
+        if inflight is not None and inflight.step == step:
+            inflight.ready.set()  # the background writer commits it now
+        elif step in self._skipped:
+            self._remove_skipped(step)
         elif not self.is_committed(step):
             if save is None or save.step != step:  # written without begin_save
                 where = path or self.checkpoint_dir(step)
@@ -375,44 +389,47 @@ class CheckpointManager:
 
     # -- the fast paths: async periodic saves, JIT saves from live tensors --
 
-    def enable_async(self, snapshot_bytes: int, unsupported: Optional[str]) -> bool:
+    def enable_async(
+        self, snapshot_bytes: int, unsupported: Optional[str], growth: int = 0
+    ) -> bool:
         """Collective, once when training starts: the fast paths on every rank or none.
 
         Off with JITCKPT_ASYNC_SAVE=0; when `unsupported` names why (the Trainer's set-up) or
         a library's version is outside the tested range (fastpath.py); or when the snapshots
-        of this node's local ranks (`snapshot_bytes` of host memory each) do not fit into what
-        the node and the container's cgroup leave (one warning with the numbers)."""
+        of this node's local ranks (`snapshot_bytes` of host memory each), plus what training
+        has yet to allocate on each (`growth`: gradients and optimizer state not created yet,
+        when they live in host memory), do not fit into what the node and the container's
+        cgroup leave (one warning with the numbers)."""
         session = self.session
         if not self._expected_bytes:  # about what a checkpoint of this node takes
             self._expected_bytes = snapshot_bytes * session.topo.local_world_size
-        if not session.cfg.async_save or self._writer_control is not None:
+        if not session.cfg.async_save or self._decided:
             return self._async
+        self._decided = True
         reason = unsupported or fastpath.version_problem()
         budget = memory.budget()
         gathered = session.control.all_gather(
-            (session.topo.node, reason, snapshot_bytes, budget.available, budget.limit)
+            (session.topo.node, reason, snapshot_bytes + growth, budget.available, budget.limit)
         )
         reason = next((r for _, r, _, _, _ in gathered if r), None)
         node_bytes = sum(b for n, _, b, _, _ in gathered if n == session.topo.node)
-        self._expected_bytes = node_bytes
-        if reason is None:
-            reason = memory.short_node(
-                [(n, b, memory.Budget(a, lim)) for n, _, b, a, lim in gathered]
-            )
-        if reason is not None:
+        short = memory.short_node([(n, b, memory.Budget(a, lim)) for n, _, b, a, lim in gathered])
+        self._expected_bytes = snapshot_bytes * session.topo.local_world_size
+        if reason is not None or short is not None:
             if session.topo.rank == 0:
-                session.log.info("checkpoints are the Trainer's own save: %s", reason)
+                log = session.log.info if reason else session.log.warning
+                log("checkpoints are the Trainer's own save: %s", reason or short)
             return False
         from jitckpt_entrypoint.hook.snapshot import Stager
 
         self._start_writer()
-        self._stager = Stager()
+        self._stager = self._stager or Stager()
         self._async = True
         if session.topo.rank == 0:
             session.log.info(
                 "async periodic saves on (%s): %.1f MB host snapshot per save on this node",
                 fastpath.versions_line(),
-                node_bytes / 1e6,
+                (node_bytes - growth * session.topo.local_world_size) / 1e6,
             )
         return True
 
@@ -426,6 +443,7 @@ class CheckpointManager:
         of it), or None; a state any rank's probe refuses turns them off for the rest of the
         run, with one line."""
         if not self.async_on:
+            self._stager = None  # its host buffers are not needed any more
             return False
         problems = self.session.control.all_gather(problem)
         found = next((p for p in problems if p), None)
@@ -445,6 +463,9 @@ class CheckpointManager:
         if not self.session.control.any_now(busy):
             return False
         self._skipped.add(step)
+        # What runs after the Trainer's save call (a subclass's extra files, callbacks) may
+        # write into the directory, as it would without jitckpt: it exists, and goes at `saved`.
+        os.makedirs(self.checkpoint_dir(step), exist_ok=True)
         if self.session.topo.rank == 0:
             self.session.log.info(
                 "skipping the save of step %d: the previous save is still being written", step
@@ -468,6 +489,7 @@ class CheckpointManager:
             staging.start()
         except Exception as exc:  # noqa: BLE001 - never into training: this save is abandoned
             save.failed(exc)
+            staging = None  # nothing for the next optimizer step to wait for
 
         def write(job: Job) -> None:
             if save.outcome != OK or staging is None:
@@ -502,7 +524,8 @@ class CheckpointManager:
             write_files(parts.writers(save.path, parts.tensors, WRITERS, None))
         except Exception as exc:  # noqa: BLE001 - never into training: the retry writes it
             save.failed(exc)
-        self._advance(save, State.WRITTEN)
+        if save.outcome == OK:
+            self._advance(save, State.WRITTEN)
         self._phases = (
             f"small files {small - started:.2f} s, big files {time.monotonic() - small:.2f} s"
         )
@@ -531,13 +554,14 @@ class CheckpointManager:
             write(job)
             if save.outcome == OK:
                 self._advance(save, State.WRITTEN)
+            save.ready.wait()  # the training thread is done with the directory
             self._commit(save, wctl)
 
         save.after_commit = after_commit
-        save.job = writer.submit(run, checkpoint_name(save.step))
         save.blocked = time.monotonic() - started
         self._inflight = save
         self._pending = None
+        save.job = writer.submit(run, checkpoint_name(save.step))
 
     def save_dcp_async(self, step: int, start: Callable[[str, Any], Any]) -> str:
         """The plain loop's async periodic save (collective): `start(path, process_group)`
@@ -549,29 +573,39 @@ class CheckpointManager:
             _, wctl = self._start_writer()
             started = time.monotonic()
             future = start(save.path, wctl.group)  # DCP's own: its errors are its own
-            self.save_staged(save, lambda _group: future.result(), lambda: None, started)
+            self.save_staged(save, lambda _group, _check: future.result(), lambda: None, started)
         self.saved(step)
         return self.checkpoint_dir(step)
 
     def save_staged(
         self,
         save: Save,
-        write: Callable[[Any], object],
+        write: Callable[[Any, Callable[[], None]], object],
         after_commit: Callable[[], None],
         started: float,
     ) -> None:
         """Training thread, after `begin_save`, once the big state is staged in host memory
-        (by DCP: the plain loop's `async_save`, the Trainer's FSDP saves): `write(group)` in
-        the background, collective on the writer's own group, then the vote and the commit.
+        (by DCP: the plain loop's `async_save`, the Trainer's FSDP saves): `write(group, check)`
+        in the background, collective on the writer's own group (`check` between its parts
+        stops a cancelled save, on every rank at once), then the vote and the commit.
         `started`: when the training thread began the save (its blocking time counts from
         there)."""
+        from jitckpt_entrypoint.hook.writer import CancelledError
+
         _, wctl = self._start_writer()
 
-        def run(_job: Job) -> None:
+        def run(job: Job) -> None:
+            def check() -> None:
+                # Collective: DCP's saves are collectives, so every rank stops at the same one.
+                if wctl.any_now(job.cancelled):
+                    raise CancelledError(job.label)
+
             if save.outcome != OK:
                 return
             try:
-                write(wctl.group)
+                write(wctl.group, check)
+            except CancelledError:
+                save.outcome = CANCELLED
             except Exception as exc:  # noqa: BLE001 - reported at the commit
                 save.failed(exc)
 
@@ -594,6 +628,7 @@ class CheckpointManager:
         inflight = self._inflight
         if inflight is None or inflight.job is None:
             return
+        inflight.ready.set()  # the training thread is past the save call
         if cancel_before is not None and inflight.step < cancel_before:
             with self._lock:
                 if inflight.state in (State.PLANNED, State.STAGED):
@@ -607,6 +642,21 @@ class CheckpointManager:
             )
 
     # -- internals --
+
+    def _advisory(self, write: Callable[..., object], *args: Any) -> None:
+        """Write a status file for the sidecar and the entrypoint: a failure (a full disk) is
+        one warning, never an error in training (the checkpoint itself is what counts)."""
+        try:
+            write(*args)
+        except OSError as exc:
+            self.session.log.warning("cannot write a status file: %s", exc)
+
+    def _remove_skipped(self, step: int) -> None:
+        """Collective: a skipped save's directory (created for whatever writes into it after
+        the Trainer's save call) is removed, holding no rotation slot."""
+        self.session.control.barrier()
+        if self.session.topo.is_leader:
+            remove_checkpoint(self.checkpoint_dir(step))
 
     def _advance(self, save: Save, state: State) -> None:
         with self._lock:
@@ -645,7 +695,7 @@ class CheckpointManager:
             with self._lock:
                 save.state = State.COMMITTED
                 self._committed.add(step)
-                self._announce()
+                self._advisory(self._announce)
             self._log_committed(save, vote, time.monotonic() - started)
             if save.after_commit is not None:
                 save.after_commit()
@@ -770,7 +820,7 @@ class CheckpointManager:
             sigterm_at=session.flag.received_at,
             save_seconds=save_seconds,
         )
-        status.write_jit(session.layout.status, record)
+        self._advisory(status.write_jit, session.layout.status, record)
         after = record.trigger_to_commit
         session.log.info(
             "JIT checkpoint %s committed%s",

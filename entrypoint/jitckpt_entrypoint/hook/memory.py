@@ -5,7 +5,7 @@ In a pod the limit that matters is the container's cgroup (the OOM killer acts o
 kill also loses the JIT save), not the node's free memory. Page cache counts in a cgroup's usage
 but is reclaimable, so it is taken out (the kubelet's working set does the same: usage minus
 inactive file pages). `short_node` adds up the snapshots of each node's local ranks, which share
-that container. CUDA snapshots are page-locked at their exact size (snapshot.PinnedBuffer:
+that container. CUDA snapshots are page-locked at their exact size (snapshot.pinned:
 cudaHostRegister, as DCP does for its cached copies), so there is no power-of-two rounding of
 torch's pinned allocator (up to twice the memory) to count; FSDP's saves are staged by DCP's
 blocking stager into plain host memory of the shards' size.

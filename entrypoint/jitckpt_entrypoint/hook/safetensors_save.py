@@ -14,6 +14,7 @@ safetensors' own save_file, which writes them or raises its own error.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import Optional
 
@@ -21,6 +22,7 @@ import torch
 
 from jitckpt_entrypoint.hook import direct_write
 
+_SUB_BYTE = re.compile(r"float4|int[1-7]\b|bits")
 _orders: dict[tuple[tuple[str, torch.dtype], ...], list[tuple[str, str]]] = {}
 
 
@@ -32,7 +34,8 @@ def save_file(
     check: direct_write.Check = None,
 ) -> None:
     """`safetensors.torch.save_file(tensors, filename, metadata)`, written by `threads`."""
-    if not _plain(tensors):
+    order = _order(tensors) if _plain(tensors, metadata) else None
+    if order is None:
         import safetensors.torch
 
         safetensors.torch.save_file(tensors, filename, metadata=metadata)
@@ -42,7 +45,7 @@ def save_file(
         header["__metadata__"] = metadata
     offset = 0
     ranges = []
-    for name, dtype_name in _order(tensors):
+    for name, dtype_name in order:
         t = tensors[name]
         nbytes = t.numel() * t.element_size()
         header[name] = {
@@ -52,7 +55,7 @@ def save_file(
         }
         ranges.append((name, offset))
         offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
     start = 8 + len(text)
     pieces: list[direct_write.Piece] = [(0, memoryview(struct.pack("<Q", len(text)) + text))]
@@ -63,15 +66,19 @@ def save_file(
     direct_write.write(filename, start + offset, pieces, threads, check)
 
 
-def _order(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
-    """(name, safetensors' dtype name) in the order safetensors writes them."""
+def _order(tensors: dict[str, torch.Tensor]) -> Optional[list[tuple[str, str]]]:
+    """(name, safetensors' dtype name) in the order safetensors writes them; None when
+    safetensors refuses them (its own save_file then raises its own error)."""
     key = tuple((name, t.dtype) for name, t in tensors.items())
     order = _orders.get(key)
     if order is None:
         import safetensors.torch
 
         stand_ins = {name: torch.zeros(1, dtype=dtype) for name, dtype in key}
-        data = safetensors.torch.save(stand_ins)
+        try:
+            data = safetensors.torch.save(stand_ins)
+        except Exception:  # noqa: BLE001 - safetensors' own save_file says what is wrong
+            return None
         (n,) = struct.unpack("<Q", data[:8])
         theirs = json.loads(data[8 : 8 + n])
         theirs.pop("__metadata__", None)
@@ -81,15 +88,22 @@ def _order(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
     return order
 
 
-def _plain(tensors: dict[str, torch.Tensor]) -> bool:
-    """Dense, contiguous CPU or CUDA tensors, no two on one storage."""
+def _plain(tensors: dict[str, torch.Tensor], metadata: Optional[dict[str, str]]) -> bool:
+    """Dense, contiguous CPU or CUDA tensors of whole-byte dtypes, no two on one storage, and
+    string metadata."""
+    if metadata is not None and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        return False
     storages = set()
     for t in tensors.values():
         if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, torch.nn.Parameter):
             return False
         if t.device.type not in ("cpu", "cuda") or t.layout != torch.strided:
             return False
-        if not t.is_contiguous() or t.is_quantized:
+        if not t.is_contiguous() or t.is_quantized or t.is_conj() or t.is_neg():
+            return False
+        if _SUB_BYTE.search(str(t.dtype)):  # packed dtypes: safetensors' shapes differ
             return False
         if t.numel():
             storages.add((str(t.device), t.untyped_storage().data_ptr()))

@@ -28,6 +28,7 @@ import contextlib
 import copy
 import mmap
 import threading
+import weakref
 from collections.abc import Collection
 from typing import Any, Callable, Optional
 
@@ -65,30 +66,30 @@ class CudaOps:
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """Page-locked host memory of exactly `nbytes` (torch's pinned allocator would round it
         up to a power of two: up to twice the memory)."""
-        return PinnedBuffer(nbytes).tensor
+        return pinned(nbytes)
 
 
-class PinnedBuffer:
-    """Anonymous memory registered with CUDA (cudaHostRegister); unregistered when dropped."""
+def pinned(nbytes: int) -> torch.Tensor:
+    """`nbytes` of anonymous memory registered with CUDA (cudaHostRegister), unregistered once
+    the tensor is gone (as DCP's own staging does it); the tensor keeps the mapping alive."""
+    memory = mmap.mmap(-1, max(nbytes, 1))
+    tensor = (
+        torch.frombuffer(memoryview(memory)[:nbytes], dtype=torch.uint8)
+        if nbytes
+        else (torch.empty(0, dtype=torch.uint8))
+    )
+    if nbytes:
+        ptr = tensor.data_ptr()
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            raise UnsupportedStateError(f"cudaHostRegister of {nbytes} bytes failed ({err})")
+        weakref.finalize(tensor, _unregister, ptr)
+    return tensor
 
-    def __init__(self, nbytes: int) -> None:
-        self._mem = mmap.mmap(-1, max(nbytes, 1))
-        view = memoryview(self._mem)[:nbytes]
-        self.tensor = torch.frombuffer(view, dtype=torch.uint8) if nbytes else torch.empty(0)
-        self._ptr = self.tensor.data_ptr()
-        self._registered = False
-        if nbytes:
-            err = torch.cuda.cudart().cudaHostRegister(self._ptr, nbytes, 0)
-            if int(err) != 0:
-                raise UnsupportedStateError(f"cudaHostRegister of {nbytes} bytes failed ({err})")
-            self._registered = True
-        self.tensor._jitckpt_pinned = self  # lives as long as the tensor
 
-    def __del__(self) -> None:
-        if self._registered:
-            self._registered = False
-            with contextlib.suppress(Exception):  # interpreter teardown: nothing to do
-                torch.cuda.cudart().cudaHostUnregister(self._ptr)
+def _unregister(ptr: int) -> None:
+    with contextlib.suppress(Exception):  # interpreter teardown: nothing to do
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class Stager:

@@ -48,6 +48,7 @@ def patch(module: ModuleType) -> None:
     original_train = trainer_cls.train
     original_save = trainer_cls._save_checkpoint
     original_output_dir = trainer_cls._get_output_dir
+    original_load_best = getattr(trainer_cls, "_load_best_model", None)
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - it is __init__
@@ -84,6 +85,17 @@ def patch(module: ModuleType) -> None:
         manager.write_own(save, own)
         return None
 
+    if original_load_best is not None:
+
+        @functools.wraps(original_load_best)
+        def _load_best_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # After the training loop, before on_train_end: the last async save must be
+            # committed before the best model's weights replace the live ones (and before a
+            # best checkpoint that is that very save is read).
+            manager.drain()
+            return original_load_best(self, *args, **kwargs)
+
+        trainer_cls._load_best_model = _load_best_model
     trainer_cls.__init__ = __init__
     trainer_cls.train = train
     trainer_cls._save_checkpoint = _save_checkpoint
@@ -140,6 +152,10 @@ def _save_fsdp(
         if trainer.args.should_save:
             rotate_checkpoints(trainer, run_dir)
 
+    if manager.session.control.any_now(not deferred.staged):  # some rank could not stage
+        deferred.write_now()  # every rank, DCP's collectives on the training group as usual
+        after_commit()  # HF's rotation, where its own save would have run it
+        return
     manager.save_staged(save, deferred.write, after_commit, started)
 
 
@@ -166,9 +182,10 @@ def _start_async(manager: CheckpointManager, trainer: Any) -> None:
     try:
         reason = trainer_checkpoint.unsupported(trainer)
         nbytes = trainer_checkpoint.snapshot_bytes(trainer)
+        growth = trainer_checkpoint.growth_bytes(trainer)
     except Exception as exc:  # noqa: BLE001 - the Trainer's own save needs none of this
-        reason, nbytes = f"cannot size the training state ({exc!r:.80})", 0
-    manager.enable_async(nbytes, reason)
+        reason, nbytes, growth = f"cannot size the training state ({exc!r:.80})", 0, 0
+    manager.enable_async(nbytes, reason, growth)
 
 
 def _warm_save_path() -> None:

@@ -43,7 +43,7 @@ REPLACED = (
 )
 
 
-def unsupported(trainer: Any) -> Optional[str]:  # noqa: PLR0911 - one reason per case
+def unsupported(trainer: Any) -> Optional[str]:  # noqa: PLR0911, PLR0912 - one reason per case
     """Why this Trainer's checkpoints must be written by the Trainer itself, or None."""
     from transformers import trainer as hf
 
@@ -72,10 +72,38 @@ def unsupported(trainer: Any) -> Optional[str]:  # noqa: PLR0911 - one reason pe
         return "hyperparameter search"
     if args.save_total_limit == 1 and args.metric_for_best_model is not None:
         return "save_total_limit=1 with a best model: the Trainer deletes checkpoints at the end"
+    if getattr(args, "save_safetensors", True) is False:  # transformers 4: pytorch_model.bin
+        return "save_safetensors=False: the Trainer writes and resumes pytorch_model.bin"
+    optimizer = _inner(trainer.optimizer)
+    if optimizer is not None and _steps_in_backward(optimizer):
+        return f"{type(optimizer).__name__} updates the parameters during backward"
     for name in () if fsdp else REPLACED:
         if getattr(type(trainer), name) is not getattr(hf.Trainer, name):
             return f"{type(trainer).__name__} overrides {name}"
     return None
+
+
+def _inner(optimizer: Any) -> Any:
+    """The optimizer accelerate wraps (AcceleratedOptimizer.optimizer)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _steps_in_backward(optimizer: Any) -> bool:
+    """LOMO, AdaLomo and HF's layer-wise optimizers update parameters inside backward."""
+    name = type(optimizer).__name__
+    return "Lomo" in name or "LOMO" in name or name == "LayerWiseDummyOptimizer"
+
+
+def growth_bytes(trainer: Any) -> int:
+    """Host memory training has yet to allocate when it starts on the CPU: gradients, and the
+    optimizer state (Adam's two moments per trainable parameter) before the first step."""
+    model = trainer.model
+    trainable = [p for p in model.parameters() if p.requires_grad and p.device.type == "cpu"]
+    total = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
+    optimizer = trainer.optimizer
+    if not trainer.args.save_only_model and not (optimizer is not None and optimizer.state):
+        total += 2 * sum(p.numel() * p.element_size() for p in trainable)
+    return int(total)
 
 
 def snapshot_bytes(trainer: Any) -> int:
@@ -138,14 +166,18 @@ class TrainerCheckpoint:
         return out
 
     def deferrable(self) -> set[Any]:
-        """Storage keys of the parameters and the optimizer state (snapshot.storage_key)."""
+        """Storage keys of what only the next optimizer step changes (snapshot.storage_key):
+        the optimizer state, and the parameters unless the optimizer also changes them outside
+        `step()` (schedule-free's `train()`, called before the next forward, swaps them)."""
         from jitckpt_entrypoint.hook.snapshot import storage_key
 
-        keys = {storage_key(p) for p in self._model_to_save().parameters()}
-        optimizer = self.trainer.optimizer
+        keys: set[Any] = set()
+        optimizer = _inner(self.trainer.optimizer)
         if optimizer is not None:
             for state in optimizer.state.values():
                 keys.update(storage_key(v) for v in state.values() if isinstance(v, torch.Tensor))
+        if optimizer is None or not callable(getattr(optimizer, "train", None)):
+            keys.update(storage_key(p) for p in self._model_to_save().parameters())
         return keys
 
     def write_small(self, path: str) -> None:

@@ -38,12 +38,16 @@ def commit_node(
     run_id: str,
     stage_for_upload: bool,
     clock: Callable[[], float] = time.time,
+    synced: bool = False,
 ) -> status.SaveEvent:
     """Commit node `node`'s copy of `ckpt_dir`; `holdings`: per node, relative path -> size of
     every file it holds (one entry per node). Returns the save event it recorded. `clock` gives
-    the wall time (a fixed one makes the recorded save time exact in tests)."""
+    the wall time (a fixed one makes the recorded save time exact in tests). `synced`: every
+    node already made its files durable (durable.sync_tree) before any node commits, as the
+    hook does (on a shared volume a node writes the others' manifests too)."""
     entries = m.assign_owners(holdings)
-    durable.sync_tree(ckpt_dir)  # the data before any manifest, on every save path
+    if not synced:
+        durable.sync_tree(ckpt_dir)  # the data before any manifest, on every save path
     save_seconds = clock() - started_at
     manifests = {
         n: m.new_manifest(

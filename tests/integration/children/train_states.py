@@ -31,7 +31,7 @@ OPTIMIZERS = (
     "adamw_torch_fused",  # torch's fused CPU kernel
     "adamw_torch_8bit",  # torchao: OptimState8bit tensor subclasses
     "adamw_torch_4bit",  # torchao: OptimState4bit tensor subclasses
-    "schedule_free_adamw",  # schedulefree: swaps parameters in optimizer.train()/eval()
+    "schedule_free_adamw",  # schedulefree: swaps parameters in optimizer.train()/eval(); evaluated
     "adafactor",  # factored second moments: row and column vectors
     # bitsandbytes: uint8 block-wise moments for tensors of 4096 elements or more (lm_head
     # here; HF keeps embeddings at 32 bits), its state tucked into a nested dict.
@@ -92,10 +92,15 @@ def lora_llama() -> torch.nn.Module:
     return get_peft_model(model, config)
 
 
-def build(state: str) -> tuple[torch.nn.Module, torch.utils.data.Dataset, dict[str, Any]]:
+def build(state: str) -> tuple[torch.nn.Module, torch.utils.data.Dataset, dict[str, Any]]:  # noqa: PLR0911
     """The model, the data and the TrainingArguments that make `state`."""
     samples = 256
     tokens = RandomTokens(samples, SEQ_LEN, VOCAB)
+    if state == "schedule_free_adamw":
+        # An evaluation at every save: the Trainer's eval() and train() around it swap the
+        # parameters in place, after the save and before the next forward.
+        extra = {"optim": state, "eval_strategy": "steps"}
+        return tiny_llama(VOCAB, HIDDEN, LAYERS), tokens, extra
     if state in OPTIMIZERS:
         return tiny_llama(VOCAB, HIDDEN, LAYERS), tokens, {"optim": state}
     if state == "resnet_batchnorm":
@@ -137,10 +142,16 @@ def main() -> None:
         use_cpu=True,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        eval_steps=opts.save_steps,
         **extra,
     )
+    evaluated = RandomTokens(8, SEQ_LEN, VOCAB) if "eval_strategy" in extra else None
     trainer = Trainer(
-        model=model, args=args, train_dataset=data, callbacks=[Progress(hold_at=-1, release="")]
+        model=model,
+        args=args,
+        train_dataset=data,
+        eval_dataset=evaluated,
+        callbacks=[Progress(hold_at=-1, release="")],
     )
     result = trainer.train(resume_from_checkpoint=opts.resume_from)
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
