@@ -1,7 +1,8 @@
 """Crashes: the whole pod SIGKILLed (a node lost) at random points — mid-step, mid-save (the
 Trainer's own), mid-write of an async save (background writer), mid-upload, mid-restore — ten
-times. Every restart resumes from the newest checkpoint committed
-in S3, never a partial one, and the job still ends with the weights of an uninterrupted run."""
+times on Ceph RGW (the real store), once at each point on moto. Every restart resumes from the
+newest checkpoint committed in S3, never a partial one, and the job still ends with the weights
+of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ SAVE = 4
 ARGS = ["--max-steps", str(TOTAL), "--save-steps", str(SAVE), "--hidden", "128", "--layers", "4"]
 SEED = 11
 KINDS = ["step", "save", "write", "upload", "restore"]
+KILLS = {"rgw": 10, "moto": len(KINDS)}
+"""Kills per store: moto, a fake, is there for speed; the real store takes every kind twice."""
 
 
 def put_from(bucket, step: int):
@@ -36,14 +39,14 @@ def put_from(bucket, step: int):
     return match
 
 
-def test_ten_sigkills_at_random_points_resume_from_the_newest_committed_checkpoint(
+def test_sigkills_at_random_points_resume_from_the_newest_committed_checkpoint(
     pods, s3_bucket, proxy, tmp_path
 ):
     straight = pods(ARGS, storage_uri=f"s3://{s3_bucket.name}/straight").start()
     assert straight.finish().trainer == 0, straight.output()
 
     rng = random.Random(SEED)
-    kinds = (KINDS * 3)[:10]
+    kinds = (KINDS * 3)[: KILLS[s3_bucket.server.name]]
     rng.shuffle(kinds)
     s3_env = s3_bucket.env({}, endpoint=proxy.url)
     release = tmp_path / "never"

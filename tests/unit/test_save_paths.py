@@ -71,6 +71,16 @@ def parts(writers: Any) -> SaveParts:
     return SaveParts(small, {"w": torch.ones(4)}, set, writers, lambda: None)
 
 
+def async_save(m: CheckpointManager, step: int, writers: Any) -> Any:
+    """An async save of `step` written by `writers`, handed over (on_save) and drained."""
+    save = m.begin_save(step)
+    assert save is not None
+    m.save_async(save, parts(writers))
+    m.saved(step)
+    m.drain()
+    return save
+
+
 def failing(exc: BaseException) -> Any:
     def writers(path: str, host: dict, threads: int, check: Any) -> list:
         def write() -> None:
@@ -119,11 +129,7 @@ def test_any_other_error_of_the_trainers_own_save_is_the_librarys_own(tmp_path, 
 
 def test_an_async_save_that_fails_is_removed_and_the_fast_paths_turn_off(tmp_path, hook_log):
     m = manager(tmp_path)
-    save = m.begin_save(5)
-    assert save is not None
-    m.save_async(save, parts(failing(RuntimeError("a bug in a fast path"))))
-    m.saved(5)
-    m.drain()
+    save = async_save(m, 5, failing(RuntimeError("a bug in a fast path")))
     assert save.state is State.ABANDONED
     assert not Path(m.checkpoint_dir(5)).exists()
     assert not m.async_on
@@ -134,11 +140,7 @@ def test_an_async_save_that_fails_is_removed_and_the_fast_paths_turn_off(tmp_pat
 
 def test_an_async_save_on_a_full_disk_keeps_the_fast_paths(tmp_path, hook_log):
     m = manager(tmp_path)
-    save = m.begin_save(5)
-    assert save is not None
-    m.save_async(save, parts(failing(ENOSPC)))
-    m.saved(5)
-    m.drain()
+    save = async_save(m, 5, failing(ENOSPC))
     assert save.state is State.ABANDONED
     assert not Path(m.checkpoint_dir(5)).exists()
     assert m.async_on
@@ -269,19 +271,11 @@ def test_a_serializers_own_error_on_a_full_disk_counts_as_a_full_disk(tmp_path, 
     m = manager(tmp_path)
     error = RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
     monkeypatch.setattr(memory, "free_bytes", lambda _path: 4096)
-    save = m.begin_save(5)
-    assert save is not None
-    m.save_async(save, parts(failing(error)))
-    m.saved(5)
-    m.drain()
+    save = async_save(m, 5, failing(error))
     assert save.outcome == "disk full"
     assert m.async_on
     monkeypatch.undo()
-    save = m.begin_save(10)
-    assert save is not None
-    m.save_async(save, parts(failing(error)))
-    m.saved(10)
-    m.drain()
+    save = async_save(m, 10, failing(error))
     assert save.outcome == "failed"
     assert not m.async_on
 
@@ -317,20 +311,11 @@ def test_parameters_an_optimizer_swaps_outside_its_step_are_copied_before_the_ne
     optimizer state still is. A plain optimizer's parameters are."""
     import types
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from integration.children.train_hf import tiny_llama
     from jitckpt_entrypoint.hook.snapshot import storage_key
     from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
 
-    config = LlamaConfig(
-        vocab_size=16,
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(16, 8, 1)
     params = {storage_key(p) for p in model.parameters()}
     moment = torch.zeros(3)
 
