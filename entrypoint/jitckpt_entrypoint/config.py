@@ -178,13 +178,13 @@ OPTIONS = (
         doc="`1`: the fast paths: a Trainer's periodic saves are snapshotted to host memory "
         "(what the next forward changes, such as BatchNorm statistics, on the training thread; "
         "weights and optimizer state meanwhile) and written (same files, same bytes) and "
-        "committed by a background thread; the JIT save uses the same writer on the training "
-        "thread, streaming GPU state through page-locked buffers. FSDP with a sharded state "
-        "dict: each rank's shards are staged by DCP and written by DCP in the background, the "
-        "JIT save is the Trainer's own. What they do not cover is the Trainer's own save, with "
+        "committed by a background thread; the JIT and final saves use the same writer on the "
+        "training thread, streaming GPU state through page-locked buffers. FSDP with a sharded "
+        "state dict: each rank's shards are staged by DCP and written by DCP in the background, "
+        "the JIT save is the Trainer's own. What they do not cover is the Trainer's own save, with "
         "one INFO line saying why: versions outside the tested range (README), a state the "
         "per-save probe refuses (tensor subclasses such as torchao's 8-bit optimizer states, "
-        "other devices), final saves, FSDP FULL_STATE_DICT, DeepSpeed, PEFT, Trainers that "
+        "other devices), FSDP FULL_STATE_DICT, DeepSpeed, PEFT, Trainers that "
         "override a save method, and snapshots of a node's ranks that do not fit in host "
         "memory (node or cgroup; one warning with the numbers). `0`: the Trainer's own save",
     ),

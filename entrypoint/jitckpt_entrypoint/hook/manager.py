@@ -120,7 +120,10 @@ class Save:
     blocked: float = 0.0
     """Seconds the training thread spent on it (save call, then waits for the copy)."""
     retry: Optional[Callable[[], object]] = None
-    """JIT saves written by a fast path: the Trainer's own save, should this one fail."""
+    """Saves written now by the fast path (JIT, final): the Trainer's own save, should this
+    one fail."""
+    vote: Optional[committer.Vote] = None
+    """What the commit learned of every rank (once committed or abandoned)."""
     after_commit: Optional[Callable[[], None]] = None
     ready: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set once the training thread is done with the save (`saved`, or a drain): what runs
@@ -342,8 +345,8 @@ class CheckpointManager:
                 where = path or self.checkpoint_dir(step)
                 save = Save(step, self._kind_of(step), where, time.time())
             seconds = self._commit(save)
-            if save.state is State.ABANDONED and save.retry is not None:
-                seconds = self._retry_jit(save)
+            if self._retries(save):
+                seconds = self._retry_own(save)
         if self._stop_step == step:
             self.finish_jit(step, seconds)
         # A SIGTERM that arrived during the save: once this step is committed (an async save
@@ -510,8 +513,10 @@ class CheckpointManager:
     def save_now(self, save: Save, parts: SaveParts, retry: Callable[[], object]) -> None:
         """Training thread, after `begin_save`: the same parts as `save_async`, written now
         from the live tensors (no copy; GPU state streams through direct_write's buffers), the
-        big files side by side. The JIT save; `saved` commits it, then runs `after_commit`;
-        should it fail on any rank, `retry` (the Trainer's own save) writes it again."""
+        big files side by side. The JIT and final saves; `saved` commits it, then runs
+        `after_commit`. Should it fail on any rank, `retry` (the Trainer's own save) writes it
+        again: a JIT save always, after what can be freed is freed; a final save when the
+        fast path failed, not for a full disk (training is over: it ends as it would have)."""
         from jitckpt_entrypoint.hook.writer import WRITERS, write_files
 
         save.after_commit, save.retry = parts.after_commit, retry
@@ -691,6 +696,7 @@ class CheckpointManager:
             outcome=save.outcome,
             control=control,
         )
+        save.vote = vote
         if vote.committed:
             with self._lock:
                 save.state = State.COMMITTED
@@ -755,8 +761,16 @@ class CheckpointManager:
                     "checkpoints are the Trainer's own save from now on: %s", reason
                 )
 
-    def _retry_jit(self, failed: Save) -> float:
-        """Collective: the JIT save written by a fast path failed somewhere; the Trainer's own
+    @staticmethod
+    def _retries(save: Save) -> bool:
+        """Whether an abandoned save written now by the fast path is written again (the same on
+        every rank: decided from the vote)."""
+        if save.state is not State.ABANDONED or save.retry is None or save.vote is None:
+            return False
+        return save.kind == "jit" or save.vote.any(FAILED)
+
+    def _retry_own(self, failed: Save) -> float:
+        """Collective: a save written now by the fast path failed somewhere; the Trainer's own
         save writes it again, after uncommitted directories are freed."""
         retry, failed.retry = failed.retry, None
         self._make_room(failed.step, force=True)

@@ -76,7 +76,7 @@ def patch(module: ModuleType) -> None:
         if save is None:
             return None  # committed already (epoch-end saves repeat the final step)
         own = functools.partial(original_save, self, model, trial, *args, **kwargs)
-        if manager.async_on and trial is None and save.kind in ("periodic", "jit"):
+        if manager.async_on and trial is None:
             if not getattr(self, "is_fsdp_enabled", False):
                 return _save_ours(manager, self, save, own)
             # FSDP: a JIT save is the Trainer's own, here and now
@@ -108,8 +108,8 @@ def _save_ours(
 ) -> None:
     """The Trainer's checkpoint of this step in its own files and format, written by the
     manager's writer: in the background (periodic), or here and now (JIT: nothing else runs
-    between the agreed step and the commit). A state the fast paths do not cover (fastpath.py,
-    probed on every rank) is the Trainer's own save, `own`."""
+    between the agreed step and the commit; final: nothing runs after it). A state the fast
+    paths do not cover (fastpath.py, probed on every rank) is the Trainer's own save, `own`."""
     from jitckpt_entrypoint.hook import fastpath
     from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
 
@@ -130,10 +130,10 @@ def _save_ours(
             rotate_checkpoints(trainer, ckpt.run_dir)
 
     parts = SaveParts(ckpt.write_small, tensors, ckpt.deferrable, ckpt.writers, after_commit)
-    if save.kind == "jit":
-        manager.save_now(save, parts, own)
-    else:
+    if save.kind == "periodic":
         manager.save_async(save, parts)
+    else:
+        manager.save_now(save, parts, own)
 
 
 def _save_fsdp(
