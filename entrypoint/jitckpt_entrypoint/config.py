@@ -169,7 +169,9 @@ OPTIONS = (
         BOOLEAN,
         "1 = resume from the newest committed checkpoint",
         doc="`Trainer.train()` (and `latest_checkpoint()`) resume from the newest committed "
-        "checkpoint",
+        "checkpoint; `0` starts over: a new lineage that the restore prefers, the earlier "
+        "run's local checkpoints removed (moved aside without S3); see "
+        "[the S3 prefix](docs/operations.md#the-s3-prefix-and-the-bucket)",
     ),
     Option(
         "async_save",

@@ -154,6 +154,8 @@ class _Store:
     """The transfer client every part of this process uses (upload, restore, retention)."""
     checksums_refused: Optional[str]
     """The error code with which the store refused flexible checksums, when it did."""
+    notes: list[str]
+    """Warnings about the bucket (versioning, Object Lock: retention frees no bytes)."""
 
 
 def _connect(cfg: Config, logger: logging.Logger, *, announce: bool = True) -> _Store:
@@ -185,7 +187,12 @@ def _connect(cfg: Config, logger: logging.Logger, *, announce: bool = True) -> _
         logger.info("%s", s3.checksum_note(cfg, refused))
     pool = max(cfg.upload_concurrency, cfg.download_concurrency) + 4
     checksums = s3.WHEN_REQUIRED if refused else None
-    return _Store(s3.make_client(cfg, session, pool=pool, checksums=checksums), refused)
+    client = s3.make_client(cfg, session, pool=pool, checksums=checksums)
+    notes = s3.retention_notes(client, cfg)
+    if announce:
+        for note in notes:
+            logger.warning("%s", note)
+    return _Store(client, refused, notes)
 
 
 def run_main(argv: list[str]) -> int:
@@ -257,4 +264,6 @@ def _check(cfg: Config, logger: logging.Logger) -> int:
     print(f"{PROG}: ok: {cfg.uri} at {s3.endpoint_of(cfg)}: list, write, read and delete work")
     if store.checksums_refused:
         print(f"{PROG}: note: {s3.checksum_note(cfg, store.checksums_refused)}")
+    for note in store.notes:
+        print(f"{PROG}: warning: {note}")
     return 0

@@ -1,17 +1,32 @@
-"""Restore the newest checkpoint committed in S3 into `JITCKPT_DIR/checkpoints/`.
+"""Restore the newest checkpoint committed in S3 into `JITCKPT_DIR/checkpoints/`, the same one
+on every node.
 
-Candidates are tried newest first. One that is not committed in S3 (a node's manifest missing,
-an object missing or short) is skipped after a listing; one whose download fails verification
-(size or checksum, or an object deleted meanwhile) is discarded and the next older one is
-tried. Transport errors are not a reason to fall back: falling back to an older checkpoint on
-a network blip would silently lose progress. Transient ones (5xx, throttling, resets, timeouts
-that outlast botocore's own retries) restart the restore after a backoff, for up to
-RESTORE_PATIENCE seconds; others, and transient ones past that, fail it.
+Which one: node 0's manifest of every checkpoint is read (`Remote.heads`, in parallel), and the
+candidates go by run, then step: the newest-born lineage first (a run started over on the
+prefix with JITCKPT_RESUME=0 wins over the earlier run's higher steps), its highest step
+first. The first one committed in S3 (one save on every node: validity.s3_problems) is chosen.
 
-Files are downloaded into `checkpoints/.jitckpt-restore-<step>-<pid>/` (a name the trainer's
-resume never considers), every file named by the manifests (the union; each checked against
-its owner's entry), then every manifest is written, last, and the directory is renamed to
-`checkpoint-<step>`: the trainer sees either nothing or a committed checkpoint.
+One round, one step. The nodes of a job restore at different moments, while a node of the
+previous round may still be uploading or pruning. The first restore of a round writes a pin
+(`jitckpt-restore-pin.json` at the top of the prefix: step, save id, lineage, time). A restore
+that finds a pin younger than PIN_HOLD, with no save made after it, takes the pinned checkpoint
+instead of choosing, and retention leaves a pinned checkpoint alone. A save made after the pin
+means training resumed from it: that round is over, and the restore chooses afresh. If the
+pinned checkpoint is gone, the restore never falls back below it (another node restored it):
+it lists again until RESTORE_PATIENCE runs out, then fails.
+
+An object that vanished or changed (404, or 412 for the ETag the listing gave) makes the
+restore list again: retention or a re-save changed S3 under it, and an older checkpoint is not
+the answer. A file that fails its checksum does too; a checkpoint whose file fails it twice is
+corrupt and passed over. Transport errors are not a reason to fall back either: transient ones
+(5xx, throttling, resets, timeouts that outlast botocore's own retries) restart the restore
+after a backoff with jitter, until RESTORE_PATIENCE seconds pass without progress. Files already
+downloaded and verified are kept and not fetched again. Other errors fail it.
+
+Files are downloaded into `checkpoints/.jitckpt-restore-<step>-<save id>/` (a name the
+trainer's resume never considers) and each is checked against its owner's entry; then the
+files and directories are fsynced, the save's manifests written, last, and the directory
+renamed to `checkpoint-<step>`: the trainer sees either nothing or a committed checkpoint.
 """
 
 from __future__ import annotations
@@ -19,27 +34,40 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 import shutil
 import time
 from typing import Any, Callable, Optional
 
-from jitckpt_entrypoint.protocol import atomic, validity
+from jitckpt_entrypoint.protocol import atomic, durable, validity
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
-from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name
+from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name, checkpoint_steps
 from jitckpt_sidecar import checksum, transfers
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.errors import SidecarError
-from jitckpt_sidecar.remote import Remote
+from jitckpt_sidecar.remote import Pin, Remote
 from jitckpt_sidecar.s3 import describe, error_code, is_storage_error, is_transient
 
 TEMP_PREFIX = ".jitckpt-restore-"
 RESTORE_PATIENCE = 120.0
-"""Seconds of transient S3 failures a restore rides out before it fails."""
+"""Seconds without progress a restore rides out (transient S3 failures, a pin gone) before it
+fails."""
+MAX_RELISTS = 20
+"""Listings in a row that S3 changed under (vanished objects) before the restore gives up."""
+_CHANGED = ("404", "NoSuchKey", "412", "PreconditionFailed")
 
 
 class VerificationError(SidecarError):
-    """A downloaded file does not match its manifest entry (or vanished from S3)."""
+    """A downloaded file does not match its manifest entry."""
+
+
+class ChangedError(SidecarError):
+    """S3 changed under the restore (an object vanished or was replaced): list again."""
+
+
+class PinnedGoneError(SidecarError):
+    """The checkpoint another node's restore pinned is gone, and nothing newer is committed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +80,11 @@ class RestoreResult:
     seconds: float = 0.0
 
 
+def _key(manifest: m.Manifest) -> tuple[str, int]:
+    """The restore's order: the newest-born run first, then its highest step."""
+    return (manifest.lineage, manifest.step)
+
+
 class Restorer:
     def __init__(
         self,
@@ -62,10 +95,10 @@ class Restorer:
         logger: logging.Logger,
         *,
         monotonic: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
         on_retry: Callable[[], None] = lambda: None,
     ) -> None:
-        self.sleep, self.on_retry = sleep, on_retry
         self.client, self.remote, self.cfg, self.layout, self.log = (
             client,
             remote,
@@ -73,26 +106,52 @@ class Restorer:
             layout,
             logger,
         )
-        self.monotonic = monotonic
+        self.monotonic, self.clock, self.sleep, self.on_retry = monotonic, clock, sleep, on_retry
         self._config = transfers.download_config(cfg)
+        self._moved = 0
+        """Bytes downloaded by every attempt so far (progress resets the patience)."""
+        self._verified: dict[str, set[tuple[str, Optional[str]]]] = {}
+        """Temp directory -> (path, checksum) of the files in it already verified (kept across
+        attempts)."""
+        self._failed: dict[tuple[int, str], int] = {}
+        """(step, save id) -> checksum failures: twice, and the checkpoint is passed over."""
 
     def run(self, cancel: Callable[[], Optional[str]] = lambda: None) -> RestoreResult:
         deadline = self.monotonic() + RESTORE_PATIENCE
-        delay = 1.0
+        delay, moved, relists = 1.0, 0, 0
         while True:
             try:
                 return self._run_once(cancel)
+            except ChangedError as exc:
+                relists += 1
+                if relists > MAX_RELISTS:
+                    raise SidecarError(f"S3 kept changing during the restore: {exc}") from None
+                self.log.info("%s; listing again", exc)
+                continue
             except Exception as exc:
-                if not (is_storage_error(exc) and is_transient(exc)):
-                    raise
-                if self.monotonic() + delay > deadline:
-                    raise
-                self.log.warning(
-                    "restore interrupted: %s; starting it again in %.0f s",
-                    describe(exc, self.cfg, "the restore", str(self.remote.uri)),
-                    delay,
+                transient = isinstance(exc, PinnedGoneError) or (
+                    is_storage_error(exc) and is_transient(exc)
                 )
-                self._pause(delay, cancel)
+                if not transient:
+                    raise
+                if self._moved > moved:  # patience counts from the last progress
+                    moved, delay = self._moved, 1.0
+                    deadline = self.monotonic() + RESTORE_PATIENCE
+                wait = delay * random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not secrecy
+                if self.monotonic() + wait > deadline:
+                    raise
+                reason = (
+                    str(exc)
+                    if isinstance(exc, PinnedGoneError)
+                    else describe(exc, self.cfg, "the restore", str(self.remote.uri))
+                )
+                self.log.warning(
+                    "restore interrupted: %s; trying again in %.1f s (%s of it kept)",
+                    reason,
+                    wait,
+                    f"{self._moved / transfers.MB:.0f} MB",
+                )
+                self._pause(wait, cancel)
                 self.on_retry()
                 delay = min(delay * 2, 15.0)
 
@@ -107,90 +166,222 @@ class Restorer:
     def _run_once(self, cancel: Callable[[], Optional[str]]) -> RestoreResult:
         started = self.monotonic()
         self.layout.ensure()
-        self._remove_leftovers()
-        local = validity.newest_committed(self.layout.checkpoints)
-        for step in reversed(self.remote.steps()):
-            if local is not None and step <= local:
-                break
-            ckpt = self.remote.load(step)
-            found = validity.s3_problems(ckpt)
-            if found:
-                self.log.info(
-                    "skipping %s in S3: not committed (%s)", checkpoint_name(step), found[0]
-                )
-                continue
-            try:
-                result = self._download(ckpt, cancel)
-            except VerificationError as exc:
-                self.log.warning(
-                    "discarding %s from S3: %s; trying an older one", checkpoint_name(step), exc
-                )
-                continue
-            self.remote.remember(ckpt)
-            return result
+        local = self._newest_local()
+        chosen = self._choose()
+        self._remove_leftovers(keep=None if chosen is None else self._temp_dir(chosen))
+        if chosen is not None and (
+            local is None
+            or _key(local) < (chosen.lineage or "", chosen.step)
+            or (
+                _key(local) == (chosen.lineage or "", chosen.step)
+                and local.save_id != chosen.save_id
+            )
+        ):  # a local copy of another save of the chosen step is replaced: nodes load one save
+            return self._download(chosen, cancel)
+        self._remove_leftovers(keep=None)
         seconds = self.monotonic() - started
         if local is not None:
             self.log.info(
                 "local %s is committed and at least as new as S3's; nothing to download",
-                checkpoint_name(local),
+                checkpoint_name(local.step),
             )
-            return RestoreResult("local", local, seconds=seconds)
+            return RestoreResult("local", local.step, seconds=seconds)
         self.log.info("no committed checkpoint in %s; starting fresh", self.remote.uri)
         return RestoreResult("none", seconds=seconds)
 
-    def _remove_leftovers(self) -> None:
-        """Temp directories of a restore that was killed."""
+    # -- which checkpoint --
+
+    def _newest_local(self) -> Optional[m.Manifest]:
+        """Node 0's manifest of the newest committed local checkpoint, in the restore's order."""
+        found = []
+        for step in checkpoint_steps(self.layout.checkpoints):
+            save = validity.committed(self.layout.checkpoint_dir(step))
+            if save is not None:
+                found.append(save[0])
+        return max(found, key=_key, default=None)
+
+    def _choose(self) -> Optional[validity.RemoteCheckpoint]:
+        """The checkpoint this round restores (pinned, or chosen and pinned), or None."""
+        steps = self.remote.steps()
+        heads = self.remote.heads(steps)
+        pin = self.remote.pinned(self.clock())
+        if pin is not None and any(h.created_at > pin.pinned_at for h in heads.values()):
+            pin = None  # training saved after it: that round is over
+        if pin is not None and self._failed.get((pin.step, pin.save_id), 0) >= 2:
+            # Its object in S3 fails the checksum: no node can have restored it, so there is no
+            # floor to keep.
+            pin = None
+        if pin is not None:
+            ckpt = self.remote.load(pin.step)
+            if ckpt.committed and ckpt.save_id == pin.save_id:
+                self.log.info(
+                    "restoring %s: pinned by the first restore of this round, %.0f s ago",
+                    checkpoint_name(pin.step),
+                    self.clock() - pin.pinned_at,
+                )
+                return ckpt
+        best = self._best(heads, floor=None if pin is None else (pin.lineage, pin.step))
+        if best is None:
+            if pin is not None:
+                raise PinnedGoneError(
+                    f"{checkpoint_name(pin.step)}, which another node restored, is no longer "
+                    "committed in S3 and nothing newer is; not falling back below it"
+                )
+            return None
+        for step in sorted(set(steps) - set(heads), reverse=True):
+            if step > best.step:
+                self.log.info(
+                    "skipping %s in S3: not committed (no manifest of node 0)",
+                    checkpoint_name(step),
+                )
+        self._say_passed_over(heads, best)
+        try:
+            written = self.remote.pin(best, self.clock())
+        except Exception as exc:
+            if is_storage_error(exc) and is_transient(exc):
+                raise
+            self.log.warning(
+                "cannot pin %s for the other nodes' restores (%s); restoring it unpinned",
+                checkpoint_name(best.step),
+                describe(exc, self.cfg, "PutObject", str(self.remote.uri)),
+            )
+            return best
+        again = self.remote.pinned(self.clock())
+        if again is not None and (again.step, again.save_id) != (written.step, written.save_id):
+            return self._follow(again) or best
+        return best
+
+    def _best(
+        self, heads: dict[int, m.Manifest], floor: Optional[tuple[str, int]]
+    ) -> Optional[validity.RemoteCheckpoint]:
+        for head in sorted(heads.values(), key=_key, reverse=True):
+            if floor is not None and _key(head) < floor:
+                break
+            if self._failed.get((head.step, head.save_id), 0) >= 2:
+                continue
+            ckpt = self.remote.load(head.step)
+            found = validity.s3_problems(ckpt)
+            if found:
+                self.log.info(
+                    "skipping %s in S3: not committed (%s)", checkpoint_name(head.step), found[0]
+                )
+                continue
+            return ckpt
+        return None
+
+    def _follow(self, pin: Pin) -> Optional[validity.RemoteCheckpoint]:
+        """Another node pinned at the same moment: take its choice when it is committed."""
+        ckpt = self.remote.load(pin.step)
+        if ckpt.committed and ckpt.save_id == pin.save_id:
+            self.log.info(
+                "another node pinned %s at the same moment: restoring that one",
+                checkpoint_name(pin.step),
+            )
+            return ckpt
+        return None
+
+    def _say_passed_over(
+        self, heads: dict[int, m.Manifest], best: validity.RemoteCheckpoint
+    ) -> None:
+        """One line when S3 also holds an earlier run's checkpoints (not restored)."""
+        others = sorted(
+            {h.lineage for h in heads.values() if h.lineage != (best.lineage or "")},
+            reverse=True,
+        )
+        if not others:
+            return
+        newest = max(h.step for h in heads.values() if h.lineage == others[0])
+        self.log.info(
+            "%s also holds checkpoints of %d other run(s) (e.g. lineage %s, up to %s): not "
+            "restored; %s is of the newest run (lineage %s)",
+            self.remote.uri,
+            len(others),
+            others[0] or "from before lineages",
+            checkpoint_name(newest),
+            checkpoint_name(best.step),
+            best.lineage or "from before lineages",
+        )
+
+    # -- the download --
+
+    def _temp_dir(self, ckpt: validity.RemoteCheckpoint) -> str:
+        tag = (ckpt.save_id or "v1")[:16]
+        return os.path.join(self.layout.checkpoints, f"{TEMP_PREFIX}{ckpt.step}-{tag}")
+
+    def _remove_leftovers(self, keep: Optional[str]) -> None:
+        """Temp directories of other restores (a killed sidecar's, an earlier choice's)."""
         for name in os.listdir(self.layout.checkpoints):
-            if name.startswith(TEMP_PREFIX):
-                shutil.rmtree(os.path.join(self.layout.checkpoints, name), ignore_errors=True)
+            path = os.path.join(self.layout.checkpoints, name)
+            if name.startswith(TEMP_PREFIX) and path != keep:
+                shutil.rmtree(path, ignore_errors=True)
+                self._verified.pop(path, None)
 
     def _download(
         self, ckpt: validity.RemoteCheckpoint, cancel: Callable[[], Optional[str]]
     ) -> RestoreResult:
         started = self.monotonic()
         name = checkpoint_name(ckpt.step)
-        tmp = os.path.join(self.layout.checkpoints, f"{TEMP_PREFIX}{ckpt.step}-{os.getpid()}")
+        save = ckpt.save
+        if save is None:
+            raise ChangedError(f"{name} is no longer committed in S3")
+        tmp = self._temp_dir(ckpt)
         files = sorted(ckpt.files().values(), key=lambda e: e.size, reverse=True)
         total = sum(e.size for e in files)
+        os.makedirs(tmp, exist_ok=True)
+        verified = self._verified.setdefault(tmp, set())
+        todo = [e for e in files if not self._kept(tmp, e, verified)]
+        kept = total - sum(e.size for e in todo)
         self.log.info(
-            "restoring %s from %s: %d files, %.1f MB",
+            "restoring %s from %s: %d files, %.1f MB%s",
             name,
             self.remote.uri,
             len(files),
             total / transfers.MB,
+            f" ({kept / transfers.MB:.1f} MB already here)" if kept else "",
         )
-        progress = transfers.Progress(f"restoring {name}", total, self.log, clock=self.monotonic)
+        progress = transfers.Progress(
+            f"restoring {name}", total - kept, self.log, clock=self.monotonic
+        )
         try:
-            os.makedirs(tmp)
             with transfers.manager(self.client, self._config) as tm:
                 batch = transfers.Batch(progress)
-                for entry in files:
+                for entry in todo:
                     dest = os.path.join(tmp, entry.path)
                     os.makedirs(os.path.dirname(dest), exist_ok=True)
                     tm.download(
                         self.remote.uri.bucket,
                         self.remote.key(ckpt.step, entry.path),
                         dest,
-                        subscribers=[batch.subscriber(entry.size, _verifier(dest, entry))],
+                        subscribers=[
+                            batch.subscriber(
+                                entry.size,
+                                self._verifier(ckpt, dest, entry, verified),
+                                etag=ckpt.etags.get(entry.path),
+                            )
+                        ],
                     )
                 try:
                     batch.wait(cancel)
                 except Exception as exc:
-                    if error_code(exc) in ("404", "NoSuchKey"):
-                        raise VerificationError(
-                            f"an object vanished during the download ({exc})"
+                    if error_code(exc) in _CHANGED:
+                        raise ChangedError(
+                            f"an object of {name} vanished or changed during the download "
+                            f"({error_code(exc)})"
                         ) from None
                     raise
-            for node in sorted(ckpt.manifests):  # the commit: manifests after every file
-                m.write_manifest(tmp, ckpt.manifests[node])
-            final = self.layout.checkpoint_dir(ckpt.step)
-            if os.path.lexists(final):  # an uncommitted leftover (a committed one is newer)
-                remove_checkpoint(final)
-            os.rename(tmp, final)
-            atomic.fsync_dir(self.layout.checkpoints)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        finally:
+            self._moved += progress.moved
+        _remove_unlisted(tmp, {e.path for e in files})
+        durable.sync_tree(tmp)  # the data before the manifests (the commit's rule)
+        for node in sorted(save):  # the commit: manifests after every file
+            m.write_manifest(tmp, save[node])
+        final = self.layout.checkpoint_dir(ckpt.step)
+        if os.path.lexists(final):  # an uncommitted leftover, or an older save of the step
+            remove_checkpoint(final)
+        os.rename(tmp, final)
+        atomic.fsync_dir(self.layout.checkpoints)
+        self._verified.pop(tmp, None)
+        self.remote.remember(ckpt)
         seconds = self.monotonic() - started
         self.log.info(
             "restored %s: %d files, %.1f MB in %.1f s (%s)",
@@ -198,19 +389,59 @@ class Restorer:
             len(files),
             total / transfers.MB,
             seconds,
-            transfers.rate(total, seconds),
+            transfers.rate(total - kept, seconds),
         )
         return RestoreResult("s3", ckpt.step, len(files), total, seconds)
 
+    def _kept(self, tmp: str, entry: m.FileEntry, verified: set[tuple[str, Optional[str]]]) -> bool:
+        """Whether `entry`'s file is already in `tmp`, whole and verified (an earlier attempt's,
+        or a killed sidecar's: then its checksum is checked once more)."""
+        if (entry.path, entry.checksum) in verified:
+            return True
+        path = os.path.join(tmp, entry.path)
+        try:
+            if os.stat(path).st_size != entry.size:
+                return False
+        except OSError:
+            return False
+        if entry.checksum is not None and checksum.matches(path, entry.checksum):
+            verified.add((entry.path, entry.checksum))
+            return True
+        return False
 
-def _verifier(path: str, entry: m.FileEntry) -> Callable[[], None]:
-    def verify() -> None:
-        size = os.stat(path).st_size
-        if size != entry.size:
-            raise VerificationError(
-                f"{entry.path} has {size} bytes, its manifest says {entry.size}"
-            )
-        if entry.checksum is None or not checksum.matches(path, entry.checksum):
-            raise VerificationError(f"{entry.path} does not match its checksum {entry.checksum}")
+    def _verifier(
+        self,
+        ckpt: validity.RemoteCheckpoint,
+        path: str,
+        entry: m.FileEntry,
+        verified: set[tuple[str, Optional[str]]],
+    ) -> Callable[[], None]:
+        def verify() -> None:
+            size = os.stat(path).st_size
+            wrong = None
+            if size != entry.size:
+                wrong = f"{entry.path} has {size} bytes, its manifest says {entry.size}"
+            elif entry.checksum is None or not checksum.matches(path, entry.checksum):
+                wrong = f"{entry.path} does not match its checksum {entry.checksum}"
+            if wrong is None:
+                verified.add((entry.path, entry.checksum))
+                return
+            os.unlink(path)
+            failed = (ckpt.step, ckpt.save_id or "")
+            self._failed[failed] = self._failed.get(failed, 0) + 1
+            if self._failed[failed] >= 2:
+                self.log.warning(
+                    "discarding %s from S3: %s, twice; trying an older one",
+                    checkpoint_name(ckpt.step),
+                    wrong,
+                )
+            raise ChangedError(f"{checkpoint_name(ckpt.step)}: {wrong}")
 
-    return verify
+        return verify
+
+
+def _remove_unlisted(directory: str, paths: set[str]) -> None:
+    """Delete files in `directory` that are not in `paths` (a killed transfer's temp files)."""
+    for rel in m.list_files(directory):
+        if rel not in paths:
+            os.unlink(os.path.join(directory, rel))

@@ -1,5 +1,11 @@
 """S3 retention: keep the newest JITCKPT_S3_KEEP committed checkpoints, delete older ones.
 
+Retention counts the checkpoints of one run (the lineage of what this sidecar uploads) and
+never deletes another run's committed checkpoints: a run started over on the prefix
+(JITCKPT_RESUME=0) leaves the earlier run's checkpoints where they are (the restore prefers the
+newer run; delete them by hand). Nor the checkpoint a restore pinned within the last
+PIN_HOLD seconds: other nodes may be restoring it right now.
+
 Deletion goes manifests first (`Remote.delete`), so a half-deleted checkpoint is never
 committed and never restored. The newest committed checkpoint is never deleted (keep >= 1).
 Uncommitted leftovers older than the oldest kept checkpoint (an upload whose pod died) go too:
@@ -13,6 +19,7 @@ from typing import Callable
 
 from jitckpt_entrypoint.protocol.layout import checkpoint_name
 from jitckpt_sidecar.remote import Remote
+from jitckpt_sidecar.uploader import saved_at
 
 
 class Retention:
@@ -25,21 +32,37 @@ class Retention:
     ) -> None:
         self.remote, self.keep, self.log, self.on_deleted = remote, keep, logger, on_deleted
 
-    def doomed(self) -> list[int]:
-        """Steps retention deletes now, oldest first."""
+    def doomed(self, lineage: str) -> list[int]:
+        """Steps retention deletes now for run `lineage`, oldest first: its committed
+        checkpoints but the `keep` saved last (by save time, not step: an abandoned attempt's
+        higher step is not the newest), and uncommitted leftovers below the oldest kept step."""
         if self.keep <= 0:
             return []
         steps = self.remote.steps()
-        committed = [s for s in steps if self.remote.committed(s) is not None]
-        if len(committed) <= self.keep:
+        ckpts = {s: self.remote.committed(s) for s in steps}
+        mine = {s: c for s, c in ckpts.items() if c is not None and c.lineage == lineage}
+        if len(mine) <= self.keep:
             return []
-        kept = committed[-self.keep :]
-        return [s for s in steps if s < kept[0]]
+        kept = set(sorted(mine, key=lambda s: saved_at(mine[s]))[-self.keep :])
+        pinned = self.remote.pinned()
+        return [
+            s
+            for s in steps
+            if s not in kept
+            and (s in mine or (ckpts[s] is None and s < min(kept)))
+            and (pinned is None or pinned.step != s)
+        ]
 
-    def apply(self) -> list[int]:
-        """Delete what `doomed` names; returns the steps deleted."""
+    def apply(self, lineage: str) -> list[int]:
+        """Delete what `doomed` names; returns the steps deleted. A committed one is looked at
+        again first (not from the cache): another node may have saved the step anew since."""
         deleted = []
-        for step in self.doomed():
+        for step in self.doomed(lineage):
+            cached = self.remote.committed(step)
+            if cached is not None:
+                now = self.remote.committed(step, refresh=True)
+                if now is None or now.save_id != cached.save_id:
+                    continue
             objects = self.remote.delete(step)
             deleted.append(step)
             self.on_deleted(step)

@@ -204,6 +204,37 @@ def _probe_once(client: Any, cfg: Config, checksums: Optional[str]) -> None:
         )
 
 
+def retention_notes(client: Any, cfg: Config) -> list[str]:
+    """One line each when the bucket keeps what is deleted (versioning, Object Lock): then
+    JITCKPT_S3_KEEP retention and withdrawn re-saves free no bytes. Best effort: a store or a
+    policy that refuses the question gets no line."""
+    bucket = cfg.uri.bucket
+    notes = []
+    try:
+        versioning = client.get_bucket_versioning(Bucket=bucket).get("Status")
+    except Exception as exc:  # noqa: BLE001 - s3:GetBucketVersioning is not a permission we need
+        log.debug("cannot read the versioning of bucket %s: %s", bucket, exc)
+        versioning = None
+    if versioning in ("Enabled", "Suspended"):
+        notes.append(
+            f"bucket {bucket!r} has versioning {versioning}: checkpoints that retention deletes "
+            "(JITCKPT_S3_KEEP) or a re-save replaces stay stored as noncurrent versions; add a "
+            "lifecycle rule that expires them (docs/operations.md, Bucket settings)"
+        )
+    try:
+        lock = client.get_object_lock_configuration(Bucket=bucket)
+        locked = lock.get("ObjectLockConfiguration", {}).get("ObjectLockEnabled") == "Enabled"
+    except Exception as exc:  # noqa: BLE001 - most buckets have none: the store answers an error
+        log.debug("no Object Lock configuration for bucket %s: %s", bucket, exc)
+        locked = False
+    if locked:
+        notes.append(
+            f"bucket {bucket!r} has Object Lock: deleted checkpoints stay stored until their "
+            "retention period ends, so JITCKPT_S3_KEEP frees no bytes before then"
+        )
+    return notes
+
+
 def checksum_note(cfg: Config, refused: str) -> str:
     """The one line that says the probe switched to checksums "when required"."""
     return (

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 from prometheus_client import CollectorRegistry
 
-from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.protocol import status, validity
 from jitckpt_entrypoint.protocol.layout import FINAL_NAME, Layout, checkpoint_name
 from jitckpt_sidecar import memory, s3, sizing, staging, transfers
 from jitckpt_sidecar.backlog import Backlog
@@ -42,7 +42,7 @@ from jitckpt_sidecar.retention import Retention
 from jitckpt_sidecar.server import MetricsServer
 from jitckpt_sidecar.staging import Staged
 from jitckpt_sidecar.status_feed import StatusFeed
-from jitckpt_sidecar.uploader import Uploader, superseded
+from jitckpt_sidecar.uploader import StaleSaveError, Uploader, superseded
 from jitckpt_sidecar.watcher import Watcher
 
 DRAIN_POLL = 0.5
@@ -371,23 +371,23 @@ class Service:
             self.backlog.retry(staged, self.cfg.rescan_seconds)
             return
         try:
-            newer = superseded(self.remote, staged.step, self.cfg.s3_keep)
+            newer = superseded(self.remote, staged.manifest, self.cfg.s3_keep)
         except Exception as exc:  # noqa: BLE001 - an unknown answer means upload it
             self.log.debug("cannot tell whether %s is superseded: %s", staged.name, exc)
             newer = None
         if newer:
-            self.log.info(
-                "skipping %s: %s newer and committed in S3, so JITCKPT_S3_KEEP=%d would delete it",
-                staged.name,
-                ", ".join(checkpoint_name(s) for s in newer),
-                self.cfg.s3_keep,
+            names = ", ".join(checkpoint_name(s) for s in newer)
+            self._skip(
+                staged,
+                f"{names} newer and committed in S3, so JITCKPT_S3_KEEP={self.cfg.s3_keep} "
+                "would delete it",
             )
-            self.metrics.uploads.skipped()
-            staging.remove(staged)
-            self.backlog.done(staged)
             return
         try:
             report = self.uploader.upload(staged, cancel=lambda: self._cancel_reason(staged))
+        except StaleSaveError as exc:
+            self._skip(staged, str(exc))
+            return
         except transfers.TransferCancelledError as exc:
             self.log.info("paused the upload of %s: %s", staged.name, exc)
             if self._preempt_for is not None and self._preempt_for > staged.step:
@@ -436,7 +436,7 @@ class Service:
         self.backlog.done(staged)
         self.pruner.forget()
         try:
-            self.retention.apply()
+            self.retention.apply(staged.manifest.lineage)
         except Exception as exc:  # noqa: BLE001 - retention is retried after the next upload
             self.log.warning(
                 "retention failed (retried after the next upload): %s",
@@ -444,6 +444,13 @@ class Service:
             )
         memory.trim()
         self.wake()  # pruning may now delete what just became safe to delete
+
+    def _skip(self, staged: Staged, why: str) -> None:
+        """Do not upload `staged`, on purpose: counted, its staged links removed."""
+        self.log.info("skipping %s: %s", staged.name, why)
+        self.metrics.uploads.skipped()
+        staging.remove(staged)
+        self.backlog.done(staged)
 
     def _cancel_reason(self, staged: Staged) -> Optional[str]:
         if self._stop.is_set():
@@ -464,11 +471,16 @@ class Service:
     # -- helpers --
 
     def _in_s3(self, step: int, node: Optional[int]) -> bool:
-        """Asked before deleting a local copy: S3 holds this node's part of it now, or
-        JITCKPT_S3_KEEP retention has superseded it there."""
+        """Asked before deleting a local copy: S3 holds this node's part of this very save of
+        it now, or JITCKPT_S3_KEEP retention has superseded it there (by newer checkpoints of
+        the same run)."""
+        save = validity.committed(self.layout.checkpoint_dir(step), node)
+        if save is None:
+            return False
+        local = save.get(0 if node is None else node, save[0])
         try:
-            return self.remote.holds(step, node) or bool(
-                superseded(self.remote, step, self.cfg.s3_keep)
+            return self.remote.holds(step, node, local.save_id) or bool(
+                superseded(self.remote, local, self.cfg.s3_keep)
             )
         except Exception as exc:  # noqa: BLE001 - unknown means no: never delete what S3 may not hold
             self.log.debug("cannot tell whether %s is in S3: %s", checkpoint_name(step), exc)

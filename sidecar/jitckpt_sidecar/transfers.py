@@ -118,12 +118,17 @@ class Batch:
         self._errors: list[BaseException] = []
 
     def subscriber(
-        self, size: Optional[int] = None, after: Optional[Callable[[], None]] = None
+        self,
+        size: Optional[int] = None,
+        after: Optional[Callable[[], None]] = None,
+        etag: Optional[str] = None,
     ) -> _Subscriber:
-        """A subscriber for one transfer; `after` runs (in a transfer thread) once it is done."""
+        """A subscriber for one transfer; `after` runs (in a transfer thread) once it is done.
+        A download given the object's `size` and `etag` (from the listing) sends no HeadObject,
+        and its ranged GETs ask for exactly that object (If-Match)."""
         with self._cond:
             self._pending += 1
-        return _Subscriber(self, size, after)
+        return _Subscriber(self, size, after, etag)
 
     def fail(self, exc: BaseException) -> None:
         with self._cond:
@@ -157,13 +162,20 @@ class _Subscriber:
     """s3transfer calls on_queued / on_progress / on_done (duck-typed, like BaseSubscriber)."""
 
     def __init__(
-        self, batch: Batch, size: Optional[int], after: Optional[Callable[[], None]]
+        self,
+        batch: Batch,
+        size: Optional[int],
+        after: Optional[Callable[[], None]],
+        etag: Optional[str] = None,
     ) -> None:
-        self.batch, self.size, self.after = batch, size, after
+        self.batch, self.size, self.after, self.etag = batch, size, after, etag
 
     def on_queued(self, future: Any, **_: Any) -> None:
-        if self.size is not None:  # spares the HeadObject a download would otherwise send
+        # A download sends a HeadObject unless it knows both (s3transfer >= 0.11 wants the ETag).
+        if self.size is not None:
             future.meta.provide_transfer_size(self.size)
+        if self.etag and hasattr(future.meta, "provide_object_etag"):  # s3transfer >= 0.11
+            future.meta.provide_object_etag(self.etag)
 
     def on_progress(self, bytes_transferred: int, **_: Any) -> None:
         self.batch.progress.add(bytes_transferred)

@@ -60,10 +60,14 @@ def commit(
     kind: str = "periodic",
     staged: bool = True,
     save_seconds: float = 1.0,
+    save_id: Optional[str] = None,
+    lineage: str = "L1",
 ) -> dict[int, m.Manifest]:
     """Commit checkpoint-<step> on every node (roots[k] is node k's JITCKPT_DIR, files[k] what
-    node k's ranks saved); returns each node's own manifest as written."""
+    node k's ranks saved) as one save (`save_id`, a new one by default) of run `lineage`;
+    returns each node's own manifest as written."""
     nodes = len(roots)
+    save_id = save_id or m.new_save_id()
     layouts = [Layout(str(root)) for root in roots]
     now = time.time()  # every node's save took exactly `save_seconds`
     for node, layout in enumerate(layouts):
@@ -89,6 +93,8 @@ def commit(
             started_at=now - save_seconds,
             run_id="run",
             stage_for_upload=staged,
+            save_id=save_id,
+            lineage=lineage,
             clock=lambda: now,
         )
     return {

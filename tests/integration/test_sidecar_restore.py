@@ -84,7 +84,7 @@ def test_restore_picks_the_newest_committed_checkpoint_and_passes_over_broken_on
     sizes = {f.path: f.size for man in manifests.values() for f in man.files}
     assert ready["restore_bytes"] == sum(sizes.values())
     assert ready["restore_bytes_per_second"] > 0  # the entrypoint's grace estimate reads it
-    log_line(proc, r"skipping checkpoint-50 in S3: not committed \(no manifest\)")
+    log_line(proc, r"skipping checkpoint-50 in S3: not committed \(no manifest of node 0\)")
     log_line(proc, r"skipping checkpoint-40 in S3: not committed \(manifest of node 1 missing\)")
     log_line(proc, r"skipping checkpoint-30 in S3: not committed \(optimizer.pt: object has 5")
     log_line(proc, r"discarding checkpoint-20 from S3: model.safetensors does not match")

@@ -262,16 +262,42 @@ def test_resume_picks_the_newest_committed_and_removes_newer_partials(tmp_path):
 
 
 def test_resume_is_off_with_jitckpt_resume_0_unless_the_script_asks(tmp_path):
-    """JITCKPT_RESUME=0: no resume point, nothing removed; resume(asked=True) still finds one."""
+    """JITCKPT_RESUME=0 with the script asking for the newest checkpoint: it resumes."""
     session = Session(Config(dir=str(tmp_path), resume=False), Topology(), "run-1")
     session.layout.ensure()
     manager = CheckpointManager(session)
     manager.commit_written(write_ckpt(session, 5), 5)
     write_ckpt(session, 8)
-    assert manager.resume() is None
-    assert checkpoint_steps(session.layout.checkpoints) == [5, 8]
     assert manager.resume(asked=True) == 5
     assert checkpoint_steps(session.layout.checkpoints) == [5]
+
+
+@pytest.mark.parametrize("storage_uri", ["", "s3://bucket/prefix"])
+def test_jitckpt_resume_0_starts_a_new_lineage_clear_of_the_earlier_runs_checkpoints(
+    tmp_path, storage_uri
+):
+    """JITCKPT_RESUME=0: no resume point, a new lineage at the next commit, and the earlier
+    run's checkpoints out of the way of this run's saves: deleted when S3 holds them, moved
+    aside (the only copy) in local/PVC mode."""
+    session = Session(
+        Config(dir=str(tmp_path), resume=False, storage_uri=storage_uri), Topology(), "run-1"
+    )
+    session.layout.ensure()
+    earlier = CheckpointManager(session)
+    earlier.commit_written(write_ckpt(session, 5), 5)
+    old_lineage = session.lineage
+    assert old_lineage is not None
+    write_ckpt(session, 8)
+    manager = CheckpointManager(session)
+    assert manager.resume() is None
+    assert checkpoint_steps(session.layout.checkpoints) == []
+    aside = list(Path(session.layout.checkpoints).glob(".earlier-run-*/checkpoint-*"))
+    assert sorted(p.name for p in aside) == (
+        [] if storage_uri else ["checkpoint-5", "checkpoint-8"]
+    )
+    manager.commit_written(write_ckpt(session, 5), 5)
+    assert session.lineage is not None
+    assert session.lineage != old_lineage
 
 
 def test_env_save_settings_win_and_output_dir_stays_the_scripts(tmp_path):
@@ -299,3 +325,20 @@ def test_the_public_commit_function_survives_the_import_of_the_hook_internals():
 
     assert callable(jitckpt.commit)
     assert jitckpt.commit.__module__ == "jitckpt_entrypoint.hook"
+
+
+def test_jitckpt_resume_0_starts_over_once_per_process(tmp_path):
+    """A second train() (another stage) or a second latest_checkpoint() keeps what this run
+    saved: only the first start clears the earlier run's checkpoints."""
+    session = Session(
+        Config(dir=str(tmp_path), resume=False, storage_uri="s3://bucket/p"), Topology(), "run-1"
+    )
+    session.layout.ensure()
+    manager = CheckpointManager(session)
+    assert manager.resume() is None
+    manager.commit_written(write_ckpt(session, 5), 5)
+    lineage = session.lineage
+    assert manager.resume() is None
+    assert checkpoint_steps(session.layout.checkpoints) == [5]
+    assert manager.is_committed(5)
+    assert session.lineage == lineage

@@ -69,11 +69,13 @@ def test_every_node_manifest_is_required(tmp_path):
     d = make_ckpt(tmp_path, 4, {"model": b"m", "rng_state_0.pth": b"r0"})
     owned = m.assign_owners({0: m.list_files(str(d)), 1: {"model": 1, "rng_state_1.pth": 2}})
     m.write_manifest(
-        str(d), m.new_manifest(4, "jit", node=0, nodes=2, world_size=4, files=owned[0])
+        str(d),
+        m.new_manifest(4, "jit", node=0, nodes=2, world_size=4, files=owned[0], save_id="s"),
     )
     assert validity.committed(str(d), node=0) is None
     m.write_manifest(
-        str(d), m.new_manifest(4, "jit", node=1, nodes=2, world_size=4, files=owned[1])
+        str(d),
+        m.new_manifest(4, "jit", node=1, nodes=2, world_size=4, files=owned[1], save_id="s"),
     )
     assert validity.committed(str(d), node=0) is not None
     # node 1's files are not here: committed from node 0's view only
@@ -122,3 +124,36 @@ def test_remove_checkpoint_uncommits_before_deleting_files(tmp_path):
     remove_checkpoint(str(d))
     assert not d.exists()
     assert validity.committed_steps(str(tmp_path)) == []
+
+
+def test_manifests_of_two_saves_of_one_step_never_commit_it(tmp_path):
+    """Node 0's manifest of one save and node 1's of another (an attempt re-saved the step):
+    not committed, whatever the files."""
+    d = make_ckpt(tmp_path, 4, {"model": b"m"})
+    owned = m.assign_owners({0: m.list_files(str(d)), 1: {"model": 1}})
+    for node, save in ((0, "attempt-b"), (1, "attempt-a")):
+        m.write_manifest(
+            str(d),
+            m.new_manifest(
+                4, "jit", node=node, nodes=2, world_size=2, files=owned[node], save_id=save
+            ),
+        )
+    assert validity.committed(str(d), node=0) is None
+    assert "is of another save" in validity.incomplete_reason(m.read_manifests(str(d)))
+
+
+def test_manifests_written_before_save_ids_read_as_one_legacy_save():
+    """Manifests without a save id or lineage still read (as one save with id "")."""
+    obj = m.new_manifest(3, "periodic", node=0, nodes=1, world_size=1, files=()).to_json()
+    del obj["save_id"], obj["lineage"]
+    parsed = m.Manifest.from_json(obj)
+    assert parsed is not None
+    assert (parsed.save_id, parsed.lineage) == ("", "")
+    assert validity.complete_save({0: parsed}, 3) == {0: parsed}
+
+
+def test_lineages_sort_in_birth_order():
+    """The restore prefers the newest-born lineage: string order is birth order."""
+    older, newer = m.new_lineage(1_700_000_000.0), m.new_lineage(1_700_000_000.5)
+    assert older < newer
+    assert older.startswith("20231114T221320000Z-")

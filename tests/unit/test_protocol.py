@@ -83,6 +83,8 @@ def commit10(
         kind=kind,
         started_at=started_at,
         run_id="r",
+        save_id="save-10",
+        lineage="L",
         stage_for_upload=staged,
     )
 
@@ -191,6 +193,8 @@ def test_a_commit_makes_every_file_and_directory_durable_before_any_manifest(
         kind="periodic",
         started_at=0.0,
         run_id="r",
+        save_id="save-10",
+        lineage="L",
         stage_for_upload=False,
     )
     wanted = {

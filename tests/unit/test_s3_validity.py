@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.validity import RemoteCheckpoint, s3_part_problems, s3_problems
 
@@ -81,7 +83,30 @@ def test_manifests_that_disagree_are_not_committed():
     manifests = two_nodes()
     manifests[1] = two_nodes(step=11)[1]
     assert s3_problems(RemoteCheckpoint(10, objects(), manifests)) == [
-        "manifests disagree on the step, the node count or the kind"
+        "manifests disagree on the step, the node count, the world size or the kind"
+    ]
+
+
+def test_stale_manifests_of_nodes_a_smaller_job_no_longer_has_do_not_block_it():
+    """A 4-node save left manifests of nodes 2 and 3; the 2-node save that replaced nodes 0
+    and 1 is committed, and its union names only its own files."""
+    manifests = two_nodes()
+    stale = m.Manifest(10, "periodic", 2, 4, 4, (m.FileEntry("rng_2.pth", 7, 2, CHECKSUM),))
+    manifests[2] = stale
+    manifests[3] = dataclasses.replace(stale, node=3)
+    ckpt = RemoteCheckpoint(10, {**objects(), "rng_2.pth": 7}, manifests)
+    assert s3_problems(ckpt) == []
+    assert sorted(ckpt.files()) == ["model.safetensors", "rng_1.pth", "trainer_state.json"]
+    assert sorted(ckpt.save or {}) == [0, 1]
+
+
+def test_manifests_of_two_saves_are_not_committed_however_whole_each_part_is():
+    """Attempt A's node 1 and attempt B's node 0 uploaded the same step: shards of two
+    trainings must never be restored together."""
+    manifests = two_nodes()
+    manifests[1] = dataclasses.replace(manifests[1], save_id="attempt-a")
+    assert s3_problems(RemoteCheckpoint(10, objects(), manifests)) == [
+        "manifest of node 1 is of another save of the step (an earlier attempt)"
     ]
 
 

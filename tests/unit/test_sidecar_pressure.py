@@ -24,14 +24,17 @@ def du(path) -> int:
     return int(out.stdout.split()[0])
 
 
-def committed_checkpoint(layout: Layout, step: int, size: int = MiB) -> None:
+def committed_checkpoint(layout: Layout, step: int, size: int = MiB, lineage: str = "") -> None:
     ckpt = layout.checkpoint_dir(step)
     os.makedirs(ckpt)
     with open(os.path.join(ckpt, "model.bin"), "wb") as f:
         f.write(os.urandom(size))
     files = (m.FileEntry("model.bin", size),)
     m.write_manifest(
-        ckpt, m.new_manifest(step, "periodic", node=0, nodes=1, world_size=1, files=files)
+        ckpt,
+        m.new_manifest(
+            step, "periodic", node=0, nodes=1, world_size=1, files=files, lineage=lineage
+        ),
     )
 
 
@@ -236,3 +239,26 @@ def test_removing_a_checkpoint_another_process_is_removing_is_not_an_error(tmp_p
     monkeypatch.setattr(protocol_commit, "_listdir", lambda _path: listed)
     remove_checkpoint(layout.checkpoint_dir(10))
     assert not os.path.exists(layout.checkpoint_dir(10))
+
+
+def test_pressure_deletes_an_earlier_runs_checkpoints_before_the_newest_runs(tmp_path):
+    """A volume holds an earlier run's checkpoint-400 and -500 and the newer run's 300 (the
+    one restored, a lower step): pressure deletes the earlier run's first, never the newest
+    run's only checkpoint, and resume still finds 300 newest."""
+    layout = Layout(str(tmp_path))
+    layout.ensure()
+    for step in (400, 500):
+        committed_checkpoint(layout, step, lineage="20250101T000000000Z-aaaa")
+    committed_checkpoint(layout, 300, lineage="20260101T000000000Z-bbbb")
+    pruned: list[int] = []
+    pruner = Pruner(
+        layout,
+        Storage(layout.root, 4 * MiB),
+        threshold=0.6,
+        in_s3=lambda _step, _node: True,
+        logger=logging.getLogger("test"),
+        on_pruned=pruned.append,
+    )
+    pruner.prune()
+    assert pruned == [400]
+    assert validity.committed_steps(layout.checkpoints) == [500, 300]

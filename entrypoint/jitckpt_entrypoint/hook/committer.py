@@ -86,12 +86,19 @@ def commit(
         except OSError as exc:
             session.log.error("cannot make %s durable: %s", ckpt_dir, exc)  # noqa: TRY400
             outcome = outcome_of(exc, ckpt_dir)
-    gathered = control.all_gather((topo.node, outcome, holding))
-    outcomes = tuple((node, o) for node, o, _ in gathered)
+    # Rank 0 draws the save id (and the lineage of a run that did not resume): every node's
+    # manifests carry the same ones.
+    drawn = None
+    if topo.rank == 0:
+        lineage = session.lineage if session.lineage is not None else m.new_lineage()
+        drawn = (m.new_save_id(), lineage)
+    gathered = control.all_gather((topo.node, outcome, holding, drawn))
+    save_id, session.lineage = gathered[0][3]
+    outcomes = tuple((node, o) for node, o, _, _ in gathered)
     event, result = None, OK
     written = all(o == OK for _, o in outcomes)
     if written and topo.is_leader:
-        holdings = {node: files for node, _, files in gathered if files is not None}
+        holdings = {node: files for node, _, files, _ in gathered if files is not None}
         try:
             event = commit_node(
                 session.layout,
@@ -105,6 +112,8 @@ def commit(
                 started_at=started_at,
                 run_id=session.run_id,
                 stage_for_upload=bool(session.cfg.storage_uri),
+                save_id=save_id,
+                lineage=session.lineage,
                 synced=True,
             )
         except OSError as exc:

@@ -63,8 +63,8 @@ from jitckpt_entrypoint.hook.committer import CANCELLED, DISK_FULL, FAILED, OK
 from jitckpt_entrypoint.hook.control import ControlGroup
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol import status
-from jitckpt_entrypoint.protocol.commit import remove_checkpoint
-from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
+from jitckpt_entrypoint.protocol.commit import remove_checkpoint, withdraw
+from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps, step_of
 from jitckpt_entrypoint.protocol.manifest import KINDS
 from jitckpt_entrypoint.protocol.validity import committed
 
@@ -221,16 +221,26 @@ class CheckpointManager:
 
     # -- resume --
 
+    def resuming_from(self, path: str) -> None:
+        """The script resumes from `path` itself: its saves carry on that checkpoint's lineage
+        (when it is one of ours)."""
+        self.session.lineage = resume.lineage_of(path)
+
     def resume(self, *, asked: bool = False) -> Optional[int]:
         """Collective: the newest step committed on every node, or None. Directories past it,
         and uncommitted ones, are removed (training writes those steps again; a partial one
         would hold a rotation slot). JITCKPT_RESUME=0 gives None unless the script `asked` for
-        the newest checkpoint itself."""
+        the newest checkpoint itself, and clears the earlier run's checkpoints out of the way
+        (resume.start_over)."""
         session = self.session
         if not (asked or session.cfg.resume):
+            removed = resume.start_over(session)
+            with self._lock:
+                self._committed.difference_update(step_of(n) for n in removed)
             return None
         step = resume.agreed_step(session)
         resume.remove_stale(session, step)
+        session.lineage = None if step is None else resume.lineage_of(self.checkpoint_dir(step))
         if step is None:
             if session.topo.rank == 0:
                 session.log.info(
@@ -307,6 +317,11 @@ class CheckpointManager:
             return None
         save = Save(step, self._kind_of(step), path or self.checkpoint_dir(step), time.time())
         session = self.session
+        if session.topo.is_leader:
+            # A directory of the step from before (an earlier run's, a script that resumed
+            # from an older checkpoint itself) must not count as committed while this save
+            # rewrites it: its manifests go first.
+            withdraw(save.path)
         if session.topo.is_leader:  # the sidecar samples the volume until the commit
             start = status.SaveStart(session.run_id, step, save.started_at)
             self._advisory(status.write_save_start, session.layout.status, start)

@@ -2,13 +2,46 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import time
+from collections.abc import Iterable
 from typing import Optional
 
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
-from jitckpt_entrypoint.protocol.validity import committed, committed_steps
+from jitckpt_entrypoint.protocol.manifest import read_manifests
+from jitckpt_entrypoint.protocol.validity import committed, complete_save
+
+SaveKey = tuple[int, str, str]
+"""(step, save id, lineage) of a committed checkpoint."""
+
+
+def lineage_of(ckpt_dir: str) -> Optional[str]:
+    """The lineage of the committed checkpoint in `ckpt_dir` ("" for one written before
+    lineages: the run carries that on); None when it is not a committed checkpoint of ours
+    (the run then starts a new lineage at its first commit)."""
+    save = complete_save(read_manifests(ckpt_dir))
+    return save[0].lineage if save else None
+
+
+def _saves(checkpoints: str, node: Optional[int] = None) -> list[SaveKey]:
+    """(step, save id, lineage) of every checkpoint committed under `checkpoints` (held in
+    full, or `node`'s part of it)."""
+    found = []
+    for step in checkpoint_steps(checkpoints):
+        save = committed(os.path.join(checkpoints, checkpoint_name(step)), node)
+        if save is not None:
+            found.append((step, save[0].save_id, save[0].lineage))
+    return found
+
+
+def _newest(saves: Iterable[SaveKey]) -> Optional[SaveKey]:
+    """The sidecar's order: the newest-born run first (a run started over on the prefix), then
+    its highest step."""
+    return max(saves, key=lambda s: (s[2], s[0]), default=None)
 
 
 def agreed_step(session: Session) -> Optional[int]:
@@ -22,14 +55,17 @@ def agreed_step(session: Session) -> Optional[int]:
     silently starting over.
     """
     topo, checkpoints = session.topo, session.layout.checkpoints
-    complete = committed_steps(checkpoints)
-    own = committed_steps(checkpoints, topo.node)
-    reports = session.control.all_gather((complete, own[-1] if own else None))
+    # The same save, not just the same step number: a volume may hold another save of a step
+    # (an earlier attempt's) that the other nodes do not.
+    reports = session.control.all_gather(
+        (_saves(checkpoints), _newest(_saves(checkpoints, topo.node)))
+    )
     common = set.intersection(*(set(c) for c, _ in reports)) if reports else set()
-    step = max(common) if common else None
-    newest = max((n for _, n in reports if n is not None), default=None)
-    if newest is not None and (step is None or newest > step):
-        name = checkpoint_name(newest)
+    best = _newest(common)
+    step = None if best is None else best[0]
+    newest = _newest(n for _, n in reports if n is not None)
+    if newest is not None and (best is None or (newest[2], newest[0]) > (best[2], best[0])):
+        name = checkpoint_name(newest[0])
         if step is None:
             raise JitckptError(
                 f"{name} is committed but no node holds all of its files; restart the pods so "
@@ -69,3 +105,41 @@ def remove_stale(session: Session, resume_step: Optional[int]) -> list[str]:
             ", ".join(removed),
         )
     return removed
+
+
+def start_over(session: Session) -> list[str]:
+    """JITCKPT_RESUME=0: this run begins a new lineage, and the checkpoints on this node's
+    volume are an earlier run's. Its saves must not land in their directories (a step both
+    runs save would mix their files, or look committed by the earlier save's manifests). With
+    S3 they are in S3 or staged for upload (hard links keep the bytes): deleted. Without, the
+    volume holds the only copy: moved to `checkpoints/.earlier-run-<time>/`, where neither the
+    resume nor HF's rotation looks."""
+    if session.started_over:  # once per process: a second stage keeps the first's saves
+        return []
+    session.started_over = True
+    session.lineage = None
+    if not session.topo.is_leader:
+        return []
+    root = session.layout.checkpoints
+    steps = checkpoint_steps(root)
+    if not steps:
+        return []
+    names = [checkpoint_name(s) for s in steps]
+    if session.cfg.storage_uri:
+        for step in steps:
+            remove_checkpoint(session.layout.checkpoint_dir(step))
+        session.log.info(
+            "JITCKPT_RESUME=0: starting over; removed the earlier run's %s from this volume "
+            "(S3 keeps what was uploaded)",
+            ", ".join(names),
+        )
+        return names
+    aside = os.path.join(root, f".earlier-run-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}")
+    os.makedirs(aside, exist_ok=True)
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):  # another node of a shared volume moved it
+            os.rename(os.path.join(root, name), os.path.join(aside, name))
+    session.log.info(
+        "JITCKPT_RESUME=0: starting over; moved the earlier run's %s to %s", ", ".join(names), aside
+    )
+    return names

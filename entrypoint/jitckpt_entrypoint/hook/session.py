@@ -31,6 +31,11 @@ class Session:
         self.log = _logger(topo)
         self.flag = SigtermFlag(f"jitckpt-hook[rank {topo.rank}]")
         self.training = False
+        self.lineage: Optional[str] = None
+        """The run's lineage (protocol.manifest): the resumed checkpoint's, or drawn by rank 0
+        at the first commit of a run that did not resume; the same on every rank."""
+        self.started_over = False
+        """JITCKPT_RESUME=0 cleared the earlier run's checkpoints (once per process)."""
         self._control: Optional[ControlGroup] = None
         self._registered: Optional[str] = None
 

@@ -269,12 +269,15 @@ def _with_resume(
         else (args[0] if args else None)
     )
     if isinstance(given, str) or given is False:
+        if isinstance(given, str):
+            manager.resuming_from(given)
         if session.topo.rank == 0:
             session.log.info(
                 "resume_from_checkpoint=%r set by the script: not overriding it", given
             )
         return args, kwargs
     if given is None and not session.cfg.resume:
+        manager.resume()  # starts over
         return args, kwargs
     step = manager.resume(asked=True)
     chosen = None if step is None else manager.checkpoint_dir(step)

@@ -37,11 +37,14 @@ def commit_node(
     started_at: float,
     run_id: str,
     stage_for_upload: bool,
+    save_id: str,
+    lineage: str,
     clock: Callable[[], float] = time.time,
     synced: bool = False,
 ) -> status.SaveEvent:
     """Commit node `node`'s copy of `ckpt_dir`; `holdings`: per node, relative path -> size of
-    every file it holds (one entry per node). Returns the save event it recorded. `clock` gives
+    every file it holds (one entry per node); `save_id`: this save's (the same on every node);
+    `lineage`: the run's (manifest.new_lineage). Returns the save event it recorded. `clock` gives
     the wall time (a fixed one makes the recorded save time exact in tests). `synced`: every
     node already made its files durable (durable.sync_tree) before any node commits, as the
     hook does (on a shared volume a node writes the others' manifests too)."""
@@ -58,6 +61,8 @@ def commit_node(
             world_size=world_size,
             files=files,
             save_seconds=save_seconds,
+            save_id=save_id,
+            lineage=lineage,
         )
         for n, files in entries.items()
     }
@@ -109,6 +114,13 @@ def remove_checkpoint(ckpt_dir: str) -> None:
     Another process may delete it at the same time (HF's rotation on process 0): what is
     already gone is not an error.
     """
+    withdraw(ckpt_dir)
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+def withdraw(ckpt_dir: str) -> bool:
+    """Remove the manifests of `ckpt_dir` (durably), so it is no longer committed; True when
+    there were any."""
     removed = False
     for name in _listdir(ckpt_dir):
         if m.is_manifest_name(name):
@@ -119,7 +131,7 @@ def remove_checkpoint(ckpt_dir: str) -> None:
     if removed:
         with contextlib.suppress(FileNotFoundError):
             atomic.fsync_dir(ckpt_dir)
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    return removed
 
 
 def _listdir(path: str) -> list[str]:

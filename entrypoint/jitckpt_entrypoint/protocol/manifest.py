@@ -7,6 +7,13 @@ the same file (save_on_each_node) do not upload it twice. The uploader adds a `c
 entry it uploads ('<algorithm>:<hex>'); the S3 copy of a manifest is written after the files.
 What counts as committed is validity.py's; how a node commits is commit.py's.
 
+Every manifest of one save carries the same `save_id` (drawn once per save, shared by the
+nodes): a checkpoint directory whose manifests name several save ids holds parts of several
+saves (an attempt re-saved the step) and is committed only for the save whose manifests are
+all there. `lineage` names the run the save belongs to: a run that starts without resuming
+begins a new lineage (`new_lineage`: its birth time, then random hex, so a later-born lineage
+sorts higher); a run that resumes from a checkpoint carries that checkpoint's lineage on.
+
 The final model is not a checkpoint: what the training script saved into its own output_dir is
 staged as `staging/final/` and uploaded to `s3://bucket/prefix/final/` with one manifest of kind
 `output` (written last, like a checkpoint's). Its directory name matches no `checkpoint-<step>`,
@@ -18,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import secrets
 import stat
 import time
 from typing import Any, Callable, Optional
@@ -25,6 +33,9 @@ from typing import Any, Callable, Optional
 from jitckpt_entrypoint.protocol import atomic
 
 FORMAT_VERSION = 1
+"""`save_id` and `lineage` are optional fields of version 1: manifests written before them read
+as save id "" and lineage "" (one legacy save and run), and readers that predate them ignore
+them (a rolled-back sidecar still reads every checkpoint)."""
 KINDS = ("periodic", "jit", "final")
 """Checkpoint kinds; `final` is the checkpoint of the last training step."""
 OUTPUT_KIND = "output"
@@ -84,6 +95,10 @@ class Manifest:
     created_at: float = 0.0
     save_seconds: float = 0.0
     """How long the save took on this node (for the entrypoint's grace-period estimate)."""
+    save_id: str = ""
+    """One per save, the same in every node's manifest ("" in manifests written before it)."""
+    lineage: str = ""
+    """The run this save belongs to (new_lineage); "" in manifests written before it."""
     version: int = FORMAT_VERSION
 
     @property
@@ -108,6 +123,8 @@ class Manifest:
             "world_size": self.world_size,
             "created_at": self.created_at,
             "save_seconds": self.save_seconds,
+            "save_id": self.save_id,
+            "lineage": self.lineage,
             "files": [f.to_json() for f in self.files],
         }
 
@@ -140,6 +157,8 @@ class Manifest:
                 files=files,
                 created_at=float(obj.get("created_at", 0.0)),
                 save_seconds=float(obj.get("save_seconds", 0.0)),
+                save_id=str(obj.get("save_id", "")),
+                lineage=str(obj.get("lineage", "")),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -226,7 +245,11 @@ def new_manifest(
     world_size: int,
     files: tuple[FileEntry, ...],
     save_seconds: float = 0.0,
+    save_id: str = "",
+    lineage: str = "",
 ) -> Manifest:
+    """A manifest created now; `save_id` defaults to a new one (right for a single node only:
+    the nodes of one save must share it)."""
     if kind not in (*KINDS, OUTPUT_KIND):
         raise ValueError(f"kind must be one of {(*KINDS, OUTPUT_KIND)}, not {kind!r}")
     return Manifest(
@@ -238,4 +261,19 @@ def new_manifest(
         files,
         created_at=time.time(),
         save_seconds=save_seconds,
+        save_id=save_id or new_save_id(),
+        lineage=lineage,
     )
+
+
+def new_save_id() -> str:
+    """A fresh save id (128 random bits, hex)."""
+    return secrets.token_hex(16)
+
+
+def new_lineage(now: Optional[float] = None) -> str:
+    """A fresh lineage: its birth time (UTC, to the millisecond), then random hex. Lineages
+    compare as strings in birth order (the restore prefers the newest-born one)."""
+    now = time.time() if now is None else now
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{int(now * 1000) % 1000:03d}Z"
+    return f"{stamp}-{secrets.token_hex(4)}"

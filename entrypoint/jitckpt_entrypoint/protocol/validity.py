@@ -1,15 +1,17 @@
 """What counts as committed: locally, staged for upload, and in S3. One rule, three places.
 
-- Local (`checkpoints/checkpoint-<step>/`): the manifest of every node 0..nodes-1 is present
-  (one consistent set: same step and node count, checkpoint kinds) and the files listed for the
-  node asked about (every node's when none is) are present with their listed sizes. Resume picks
-  the highest such step; anything else is ignored and never loaded.
+- Local (`checkpoints/checkpoint-<step>/`): the manifest of every node 0..nodes-1 of one save
+  is present (complete_save: one save id, the same step, node count and world size, checkpoint
+  kinds; manifests of other saves are left out) and the files listed for the node asked about
+  (every node's when none is) are present with their listed sizes. Resume picks the newest
+  such checkpoint; anything else is ignored and never loaded.
 - Staged (`staging/checkpoint-<step>/`, `staging/final/`): this node's manifest alone, and every
   file it owns present with its size (the trainer links the manifest in last).
-- S3 (`prefix/checkpoint-<step>/`): every node's manifest (one consistent set), every owned
-  entry's object present with its size and a checksum we can verify. Each node's uploader writes
-  its manifest after its files, and retention deletes manifests first, so a missing manifest
-  means "not (yet) committed".
+- S3 (`prefix/checkpoint-<step>/`): every node's manifest of one save (complete_save), every
+  owned entry's object present with its size and a checksum we can verify. Each node's uploader
+  withdraws its manifest of an earlier save and writes its new one after its files, and
+  retention deletes manifests first, so a missing manifest, or one of another save, means "not
+  (yet) committed".
 
 Each place checks its files with the one `file_problems` below.
 """
@@ -17,6 +19,7 @@ Each place checks its files with the one `file_problems` below.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Iterable, Iterator
 from typing import Callable, Optional
@@ -52,25 +55,51 @@ def _local_size(directory: str) -> Callable[[str], Optional[int]]:
     return size_of
 
 
-def complete_set(
+def complete_save(
     manifests: dict[int, m.Manifest], step: Optional[int] = None, kinds: tuple[str, ...] = m.KINDS
-) -> bool:
-    """Whether `manifests` holds one consistent manifest for every node of the job.
+) -> Optional[dict[int, m.Manifest]]:
+    """The manifests of the save that is complete in `manifests`, else None.
 
-    A checkpoint's manifests have checkpoint kinds; the final model's pass kinds=(OUTPUT_KIND,).
+    A save is complete when every node 0..nodes-1 has a manifest of that save (its save id),
+    and they agree on the step, the node count, the world size and a kind in `kinds` (a
+    checkpoint's kinds; the final model passes kinds=(OUTPUT_KIND,)). Manifests of other saves
+    (an earlier attempt at the same step, nodes a smaller job no longer has) are left out. At
+    most one save is complete: each needs node 0's manifest.
     """
-    if not manifests:
-        return False
-    first = next(iter(manifests.values()))
-    if set(manifests) != set(range(first.nodes)):
-        return False
-    return all(
+    first = manifests.get(0)
+    if first is None:
+        return None
+    save = {n: man for n, man in manifests.items() if man.save_id == first.save_id}
+    if not set(range(first.nodes)) <= set(save):
+        return None
+    save = {n: save[n] for n in range(first.nodes)}
+    if all(
         man.nodes == first.nodes
+        and man.world_size == first.world_size
         and man.step == first.step
         and (step is None or man.step == step)
         and man.kind in kinds
-        for man in manifests.values()
-    )
+        for man in save.values()
+    ):
+        return save
+    return None
+
+
+def incomplete_reason(manifests: dict[int, m.Manifest]) -> str:
+    """Why complete_save found no save in `manifests`, in words (for logs)."""
+    if not manifests:
+        return "no manifest"
+    newest = max(manifests.values(), key=lambda man: (man.created_at, -man.node))
+    missing = [n for n in range(newest.nodes) if n not in manifests]
+    if missing:
+        return f"manifest of node {', '.join(map(str, missing))} missing"
+    other = [n for n in range(newest.nodes) if manifests[n].save_id != newest.save_id]
+    if other:
+        return (
+            f"manifest of node {', '.join(map(str, other))} is of another save of the step "
+            "(an earlier attempt)"
+        )
+    return "manifests disagree on the step, the node count, the world size or the kind"
 
 
 def committed(ckpt_dir: str, node: Optional[int] = None) -> Optional[dict[int, m.Manifest]]:
@@ -78,8 +107,8 @@ def committed(ckpt_dir: str, node: Optional[int] = None) -> Optional[dict[int, m
     step = step_of(os.path.basename(os.path.normpath(ckpt_dir)))
     if step is None:
         return None
-    manifests = m.read_manifests(ckpt_dir)
-    if not complete_set(manifests, step):
+    manifests = complete_save(m.read_manifests(ckpt_dir), step)
+    if manifests is None:
         return None
     if node is not None and node not in manifests:
         return None
@@ -90,20 +119,20 @@ def committed(ckpt_dir: str, node: Optional[int] = None) -> Optional[dict[int, m
 
 
 def committed_steps(checkpoints_dir: str, node: Optional[int] = None) -> list[int]:
-    """Steps of the committed checkpoints under `checkpoints_dir`, ascending."""
-    return [
-        s
-        for s in checkpoint_steps(checkpoints_dir)
-        if committed(os.path.join(checkpoints_dir, checkpoint_name(s)), node) is not None
-    ]
+    """Steps of the committed checkpoints under `checkpoints_dir`, oldest first in the order
+    resume and restore use: by run (lineage; the newest-born last), then step."""
+    found = []
+    for step in checkpoint_steps(checkpoints_dir):
+        save = committed(os.path.join(checkpoints_dir, checkpoint_name(step)), node)
+        if save is not None:
+            found.append((save[0].lineage, step))
+    return [step for _, step in sorted(found)]
 
 
 def newest_committed(checkpoints_dir: str, node: Optional[int] = None) -> Optional[int]:
-    """The highest committed step; checks from the newest down (cheap when the newest is valid)."""
-    for step in reversed(checkpoint_steps(checkpoints_dir)):
-        if committed(os.path.join(checkpoints_dir, checkpoint_name(step)), node) is not None:
-            return step
-    return None
+    """The newest committed step, in committed_steps' order."""
+    steps = committed_steps(checkpoints_dir, node)
+    return steps[-1] if steps else None
 
 
 def staged(path: str, *, final: bool = False) -> Optional[m.Manifest]:
@@ -130,59 +159,73 @@ class RemoteCheckpoint:
     objects: dict[str, int]
     """Relative path -> size of every object in the directory (manifests included)."""
     manifests: dict[int, m.Manifest]
-    """The parsable manifests present, by node."""
+    """The parsable manifests present, by node (of every save that left one)."""
+    etags: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Relative path -> ETag, as the listing gave them (a download asks for exactly those)."""
 
     @property
     def committed(self) -> bool:
         return s3_problems(self) == []
 
-    def owner_entry(self, path: str, owner: int) -> Optional[m.FileEntry]:
-        manifest = self.manifests.get(owner)
-        if manifest is None:
-            return None
-        return next((e for e in manifest.owned if e.path == path), None)
+    @functools.cached_property
+    def save(self) -> Optional[dict[int, m.Manifest]]:
+        """The manifests of the one complete save (checkpoint kinds), else None."""
+        return complete_save(self.manifests, self.step)
 
-    def files(self) -> dict[str, m.FileEntry]:
-        """Every file named by any manifest (the union), as its owner's entry."""
+    @property
+    def save_id(self) -> Optional[str]:
+        save = self.save
+        return None if save is None else save[0].save_id
+
+    @property
+    def lineage(self) -> Optional[str]:
+        save = self.save
+        return None if save is None else save[0].lineage
+
+    def files(self, save: Optional[dict[int, m.Manifest]] = None) -> dict[str, m.FileEntry]:
+        """Every file named by a manifest of `save` (the complete one by default): the union,
+        each as its owner's entry."""
+        save = self.save if save is None else save
+        owned = _owned(save or {})
         union: dict[str, m.FileEntry] = {}
-        for manifest in self.manifests.values():
+        for manifest in (save or {}).values():
             for entry in manifest.files:
-                owned = self.owner_entry(entry.path, entry.owner)
-                if owned is not None:
-                    union[entry.path] = owned
+                found = owned.get((entry.owner, entry.path))
+                if found is not None:
+                    union[entry.path] = found
         return union
+
+
+def _owned(save: dict[int, m.Manifest]) -> dict[tuple[int, str], m.FileEntry]:
+    """(owner, path) -> the owner's entry, for every entry a manifest of `save` owns."""
+    return {(n, e.path): e for n, man in save.items() for e in man.owned}
 
 
 def s3_problems(ckpt: RemoteCheckpoint, kinds: tuple[str, ...] = m.KINDS) -> list[str]:
     """Why `ckpt` is not committed in S3 (empty when it is); the final model passes
-    kinds=(OUTPUT_KIND,) and its manifest's step."""
-    manifests = ckpt.manifests
-    if not manifests:
-        return ["no manifest"]
-    nodes = next(iter(manifests.values())).nodes
-    missing = sorted(set(range(nodes)) - set(manifests))
-    if missing:
-        return [f"manifest of node {', '.join(map(str, missing))} missing"]
-    if not complete_set(manifests, ckpt.step, kinds):
-        return ["manifests disagree on the step, the node count or the kind"]
+    kinds=(OUTPUT_KIND,) and its manifest's step. Linear in the number of entries."""
+    save = ckpt.save if kinds == m.KINDS else complete_save(ckpt.manifests, ckpt.step, kinds)
+    if save is None:
+        return [incomplete_reason(ckpt.manifests)]
+    owned = _owned(save)
     found = []
-    for manifest in manifests.values():
+    for manifest in save.values():
         for entry in manifest.files:
-            owned = ckpt.owner_entry(entry.path, entry.owner)
-            if owned is None or owned.size != entry.size:
+            entry_owned = owned.get((entry.owner, entry.path))
+            if entry_owned is None or entry_owned.size != entry.size:
                 found.append(f"{entry.path}: not listed by its owner node {entry.owner}")
-            else:
-                found += _object_problems(ckpt, (owned,))
-    return found
+    return found + _object_problems(ckpt, owned.values())
 
 
-def s3_part_problems(ckpt: RemoteCheckpoint, node: int) -> list[str]:
-    """Why S3 does not hold node `node`'s part of `ckpt`: its manifest and every file it
-    uploads, with a checksum we can verify (empty when it does). The files it holds but another
-    node uploads are that node's part."""
+def s3_part_problems(ckpt: RemoteCheckpoint, node: int, save_id: Optional[str] = None) -> list[str]:
+    """Why S3 does not hold node `node`'s part of `ckpt` (of save `save_id`, when given): its
+    manifest and every file it uploads, with a checksum we can verify (empty when it does).
+    The files it holds but another node uploads are that node's part."""
     manifest = ckpt.manifests.get(node)
     if manifest is None:
         return [f"manifest of node {node} missing"]
+    if save_id is not None and manifest.save_id != save_id:
+        return [f"manifest of node {node} is of another save"]
     return _object_problems(ckpt, manifest.owned)
 
 
