@@ -24,7 +24,7 @@ from jitckpt_sidecar.s3 import error_code
 log = logging.getLogger("jitckpt.jitckpt-sidecar.remote")
 _DELETE_BATCH = 1000  # DeleteObjects' limit
 _READERS = 16
-"""Manifests read at once by `heads` (small GETs: latency-bound)."""
+"""Manifests read at once (small GETs: latency-bound)."""
 PIN_NAME = "jitckpt-restore-pin.json"
 """The restore's pin, at the top of the prefix (restore.py says what it means)."""
 PIN_HOLD = 1800.0

@@ -80,11 +80,6 @@ class RestoreResult:
     seconds: float = 0.0
 
 
-def _key(manifest: m.Manifest) -> tuple[str, int]:
-    """The restore's order: the newest-born run first, then its highest step."""
-    return (manifest.lineage, manifest.step)
-
-
 class Restorer:
     def __init__(
         self,
@@ -171,9 +166,9 @@ class Restorer:
         self._remove_leftovers(keep=None if chosen is None else self._temp_dir(chosen))
         if chosen is not None and (
             local is None
-            or _key(local) < (chosen.lineage or "", chosen.step)
+            or validity.newness(local) < (chosen.lineage or "", chosen.step)
             or (
-                _key(local) == (chosen.lineage or "", chosen.step)
+                validity.newness(local) == (chosen.lineage or "", chosen.step)
                 and local.save_id != chosen.save_id
             )
         ):  # a local copy of another save of the chosen step is replaced: nodes load one save
@@ -198,7 +193,7 @@ class Restorer:
             save = validity.committed(self.layout.checkpoint_dir(step))
             if save is not None:
                 found.append(save[0])
-        return max(found, key=_key, default=None)
+        return max(found, key=validity.newness, default=None)
 
     def _choose(self) -> Optional[validity.RemoteCheckpoint]:
         """The checkpoint this round restores (pinned, or chosen and pinned), or None."""
@@ -254,8 +249,8 @@ class Restorer:
     def _best(
         self, heads: dict[int, m.Manifest], floor: Optional[tuple[str, int]]
     ) -> Optional[validity.RemoteCheckpoint]:
-        for head in sorted(heads.values(), key=_key, reverse=True):
-            if floor is not None and _key(head) < floor:
+        for head in sorted(heads.values(), key=validity.newness, reverse=True):
+            if floor is not None and validity.newness(head) < floor:
                 break
             if self._failed.get((head.step, head.save_id), 0) >= 2:
                 continue

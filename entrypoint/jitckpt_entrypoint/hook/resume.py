@@ -39,8 +39,8 @@ def _saves(checkpoints: str, node: Optional[int] = None) -> list[SaveKey]:
 
 
 def _newest(saves: Iterable[SaveKey]) -> Optional[SaveKey]:
-    """The sidecar's order: the newest-born run first (a run started over on the prefix), then
-    its highest step."""
+    """The newest in the sidecar's order (validity.newness): by run (the newest-born one: a run
+    started over on the prefix), then step."""
     return max(saves, key=lambda s: (s[2], s[0]), default=None)
 
 

@@ -118,15 +118,21 @@ def committed(ckpt_dir: str, node: Optional[int] = None) -> Optional[dict[int, m
     return manifests
 
 
+def newness(manifest: m.Manifest) -> tuple[str, int]:
+    """The order in which resume and restore prefer checkpoints: by run (lineage, the
+    newest-born last), then step."""
+    return (manifest.lineage, manifest.step)
+
+
 def committed_steps(checkpoints_dir: str, node: Optional[int] = None) -> list[int]:
     """Steps of the committed checkpoints under `checkpoints_dir`, oldest first in the order
     resume and restore use: by run (lineage; the newest-born last), then step."""
-    found = []
+    found: list[m.Manifest] = []
     for step in checkpoint_steps(checkpoints_dir):
         save = committed(os.path.join(checkpoints_dir, checkpoint_name(step)), node)
         if save is not None:
-            found.append((save[0].lineage, step))
-    return [step for _, step in sorted(found)]
+            found.append(save[0])
+    return [manifest.step for manifest in sorted(found, key=newness)]
 
 
 def newest_committed(checkpoints_dir: str, node: Optional[int] = None) -> Optional[int]:
