@@ -40,6 +40,18 @@ _EVENTS: list[type[FileSystemEvent]] = [
 ]
 
 
+class _StopRace(logging.Filter):
+    """watchdog (6-7) logs an ERROR when its emitter wakes on one last event while the observer
+    stops ("InotifyEmitter.queue_events() called when the thread is inactive"). It is harmless,
+    and unfiltered it becomes the sidecar's last line, after its own summary."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "called when the thread is inactive" not in record.getMessage()
+
+
+_STOP_RACE = _StopRace()
+
+
 class _Wake(FileSystemEventHandler):
     def __init__(self, wake: Callable[[], None]) -> None:
         self.wake = wake
@@ -54,6 +66,7 @@ class Watcher:
         self._observer: Optional[BaseObserver] = None
 
     def start(self) -> None:
+        logging.getLogger("watchdog.observers.inotify").addFilter(_STOP_RACE)  # idempotent
         handler = _Wake(self.wake)
         observer = Observer()
         try:

@@ -43,3 +43,19 @@ def test_a_watch_that_fails_partway_leaves_no_thread_running(tmp_path, caplog):
     assert set(threading.enumerate()) - before == set()
     assert "relying on the periodic rescan" in caplog.text
     watcher.stop()
+
+
+def test_watchdogs_stop_race_is_not_logged_but_its_other_errors_are(tmp_path, caplog):
+    """watchdog logs an ERROR when its emitter wakes while the observer stops; that line must
+    not become the sidecar's last line (it did, after the final summary). Other watchdog
+    errors still reach stderr."""
+    layout = Layout(str(tmp_path))
+    layout.ensure()
+    watcher = Watcher(layout, lambda: None, LOG)
+    watcher.start()
+    watcher.stop()
+    inotify_log = logging.getLogger("watchdog.observers.inotify")
+    with caplog.at_level(logging.ERROR):
+        inotify_log.error("InotifyEmitter.queue_events() called when the thread is inactive")
+        inotify_log.error("some other watchdog failure")
+    assert [r.getMessage() for r in caplog.records] == ["some other watchdog failure"]
