@@ -9,8 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from jitckpt_entrypoint.hook import memory
-from jitckpt_entrypoint.hook.snapshot import Stager, UnsupportedStateError, storage_key
+from jitckpt_entrypoint.hook import memory, torch_save
+from jitckpt_entrypoint.hook.snapshot import (
+    Stager,
+    UnsupportedStateError,
+    keep_location,
+    storage_key,
+)
 from jitckpt_entrypoint.hook.writer import BackgroundWriter, write_files
 from jitckpt_entrypoint.protocol import validity
 from jitckpt_entrypoint.protocol.durable import sync_tree
@@ -50,6 +55,28 @@ def test_buffers_are_reused_from_one_save_to_the_next():
 def test_a_tensor_it_cannot_copy_exactly_is_refused():
     with pytest.raises(UnsupportedStateError):
         Stager().plan({"m": torch.empty(3, device="meta")})
+
+
+def test_a_host_copy_of_gpu_state_is_saved_with_the_gpus_location(tmp_path: Path):
+    """A snapshot's optimizer.pt names the device its state came from ("cuda:0"), as the
+    Trainer's own torch.save of the live state does (make test-gpu compares the bytes); other
+    storages keep theirs, and the tag goes with the buffer."""
+    buf = torch.arange(8, dtype=torch.float32).view(torch.uint8).clone()
+    keep_location(buf, "cuda:0")
+    state = {"exp_avg": torch.empty(0).set_(buf.untyped_storage(), 2, (4,), (1,))}
+    state["plain"] = torch.ones(3)
+    (tmp_path / "ours").mkdir()
+    torch.save(state, tmp_path / "optimizer.pt")
+    torch_save.save(state, str(tmp_path / "ours" / "optimizer.pt"), 2)
+    ours = (tmp_path / "ours" / "optimizer.pt").read_bytes()
+    assert ours == (tmp_path / "optimizer.pt").read_bytes()
+    assert b"cuda:0" in ours
+    assert b"cpu" in ours
+    loaded = torch.load(tmp_path / "optimizer.pt", map_location="cpu")
+    assert torch.equal(loaded["exp_avg"], torch.arange(2, 6, dtype=torch.float32))
+    del state, buf
+    torch.save({"later": torch.zeros(2)}, tmp_path / "later.pt")
+    assert b"cuda" not in (tmp_path / "later.pt").read_bytes()
 
 
 def test_the_writer_runs_jobs_in_order_and_keeps_errors_for_the_caller(tmp_path: Path):

@@ -87,6 +87,34 @@ def pinned(nbytes: int) -> torch.Tensor:
     return tensor
 
 
+_locations: dict[int, tuple[weakref.ref[Any], str]] = {}
+"""A host buffer's storage (`_cdata`) -> (the storage, weakly; the device its copy came from)."""
+_tagging: list[bool] = []
+
+
+def keep_location(buf: torch.Tensor, location: str) -> None:
+    """`torch.save` of tensors over `buf` records `location` ("cuda:0"), the device the state
+    was copied from, as `torch.save` of the live state does: an async save's `optimizer.pt` is
+    the same file as the Trainer's own. The tag lives as long as the buffer's storage; other
+    storages are never tagged (torch's own taggers answer for them)."""
+    if not _tagging:  # once, and only in processes that stage CUDA state
+        torch.serialization.register_package(5, _location_of, _restore_nothing)  # cpu's is 10
+        _tagging.append(True)
+    storage = buf.untyped_storage()
+    key = storage._cdata
+    _locations[key] = (weakref.ref(storage), location)
+    weakref.finalize(storage, _locations.pop, key, None)
+
+
+def _location_of(storage: Any) -> Optional[str]:
+    entry = _locations.get(getattr(storage, "_cdata", 0))
+    return entry[1] if entry is not None and entry[0]() is not None else None
+
+
+def _restore_nothing(_storage: Any, _location: str) -> None:
+    """torch.load: not ours to place (torch's own deserializers do)."""
+
+
 def _unregister(ptr: int) -> None:
     with contextlib.suppress(Exception):  # interpreter teardown: nothing to do
         torch.cuda.cudart().cudaHostUnregister(ptr)
@@ -125,6 +153,7 @@ class Stager:
                 if buf is None:
                     if t.is_cuda:
                         buf = self._cuda.host_buffer(key[2])
+                        keep_location(buf, torch.serialization.location_tag(t.untyped_storage()))
                     else:
                         buf = torch.empty(key[2], dtype=torch.uint8)
                 used[key] = buf
