@@ -127,6 +127,33 @@ def test_this_torch_reads_the_timeout_from_the_environment():
     assert torchrun.reads_env(api)
 
 
+@pytest.mark.parametrize(
+    ("restarts", "user", "expected"), [(1, None, "1"), (0, None, None), (3, "0", "0")]
+)
+def test_torchrun_restarts_give_the_workers_their_own_store_unless_the_user_chose(
+    monkeypatch, capsys, restarts, user, expected
+):
+    """--max-restarts under the c10d rendezvous: restarted workers must not read the previous
+    round's addresses from a shared store (pytorch/pytorch#135712)."""
+    seen = {}
+
+    class FakeLauncherApi:
+        @staticmethod
+        def launch_agent(_config):
+            seen["env"] = os.environ.get(torchrun.OWN_STORE_ENV)
+            return "launched"
+
+    monkeypatch.delenv(torchrun.OWN_STORE_ENV, raising=False)
+    if user is not None:
+        monkeypatch.setenv(torchrun.OWN_STORE_ENV, user)
+    torchrun.patch_launch_agent(FakeLauncherApi)
+    config = type("Config", (), {"max_restarts": restarts, "shutdown_timeout": None})()
+    assert FakeLauncherApi.launch_agent(config) == "launched"
+    assert seen["env"] == expected
+    said = "restarted workers get their own TCPStore" in capsys.readouterr().err
+    assert said == (expected == "1")
+
+
 def session_for(root: Path, storage_uri: str = "") -> Session:
     session = Session(Config(dir=str(root), storage_uri=storage_uri), Topology(), "run-1")
     session.layout.ensure()

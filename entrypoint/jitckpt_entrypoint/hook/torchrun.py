@@ -1,10 +1,19 @@
-"""The torchrun agent: its worker shutdown timeout, and its entry in the run's registry.
+"""The torchrun agent: its worker shutdown timeout, its restarts, and its entry in the run's
+registry.
 
 Since torch 2.8-ish torchrun reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT (the entrypoint sets it from
 JITCKPT_GRACE_SECONDS). Older versions wait a hard-coded 30 s after forwarding SIGTERM before
 they SIGKILL the workers; in the agent process we raise that default to our value instead.
 The agent registers (role torchrun, with the timeout it uses, `--shutdown-timeout` included) so
 the entrypoint's SIGTERM line can name the real shutdown path.
+
+Restarts (`--max-restarts N`) under the c10d rendezvous (`--standalone`, `--rdzv-backend c10d`)
+share the rendezvous TCPStore with the workers (torch >= 2.4), and a restarted round can read
+the previous round's addresses: its process groups fail to connect ("Connection refused") or
+hang, with or without jitckpt (pytorch/pytorch#135712; 4 of 8 restarts here, torch 2.13, gloo).
+With restarts asked for, the agent sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch's own
+opt-out: the workers get their own store) unless the user set it; the restarted workers then
+resume from the newest checkpoint on the volume.
 """
 
 from __future__ import annotations
@@ -13,11 +22,13 @@ import contextlib
 import dataclasses
 import functools
 import os
+import sys
 from types import ModuleType
 from typing import Any, Optional
 
 ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 _TORCH_DEFAULT = 30
+OWN_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def wanted_timeout(env: Optional[dict[str, str]] = None) -> Optional[int]:
@@ -56,6 +67,14 @@ def patch_launch_agent(launcher_api: ModuleType) -> None:
         # Only a log line depends on the record: nothing may break the launch over it.
         with contextlib.suppress(Exception):
             register_agent(getattr(config, "shutdown_timeout", None))
+        restarts = getattr(config, "max_restarts", 0)
+        if isinstance(restarts, int) and restarts > 0 and OWN_STORE_ENV not in os.environ:
+            os.environ[OWN_STORE_ENV] = "1"
+            sys.stderr.write(  # the agent has no logger of ours: one line, the hook's prefix
+                f"jitckpt-hook[torchrun]: INFO --max-restarts {restarts}: restarted workers get "
+                f"their own TCPStore ({OWN_STORE_ENV}=1; a shared one can hand them the previous "
+                "round's addresses)\n"
+            )
         return original(config, *args, **kwargs)
 
     launch_agent._jitckpt_registers = True  # type: ignore[attr-defined]

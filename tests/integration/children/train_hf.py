@@ -93,8 +93,11 @@ def strategy_args(strategy: str) -> dict[str, Any]:
 
 
 class Progress(TrainerCallback):
-    def __init__(self, hold_at: int, release: str, step_sleep: float = 0.0) -> None:
+    def __init__(
+        self, hold_at: int, release: str, step_sleep: float = 0.0, crash: tuple[int, str] = (-1, "")
+    ) -> None:
         self.hold_at, self.release, self.step_sleep = hold_at, release, step_sleep
+        self.crash_at, self.crash_marker = crash
 
     def on_step_begin(self, args, state, control, **kwargs):
         time.sleep(self.step_sleep)  # --step-sleep: a longer step, as a bigger model's
@@ -104,6 +107,10 @@ class Progress(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         say(f"step {state.global_step} rank={os.environ.get('RANK', '0')}")
+        crash = state.global_step == self.crash_at and os.environ.get("RANK") == "1"
+        if crash and not os.path.exists(self.crash_marker):  # once: the restart goes on
+            open(self.crash_marker, "w").close()
+            raise RuntimeError(f"worker crash injected at step {state.global_step}")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs and state.is_world_process_zero:
@@ -217,6 +224,8 @@ def main() -> None:
     parser.add_argument(
         "--wait-after-train", action="store_true", help="until --release-file exists"
     )
+    parser.add_argument("--crash-at", type=int, default=-1, help="rank 1 raises after this step")
+    parser.add_argument("--crash-marker", default="", help="created at the crash: crash once")
     parser.add_argument("--slow-save", type=float, default=0.0, help="seconds added to saves")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds added to steps")
     parser.add_argument(
@@ -230,7 +239,14 @@ def main() -> None:
         slow_background_writes(opts.slow_write)
 
     model = tiny_llama(opts.vocab, opts.hidden, opts.layers)
-    callbacks = [Progress(opts.hold_save_at, opts.release_file, opts.step_sleep)]
+    callbacks = [
+        Progress(
+            opts.hold_save_at,
+            opts.release_file,
+            opts.step_sleep,
+            (opts.crash_at, opts.crash_marker),
+        )
+    ]
     if opts.trainer == "sft":
         trainer = sft_trainer(opts, model, callbacks)
     else:
