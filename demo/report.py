@@ -109,6 +109,13 @@ def save_blocking(lines: Sequence[str]) -> str:
     return "; ".join(parts) or "none"
 
 
+def recovery(scrape: str) -> str:
+    """The sidecar's jitckpt_recovery_seconds in its last /metrics scrape: the pod's start to
+    its first training step, and where the checkpoint came from."""
+    found = re.search(r'^jitckpt_recovery_seconds\{source="(\w+)"\} (\S+)$', scrape, re.M)
+    return f"{float(found.group(2)):.1f} s ({found.group(1)})" if found else "-"
+
+
 def pods(runs: Sequence[PodRun]) -> str:
     rows = []
     for run in runs:
@@ -135,6 +142,7 @@ def pods(runs: Sequence[PodRun]) -> str:
                 "?" if code is None else f"{code.trainer} / {code.sidecar}",
                 duration(run.ended_at - run.created_at),
                 restored,
+                recovery(run.tap.last),
                 uploaded,
                 save_blocking(run.pod.trainer.stderr if run.pod.trainer else []),
             ]
@@ -145,6 +153,7 @@ def pods(runs: Sequence[PodRun]) -> str:
         "exit trainer/sidecar",
         "pod lifetime",
         "restored from S3",
+        "start to first step",
         "checkpoints uploaded to S3 (steps): bytes",
         "periodic saves: training blocked",
     ]

@@ -28,7 +28,8 @@ class Metric:
     """gauge, counter or histogram."""
     help: str
     labels: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    """(label name, the values the contract fixes), each value exported from the start."""
+    """(label name, the values the contract fixes), each value exported from the start (a
+    late gauge's one sample carries one of them)."""
     buckets: tuple[float, ...] = ()
     doc: str = ""
     """The README's meaning column (markdown); the HELP text when empty."""
@@ -193,6 +194,29 @@ SIDECAR_READY = _gauge(
     "jitckpt_sidecar_ready",
     "1 once the restore finished (readiness).",
     doc="1 once a restore succeeded; 0 while it runs or keeps failing",
+)
+RECOVERY_SOURCES = ("s3", "local", "none")
+RECOVERY_SECONDS = _define(
+    Metric(
+        "jitckpt_recovery_seconds",
+        "gauge",
+        "Seconds from the pod's start (or the trainer container's restart) to the first "
+        "training step finished, by where the checkpoint came from (s3, local, none).",
+        (("source", RECOVERY_SOURCES),),
+        late=True,
+        doc=(
+            "the last recovery: the pod's start (this sidecar's) or the trainer container's "
+            "restart, to its first optimizer step finished (`status/first-step.json`); one "
+            "sample, `source`: `s3` (restored), `local` (the volume's), `none` (fresh start); "
+            "absent before the first step"
+        ),
+    )
+)
+RECOVERY_BYTES = _gauge(
+    "jitckpt_recovery_bytes",
+    "Bytes downloaded from S3 for the last recovery (0 when the volume had the checkpoint).",
+    late=True,
+    doc="bytes downloaded for the last recovery (0 from the volume); absent before the first",
 )
 # The shared volume (read from the disk at scrape time).
 STORAGE_CAPACITY = _gauge(

@@ -64,18 +64,26 @@ class LateGauge(Collector):
     def __init__(self, spec: Metric, registry: CollectorRegistry) -> None:
         self.spec = spec
         self.value: Optional[float] = None
+        self._labels: tuple[str, ...] = ()
         registry.register(self)
 
-    def set(self, value: float) -> None:
-        self.value = value
+    def set(self, value: float, *labels: str) -> None:
+        """The value; with the spec's labels, the one sample's label values."""
+        self.value, self._labels = value, labels
 
     def describe(self) -> list[GaugeMetricFamily]:
-        return [GaugeMetricFamily(self.spec.name, self.spec.help)]
+        return [GaugeMetricFamily(self.spec.name, self.spec.help, labels=self.spec.label_names)]
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        value = self.value
-        if value is not None:
+        value, labels = self.value, self._labels
+        if value is None:
+            return
+        if not self.spec.labels:
             yield GaugeMetricFamily(self.spec.name, self.spec.help, value=value)
+            return
+        family = GaugeMetricFamily(self.spec.name, self.spec.help, labels=self.spec.label_names)
+        family.add_metric(list(labels), value)
+        yield family
 
 
 class CheckpointMetrics:
@@ -155,6 +163,18 @@ class RestoreMetrics:
         self.seconds.set(seconds)
 
 
+class RecoveryMetrics:
+    """The last recovery: start to the first training step, where from, bytes downloaded."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.seconds = LateGauge(names.RECOVERY_SECONDS, registry)
+        self.bytes = LateGauge(names.RECOVERY_BYTES, registry)
+
+    def recovered(self, seconds: float, source: str, nbytes: int) -> None:
+        self.seconds.set(max(0.0, seconds), source)
+        self.bytes.set(nbytes)
+
+
 class StorageCollector(Collector):
     """Capacity, usage, peak and pressure of the shared volume, measured at scrape time."""
 
@@ -197,4 +217,5 @@ class Metrics:
         self.checkpoints = CheckpointMetrics(registry)
         self.uploads = UploadMetrics(registry, queue_length, lag_seconds, oldest_pending_seconds)
         self.restore = RestoreMetrics(registry)
+        self.recovery = RecoveryMetrics(registry)
         self.storage = StorageMetrics(registry, storage, pressure_threshold)

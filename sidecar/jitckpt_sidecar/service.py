@@ -70,6 +70,8 @@ class Service:
     ) -> None:
         self.cfg, self.layout, self.client, self.log = cfg, layout, client, logger
         self.clock, self.monotonic = clock, monotonic
+        self._started_at = _process_start(clock)
+        """When this sidecar's process started: the pod's start, for the recovery time."""
         self.remote = Remote(client, cfg.uri)
         self.backlog = Backlog(monotonic)
         self.storage = Storage(layout.root, cfg.storage_capacity)
@@ -84,7 +86,9 @@ class Service:
         s3.count_retries(client, self.metrics.uploads.retries.inc)
         self.save_peaks = sizing.SavePeaks(self.storage, layout.status, logger)
         self.metrics.storage.save_peak.set_function(lambda: self.save_peaks.last)
-        self.feed = StatusFeed(layout.status, self.metrics.checkpoints)
+        self.feed = StatusFeed(
+            layout.status, self.metrics.checkpoints, self.metrics.recovery, logger
+        )
         self.readiness = Readiness(layout.status, clock)
         self.uploader = Uploader(client, self.remote, cfg, logger, monotonic=monotonic)
         self.retention = Retention(
@@ -150,6 +154,7 @@ class Service:
             return 1
         memory.trim()
         self._restored_bytes = result.bytes
+        self.feed.restored(self._started_at, result.source, result.bytes)
         self.readiness.set(result.source, result.step, result.seconds, result.bytes)
         self.metrics.restore.ready.set(1)
         if result.step is not None:
@@ -521,3 +526,13 @@ class Service:
         if isinstance(exc, OSError):
             return f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")
         return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _process_start(clock: Callable[[], float]) -> float:
+    """This process's start (before the imports), else now."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - a metric's start: now is close enough
+        return clock()

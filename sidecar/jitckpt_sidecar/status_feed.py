@@ -1,22 +1,49 @@
 """Follow the trainer side's status files: save events and JIT records feed the checkpoint
-metrics; trainer.json tells the drain whether the trainer has exited."""
+metrics; first-step.json ends a recovery (its time, source and bytes); trainer.json tells the
+drain whether the trainer has exited.
+
+A recovery is timed from the pod's start (this sidecar's start: its restore comes first) for
+the first trainer that starts after this sidecar's restore, and from the trainer container's
+own start for later ones (restarted in the pod: the volume has the checkpoint). A sidecar that
+starts while a trainer runs (it restarted) times only the trainer restarts after it."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
 
 from jitckpt_entrypoint.protocol import status
-from jitckpt_sidecar.metrics import CheckpointMetrics
+from jitckpt_entrypoint.protocol.layout import checkpoint_name
+from jitckpt_sidecar.metrics import CheckpointMetrics, RecoveryMetrics
 
 
 class StatusFeed:
-    def __init__(self, status_dir: str, metrics: CheckpointMetrics) -> None:
+    def __init__(
+        self,
+        status_dir: str,
+        metrics: CheckpointMetrics,
+        recovery: Optional[RecoveryMetrics] = None,
+        logger: Optional[logging.Logger] = None,
+    ) -> None:
         self.dir = status_dir
         self.metrics = metrics
+        self.recovery, self.log = recovery, logger
         self._seen: dict[str, float] = {}
         """save-event file name -> committed_at already counted."""
         self._jit_seen: Optional[tuple[str, float]] = None
+        self._pod: Optional[tuple[float, str, int]] = None
+        """(this sidecar's start, its restore's source, bytes) until a pod start is timed."""
+        self._started_at = 0.0
+        self._first_seen: Optional[str] = None
+
+    def restored(self, started_at: float, source: str, nbytes: int) -> None:
+        """The start-up restore is done: recoveries can be timed from here on."""
+        self._started_at = started_at
+        trainer = status.read_trainer(self.dir)
+        # A trainer that ran before this sidecar started: the sidecar restarted, not the pod.
+        before = trainer is not None and trainer.started_at < started_at
+        self._pod = None if before else (started_at, source, nbytes)
 
     def poll(self) -> None:
         """Count save events and the JIT record not seen before (each exactly once)."""
@@ -33,6 +60,41 @@ class StatusFeed:
         if record is not None and (record.run_id, record.committed_at) != self._jit_seen:
             self._jit_seen = (record.run_id, record.committed_at)
             self.metrics.jit(record)
+
+        if self.recovery is not None and self._started_at:
+            self._time_recovery(self.recovery)
+
+    def _time_recovery(self, recovery: RecoveryMetrics) -> None:
+        first = status.read_first_step(self.dir)
+        if first is None or first.run_id == self._first_seen:
+            return
+        self._first_seen = first.run_id
+        if first.finished_at < self._started_at:
+            return  # before this sidecar started: not its to time
+        trainer = status.read_trainer(self.dir)
+        trainer_start = (
+            trainer.started_at if trainer is not None and trainer.run_id == first.run_id else None
+        )
+        if self._pod is not None:
+            start, source, nbytes = self._pod
+            self._pod, what = None, "the pod's start"
+        elif trainer_start is not None:
+            start, source, nbytes, what = trainer_start, "local", 0, "the trainer's restart"
+        else:
+            return
+        seconds = first.finished_at - start
+        recovery.recovered(seconds, source, nbytes)
+        if self.log is not None:
+            self.log.info(
+                "recovered: %s to the first training step (from %s) in %.1f s (%s%s)",
+                what,
+                "the start" if first.began_at_step == 0 else checkpoint_name(first.began_at_step),
+                seconds,
+                {"s3": "restored from S3", "local": "from the volume", "none": "fresh start"}.get(
+                    source, source
+                ),
+                f", {nbytes / 1e6:.1f} MB downloaded" if nbytes else "",
+            )
 
     def trainer(self) -> Optional[status.TrainerStatus]:
         """trainer.json (started, SIGTERM received at, exited at), None before the first run."""

@@ -10,6 +10,9 @@ No checkpoint file is read from S3 in either case (the proxy sees every request)
 
 from __future__ import annotations
 
+import re
+from typing import Optional
+
 import pytest
 
 from harness.pod import resumed_from
@@ -29,6 +32,16 @@ def downloads(proxy) -> list[str]:
         for r in proxy.log()
         if r.operation == "get" and "/checkpoint-" in r.key and "jitckpt-manifest" not in r.key
     ]
+
+
+def recovery(pod, source: str = "") -> Optional[tuple[str, float]]:
+    """The sidecar's jitckpt_recovery_seconds sample (source, seconds), when it has one (of
+    `source`, when given)."""
+    for line in pod.metrics().splitlines():
+        found = re.match(r'^jitckpt_recovery_seconds\{source="(\w+)"\} (\S+)$', line)
+        if found and found.group(1) == (source or found.group(1)):
+            return found.group(1), float(found.group(2))
+    return None
 
 
 def newest_committed(jdir) -> int:
@@ -63,6 +76,7 @@ def test_a_trainer_restart_and_a_sidecar_restart_in_the_same_pod_download_nothin
     pod = pods(ARGS, s3_env=s3_bucket.env({}, endpoint=proxy.url))
     pod.start()
     pod.wait_step(12)
+    assert wait_for(lambda: recovery(pod), 30, "the recovery metric")[0] == "none"
     assert pod.trainer is not None
     pod.trainer.kill_tree()  # the trainer container OOM-killed; the emptyDir stays
     local = newest_committed(pod.jdir)
@@ -71,6 +85,8 @@ def test_a_trainer_restart_and_a_sidecar_restart_in_the_same_pod_download_nothin
     assert resumed_from(pod) == local, pod.output()
 
     pod.wait_step(local + 3)
+    _, seconds = wait_for(lambda: recovery(pod, "local"), 30, "the restart's recovery")
+    assert 0 < seconds < 120
     assert pod.sidecar is not None
     pod.sidecar.kill_tree()
     sidecar = pod.start_sidecar()

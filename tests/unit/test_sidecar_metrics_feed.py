@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -57,6 +58,7 @@ def test_unknown_gauges_appear_with_their_first_value(tmp_path):
     metrics.uploads.in_s3(120)
     metrics.restore.finished("success", 2.5)
     metrics.checkpoints.jit(status.JitRecord("r", 7, "checkpoint-7", 10.0, 8.0, 1.0))
+    metrics.recovery.recovered(12.5, "s3", 1000)
     assert exposed(registry) == set(METRICS)
     value = registry.get_sample_value
     assert value("jitckpt_checkpoint_last_step") == 120
@@ -106,6 +108,43 @@ def test_save_events_and_the_jit_record_are_counted_once(tmp_path):
     assert feed.trainer() is None
 
 
+def test_recovery_is_timed_from_the_pod_start_then_from_each_trainer_restart(tmp_path, caplog):
+    """The first trainer after the restore: from the sidecar's start, with the restore's
+    source and bytes. A trainer restarted in the pod: from its own start, from the volume.
+    A record older than the sidecar (it restarted mid-run) is not its to time."""
+    registry, metrics = build(tmp_path)
+    d = str(tmp_path)
+    feed = StatusFeed(d, metrics.checkpoints, metrics.recovery, logging.getLogger("test"))
+    value = registry.get_sample_value
+    status.write_trainer(d, status.TrainerStatus("run-a", 1, ("x",), 104.0))
+    status.write_first_step(d, status.FirstStep("run-a", 40, 100.0))  # before the sidecar
+    feed.restored(103.0, "s3", 5_000_000)  # the sidecar started at 103 (the trainer at 104)
+    feed.poll()
+    assert value("jitckpt_recovery_seconds", {"source": "s3"}) is None
+    status.write_first_step(d, status.FirstStep("run-a", 40, 115.5))
+    status.write_first_step(d, status.FirstStep("run-b", 40, 115.5))
+    feed.poll()
+    assert value("jitckpt_recovery_seconds", {"source": "s3"}) == 12.5
+    assert value("jitckpt_recovery_bytes") == 5_000_000
+    status.write_trainer(d, status.TrainerStatus("run-c", 1, ("x",), 200.0))
+    status.write_first_step(d, status.FirstStep("run-c", 50, 203.0))
+    with caplog.at_level(logging.INFO):
+        feed.poll()
+        feed.poll()
+    assert value("jitckpt_recovery_seconds", {"source": "s3"}) is None  # one sample: the last
+    assert value("jitckpt_recovery_seconds", {"source": "local"}) == 3.0
+    assert value("jitckpt_recovery_bytes") == 0
+    (line,) = [r.getMessage() for r in caplog.records if "recovered" in r.getMessage()]
+    assert "the trainer's restart to the first training step (from checkpoint-50) in 3.0 s" in line
+
+    restarted = StatusFeed(d, metrics.checkpoints, metrics.recovery)  # the sidecar restarted
+    restarted.restored(250.0, "local", 0)
+    status.write_trainer(d, status.TrainerStatus("run-d", 1, ("x",), 260.0))
+    status.write_first_step(d, status.FirstStep("run-d", 60, 261.5))
+    restarted.poll()
+    assert value("jitckpt_recovery_seconds", {"source": "local"}) == 1.5
+
+
 @needs_promtool
 def test_promtool_finds_nothing_to_lint_in_a_full_scrape(tmp_path):
     """With every metric holding a value, `promtool check metrics` (names, units, HELP,
@@ -115,6 +154,7 @@ def test_promtool_finds_nothing_to_lint_in_a_full_scrape(tmp_path):
     metrics.uploads.in_s3(10)
     metrics.restore.finished("success", 1.0)
     metrics.checkpoints.jit(status.JitRecord("r", 7, "checkpoint-7", 10.0, 8.0, 1.0))
+    metrics.recovery.recovered(12.5, "s3", 1000)
     text = generate_latest(registry)
     out = promtool("check", "metrics", stdin=text)
     assert (out.returncode, out.stdout, out.stderr) == (0, "", "")

@@ -165,6 +165,8 @@ class CheckpointManager:
         self._writer_control: Optional[ControlGroup] = None
         self._stager: Optional[Stager] = None
         self._skipped: set[int] = set()
+        self._first_step_recorded = False
+        """The first optimizer step of this process is in status/first-step.json."""
         self.blocking: list[tuple[int, float]] = []
         """(step, seconds the training thread was held) of every async save, in order."""
 
@@ -198,6 +200,21 @@ class CheckpointManager:
         with self._lock:
             self._announce()
         session.training_started()
+
+    def step_finished(self, step: int, began_at: int) -> None:
+        """After every optimizer step: the first of this process is recorded (local rank 0)
+        for the sidecar's recovery time. Never raises into training."""
+        if self._first_step_recorded:
+            return
+        self._first_step_recorded = True
+        session = self.session
+        if not session.topo.is_leader or not session.run_id:
+            return
+        try:
+            record = status.FirstStep(session.run_id, began_at, time.time())
+            status.write_first_step(session.layout.status, record)
+        except Exception as exc:  # noqa: BLE001 - only a metric depends on it
+            session.log.debug("first-step record not written for step %d: %s", step, exc)
 
     def training_ended(self) -> None:
         """End of one `train()`: the next one (a second Trainer, a second stage) decides its

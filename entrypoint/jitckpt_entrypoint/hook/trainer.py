@@ -293,9 +293,11 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
     def __init__(self, manager: CheckpointManager, trainer: Any) -> None:
         self.manager = manager
         self._trainer = weakref.ref(trainer)
+        self._began_at = 0
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         manager, session = self.manager, self.manager.session
+        self._began_at = state.global_step  # the resumed checkpoint's step, 0 when fresh
         _warm_save_path()
         manager.retention(save_total_limit=args.save_total_limit)
         manager.training_started()
@@ -319,6 +321,7 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
             )
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.manager.step_finished(state.global_step, self._began_at)
         if self.manager.stop_agreed():
             self._stop(state, control)
         elif 0 < state.max_steps <= state.global_step and self.manager.last_step(state.global_step):

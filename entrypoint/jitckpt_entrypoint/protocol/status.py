@@ -14,6 +14,8 @@
 - `node.json` (hook, one per node): this node's place in the job and what the trainer keeps
   (save_total_limit, HF's best checkpoint), for the sidecar's per-node retention: HF rotates
   checkpoints only on process 0, so the other nodes' parts are the sidecar's to delete.
+- `first-step.json` (hook, one per node): the first optimizer step of run `run_id` finished,
+  and the step it began at; the sidecar's recovery time (start to first step) ends there.
 - `sidecar-ready.json` (sidecar): its start-up restore finished (what it restored, how fast),
   for anything that waits on the volume rather than on /readyz, and for the entrypoint's
   grace-period estimate.
@@ -40,6 +42,7 @@ OUTPUT = "output.json"
 SAVING = "saving.json"
 NODE = "node.json"
 SIDECAR_READY = "sidecar-ready.json"
+FIRST_STEP = "first-step.json"
 SAVE_PREFIX = "save-"
 KEEP_SAVE_EVENTS = 100
 RUN_ID_ENV = "JITCKPT_RUN_ID"
@@ -123,6 +126,16 @@ class OutputRecord:
     """Absolute."""
     step: int
     """The last optimizer step of training."""
+    finished_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstStep:
+    """The first optimizer step of a run finished (the end of a recovery)."""
+
+    run_id: str
+    began_at_step: int
+    """The step training began at: the resumed checkpoint's, 0 for a fresh start."""
     finished_at: float
 
 
@@ -251,6 +264,14 @@ def write_node(status_dir: str, node: NodeStatus) -> None:
 
 def read_node(status_dir: str) -> Optional[NodeStatus]:
     return read_record(os.path.join(status_dir, NODE), NodeStatus)
+
+
+def write_first_step(status_dir: str, record: FirstStep) -> None:
+    write_record(os.path.join(status_dir, FIRST_STEP), record, durable=False)
+
+
+def read_first_step(status_dir: str) -> Optional[FirstStep]:
+    return read_record(os.path.join(status_dir, FIRST_STEP), FirstStep)
 
 
 def write_sidecar_ready(status_dir: str, ready: SidecarReady) -> None:
