@@ -112,7 +112,7 @@ def save_blocking(lines: Sequence[str]) -> str:
 def recovery(scrape: str) -> str:
     """The sidecar's jitckpt_recovery_seconds in its last /metrics scrape: the pod's start to
     its first training step, and where the checkpoint came from."""
-    found = re.search(r'^jitckpt_recovery_seconds\{source="(\w+)"\} (\S+)$', scrape, re.M)
+    found = re.search(r'^jitckpt_recovery_seconds\{source="(\w+)"\} (\S+)$', scrape, re.MULTILINE)
     return f"{float(found.group(2)):.1f} s ({found.group(1)})" if found else "-"
 
 
