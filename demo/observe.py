@@ -141,7 +141,9 @@ class PodRun:
 
     @property
     def uploaded_checkpoints(self) -> list[str]:
-        return sorted({key.split("/")[0] for key in self.new_in_s3}, key=_step_of)
+        names = {key.split("/")[0] for key in self.new_in_s3}
+        # Not the restore's pin (jitckpt-restore-pin.json) or final/: checkpoints only.
+        return sorted((n for n in names if n.startswith("checkpoint-")), key=_step_of)
 
     @property
     def uploaded_bytes(self) -> int:
