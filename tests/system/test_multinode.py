@@ -1,4 +1,5 @@
-"""A two-node job (two pods, torchrun --nnodes 2 on 127.0.0.1) drained one node at a time."""
+"""A two-node job (two pods, torchrun --nnodes 2 on 127.0.0.1) drained one node at a time, and
+the job resumed on one node (4 ranks -> 2)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,8 @@ def test_draining_one_node_stops_both_at_one_step_and_the_new_job_resumes_from_s
 
     total = step + 4
     finish_resumed_job(job(pods, ["--max-steps", str(total), "--save-steps", "1000"]), step)
+    # The job comes back on one node (spot capacity came back smaller): DDP at world size 2
+    # resumes from the 4-rank final checkpoint, every file of both nodes restored.
+    finish_resumed_job(
+        [pods(["--max-steps", str(total + 3), "--save-steps", "1000"]).start()], total
+    )

@@ -35,6 +35,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STRATEGIES = ["fsdp2-sharded", "fsdp2-full", "fsdp1-sharded", "zero2", "zero3"]
 EXACT_UNDER_HF = {"fsdp2-sharded", "fsdp2-full", "zero2", "zero3"}
 """FSDP1 SHARDED's losses differ after a plain HF resume too (not ours to fix)."""
+SHRINKS = {"fsdp2-full"}
+"""Resumed on one node after a two-node drain (fsdp2-sharded: the retention test). ZeRO keeps
+its two nodes: DeepSpeed loads a ZeRO checkpoint only at its own world size."""
 TOTAL, STOP_AT = 10, 4
 LAYOUT = {
     "fsdp2-sharded": "pytorch_model_fsdp_0/__1_0.distcp",
@@ -174,7 +177,11 @@ def test_draining_one_of_two_nodes_stops_both_at_one_step_and_fresh_pods_resume(
     assert committed_in_s3(s3_bucket) == [step]
     assert NODE1_FILE[strategy].format(step=step) in node_part_files(s3_bucket, step, 1)
 
-    finish_resumed_job(job(pods, args(strategy, step + 2), strategy_env(strategy)), step)
+    if strategy in SHRINKS:  # the job comes back on one node: 4 ranks -> 2
+        again = pods(args(strategy, step + 2), env=strategy_env(strategy))
+        finish_resumed_job([again.start()], step)
+    else:
+        finish_resumed_job(job(pods, args(strategy, step + 2), strategy_env(strategy)), step)
 
 
 CAPACITY = 4 * 1024**2
@@ -236,10 +243,9 @@ def test_two_node_fsdp2_sharded_job_keeps_every_nodes_volume_within_its_limit(po
         sizing = [line for line in pod.sidecar.stderr if "storage sizing for node" in line]
         assert any("save_total_limit=2" in line for line in sizing), pod.output()
 
-    again = job(pods, args("fsdp2-sharded", step + 2, *RETENTION_MODEL), env)
-    assert resumed_from(again[0]) == step
-    for pod in again:
-        assert pod.finish().trainer == 0, pod.output()
+    # The job comes back on one node: DCP reshards the 4-rank checkpoint for 2 ranks.
+    again = pods(args("fsdp2-sharded", step + 2, *RETENTION_MODEL), env=env)
+    finish_resumed_job([again.start()], step)
 
 
 def dcp_state(directory: Path) -> dict[str, torch.Tensor]:
