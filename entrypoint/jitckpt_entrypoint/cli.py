@@ -116,6 +116,9 @@ def outcome(
     summary = f"training command {child.describe()}"
     if child.signal is not None:
         summary += f" (exit {child.status})"
+    refusal = status.read_refusal(layout.status, run_id)
+    if refusal is not None and child.status != 0:
+        summary += f": {refusal.message}"
     if sigterm_at is not None:
         summary = f"SIGTERM received, no JIT checkpoint committed; {summary}"
     elif child.status == 0:

@@ -4,6 +4,7 @@ manager's lifecycle (begin, commit, JIT finish, resume, retention) without torch
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -369,3 +370,31 @@ def test_jitckpt_resume_0_starts_over_once_per_process(tmp_path):
     assert checkpoint_steps(session.layout.checkpoints) == [5]
     assert manager.is_committed(5)
     assert session.lineage == lineage
+
+
+def test_a_zero_checkpoint_of_another_world_size_is_refused_in_one_line(tmp_path):
+    """DeepSpeed loads ZeRO optimizer states only at the world size that saved them: resuming
+    a 2-rank ZeRO checkpoint with 1 rank is refused with the fix named; the same size, a
+    universal load, or a checkpoint without ZeRO states is not."""
+    from harness.checkpoints import commit
+
+    roots = [tmp_path / "n0", tmp_path / "n1"]
+    zero = "global_step4/zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+    commit(roots, 4, [{zero.format(0): 10}, {zero.format(1): 10}])
+    commit(roots, 8, [{"model.safetensors": 10}, {"rng_state_1.pth": 10}])
+    for step in (4, 8):  # the restore brings every node's files and manifests
+        shutil.copytree(
+            roots[1] / "checkpoints" / f"checkpoint-{step}",
+            roots[0] / "checkpoints" / f"checkpoint-{step}",
+            dirs_exist_ok=True,
+        )
+    ckpt = str(roots[0] / "checkpoints" / "checkpoint-4")
+    line = resume.zero_refusal(ckpt, 1, load_universal=False)
+    assert line is not None
+    assert line.startswith("checkpoint-4 holds DeepSpeed ZeRO optimizer states of 2 ranks")
+    assert "ds_to_universal.py" in line
+    assert "\n" not in line
+    assert resume.zero_refusal(ckpt, 2, load_universal=False) is None
+    assert resume.zero_refusal(ckpt, 1, load_universal=True) is None
+    other = str(roots[0] / "checkpoints" / "checkpoint-8")
+    assert resume.zero_refusal(other, 1, load_universal=False) is None

@@ -238,6 +238,17 @@ class CheckpointManager:
 
     # -- resume --
 
+    def refused(self, message: str) -> None:
+        """Training stops before it begins (the error goes up into train()): the one line for
+        the entrypoint's termination message (world rank 0)."""
+        session = self.session
+        if session.topo.rank != 0 or not session.run_id:
+            return
+        try:
+            status.write_refusal(session.layout.status, status.Refusal(session.run_id, message))
+        except OSError as exc:  # the traceback still says it
+            session.log.warning("cannot record why training stopped: %s", exc)
+
     def resuming_from(self, path: str) -> None:
         """The script resumes from `path` itself: its saves carry on that checkpoint's lineage
         (when it is one of ours)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import time
 from collections.abc import Iterable
@@ -79,6 +80,27 @@ def agreed_step(session: Session) -> Optional[int]:
                 checkpoint_name(step),
             )
     return step
+
+
+def zero_refusal(ckpt_dir: str, world_size: int, load_universal: bool) -> Optional[str]:
+    """One line when `ckpt_dir` holds DeepSpeed ZeRO optimizer states saved at another world
+    size: DeepSpeed loads those only at their own size (its own error comes after the model is
+    built, as a traceback), unless they were converted to a universal checkpoint."""
+    if load_universal:
+        return None
+    save = complete_save(read_manifests(ckpt_dir))
+    if not save or save[0].world_size == world_size:
+        return None
+    states = glob.glob(os.path.join(glob.escape(ckpt_dir), "global_step*", "*zero_pp_rank_*"))
+    if not states:
+        return None
+    saved = save[0].world_size
+    return (
+        f"{os.path.basename(ckpt_dir)} holds DeepSpeed ZeRO optimizer states of {saved} ranks "
+        f"and this run has {world_size}: DeepSpeed loads them only at {saved} ranks; run at "
+        f"{saved} ranks, or convert the checkpoint with DeepSpeed's ds_to_universal.py and "
+        'resume from it with "checkpoint": {"load_universal": true} in the DeepSpeed config'
+    )
 
 
 def remove_stale(session: Session, resume_step: Optional[int]) -> list[str]:

@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional
 
 from transformers.trainer_callback import TrainerCallback
 
+from jitckpt_entrypoint.errors import JitckptError
+from jitckpt_entrypoint.hook import resume
 from jitckpt_entrypoint.hook.manager import CheckpointManager, Save, SaveParts, current
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol.layout import step_of
@@ -58,7 +60,7 @@ def patch(module: ModuleType) -> None:
 
     @functools.wraps(original_train)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _with_resume(manager, args, kwargs)
+        args, kwargs = _with_resume(manager, args, kwargs, self)
         return original_train(self, *args, **kwargs)
 
     @functools.wraps(original_output_dir)
@@ -257,8 +259,34 @@ def _plain(value: Any) -> Any:
     return getattr(value, "value", value)
 
 
+def _loads_universal(training_args: Any) -> bool:
+    """The DeepSpeed config asks to load a universal checkpoint (any world size)."""
+    config = getattr(getattr(training_args, "hf_deepspeed_config", None), "config", None)
+    checkpoint = config.get("checkpoint") if isinstance(config, dict) else None
+    return bool(isinstance(checkpoint, dict) and checkpoint.get("load_universal"))
+
+
+def _checkpoint_to_resume(manager: CheckpointManager, trainer: Any) -> Optional[str]:
+    """The committed checkpoint every rank resumes from, or None; JitckptError for one that
+    cannot be resumed here."""
+    step = manager.resume(asked=True)
+    chosen = None if step is None else manager.checkpoint_dir(step)
+    if chosen is not None and trainer is not None:
+        refusal = resume.zero_refusal(
+            chosen,
+            manager.session.topo.world_size,
+            _loads_universal(getattr(trainer, "args", None)),
+        )
+        if refusal:
+            raise JitckptError(refusal)
+    return chosen
+
+
 def _with_resume(
-    manager: CheckpointManager, args: tuple[Any, ...], kwargs: dict[str, Any]
+    manager: CheckpointManager,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    trainer: Any = None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Resolve resume_from_checkpoint=None (with JITCKPT_RESUME=1) or True to the newest
     committed checkpoint; True is HF's "the last one in the checkpoint folder", which is ours."""
@@ -279,8 +307,11 @@ def _with_resume(
     if given is None and not session.cfg.resume:
         manager.resume()  # starts over
         return args, kwargs
-    step = manager.resume(asked=True)
-    chosen = None if step is None else manager.checkpoint_dir(step)
+    try:
+        chosen = _checkpoint_to_resume(manager, trainer)
+    except JitckptError as exc:
+        manager.refused(str(exc))
+        raise
     if args:
         return (chosen, *args[1:]), kwargs
     kwargs["resume_from_checkpoint"] = chosen

@@ -14,6 +14,8 @@
 - `node.json` (hook, one per node): this node's place in the job and what the trainer keeps
   (save_total_limit, HF's best checkpoint), for the sidecar's per-node retention: HF rotates
   checkpoints only on process 0, so the other nodes' parts are the sidecar's to delete.
+- `run-<run id>/refusal.json` (hook): why the hook stopped training before it began (a
+  checkpoint it cannot resume); the entrypoint's termination message carries it.
 - `first-step.json` (hook, one per node): the first optimizer step of run `run_id` finished,
   and the step it began at; the sidecar's recovery time (start to first step) ends there.
 - `sidecar-ready.json` (sidecar): its start-up restore finished (what it restored, how fast),
@@ -43,6 +45,7 @@ SAVING = "saving.json"
 NODE = "node.json"
 SIDECAR_READY = "sidecar-ready.json"
 FIRST_STEP = "first-step.json"
+REFUSAL = "refusal.json"
 SAVE_PREFIX = "save-"
 KEEP_SAVE_EVENTS = 100
 RUN_ID_ENV = "JITCKPT_RUN_ID"
@@ -127,6 +130,14 @@ class OutputRecord:
     step: int
     """The last optimizer step of training."""
     finished_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """The hook stopped training before it began: one line that names the fix."""
+
+    run_id: str
+    message: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +275,16 @@ def write_node(status_dir: str, node: NodeStatus) -> None:
 
 def read_node(status_dir: str) -> Optional[NodeStatus]:
     return read_record(os.path.join(status_dir, NODE), NodeStatus)
+
+
+def write_refusal(status_dir: str, record: Refusal) -> None:
+    mine = registry.run_dir(status_dir, record.run_id)
+    os.makedirs(mine, exist_ok=True)
+    write_record(os.path.join(mine, REFUSAL), record, durable=False)
+
+
+def read_refusal(status_dir: str, run_id: str) -> Optional[Refusal]:
+    return read_record(os.path.join(registry.run_dir(status_dir, run_id), REFUSAL), Refusal)
 
 
 def write_first_step(status_dir: str, record: FirstStep) -> None:
