@@ -251,14 +251,25 @@ def read_jit(status_dir: str, run_id: Optional[str] = None) -> Optional[JitRecor
     return record
 
 
-def write_output(status_dir: str, record: OutputRecord) -> None:
-    mine = registry.run_dir(status_dir, record.run_id)
+def _write_run_record(status_dir: str, run_id: str, name: str, record: Any) -> None:
+    """`record` as `run-<run id>/<name>`: the run's own file."""
+    mine = registry.run_dir(status_dir, run_id)
     os.makedirs(mine, exist_ok=True)
-    write_record(os.path.join(mine, OUTPUT), record, durable=False)
+    write_record(os.path.join(mine, name), record, durable=False)
+
+
+def _read_run_record(
+    status_dir: str, run_id: str, name: str, cls: type[Record]
+) -> Optional[Record]:
+    return read_record(os.path.join(registry.run_dir(status_dir, run_id), name), cls)
+
+
+def write_output(status_dir: str, record: OutputRecord) -> None:
+    _write_run_record(status_dir, record.run_id, OUTPUT, record)
 
 
 def read_output(status_dir: str, run_id: str) -> Optional[OutputRecord]:
-    return read_record(os.path.join(registry.run_dir(status_dir, run_id), OUTPUT), OutputRecord)
+    return _read_run_record(status_dir, run_id, OUTPUT, OutputRecord)
 
 
 def write_save_start(status_dir: str, start: SaveStart) -> None:
@@ -278,13 +289,11 @@ def read_node(status_dir: str) -> Optional[NodeStatus]:
 
 
 def write_refusal(status_dir: str, record: Refusal) -> None:
-    mine = registry.run_dir(status_dir, record.run_id)
-    os.makedirs(mine, exist_ok=True)
-    write_record(os.path.join(mine, REFUSAL), record, durable=False)
+    _write_run_record(status_dir, record.run_id, REFUSAL, record)
 
 
 def read_refusal(status_dir: str, run_id: str) -> Optional[Refusal]:
-    return read_record(os.path.join(registry.run_dir(status_dir, run_id), REFUSAL), Refusal)
+    return _read_run_record(status_dir, run_id, REFUSAL, Refusal)
 
 
 def write_first_step(status_dir: str, record: FirstStep) -> None:
