@@ -8,6 +8,7 @@ checkpoints not committed in S3, a restore failed); 2 a usage or configuration e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -22,6 +23,7 @@ from typing import Any, Callable, Optional
 from jitckpt_entrypoint import log, settings
 from jitckpt_entrypoint.cli import write_termination_log
 from jitckpt_entrypoint.errors import JitckptError
+from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar import __version__, s3
 from jitckpt_sidecar.config import OPTIONS, Config
@@ -236,6 +238,7 @@ def _restore(cfg: Config, logger: logging.Logger) -> int:
     from jitckpt_sidecar.readiness import Readiness
     from jitckpt_sidecar.remote import Remote
     from jitckpt_sidecar.restore import Restorer
+    from jitckpt_sidecar.service import process_start
 
     layout = prepare_dir(cfg)
     client = _connect(cfg, logger).client
@@ -247,6 +250,9 @@ def _restore(cfg: Config, logger: logging.Logger) -> int:
     restorer = Restorer(client, Remote(client, cfg.uri), cfg, layout, logger)
     result = restorer.run(cancel=lambda: stop[0] if stop else None)
     readiness.set(result.source, result.step, result.seconds, result.bytes)
+    with contextlib.suppress(OSError):  # the recovery metric's start; nothing else needs it
+        record = status.PodRestore(process_start(), result.source, result.bytes)
+        status.write_pod_restore(layout.status, record)
     # The trainer starts when this init container exits: skip the interpreter's teardown of
     # boto3's modules (measured 0.15 to 0.3 s); the ready file is already written durably.
     logging.shutdown()

@@ -207,8 +207,9 @@ RECOVERY_SECONDS = _define(
         doc=(
             "the last recovery: the pod's start (this sidecar's) or the trainer container's "
             "restart, to its first optimizer step finished (`status/first-step.json`); one "
-            "sample, `source`: `s3` (restored), `local` (the volume's), `none` (fresh start); "
-            "absent before the first step"
+            "sample, `source`: `s3` (restored), `local` (the volume's), `none` (began at step "
+            "0); absent before the first step. HF Trainer runs only (the plain-loop API "
+            "records no first step)"
         ),
     )
 )

@@ -70,7 +70,7 @@ class Service:
     ) -> None:
         self.cfg, self.layout, self.client, self.log = cfg, layout, client, logger
         self.clock, self.monotonic = clock, monotonic
-        self._started_at = _process_start(clock)
+        self._started_at = process_start(clock)
         """When this sidecar's process started: the pod's start, for the recovery time."""
         self.remote = Remote(client, cfg.uri)
         self.backlog = Backlog(monotonic)
@@ -154,7 +154,12 @@ class Service:
             return 1
         memory.trim()
         self._restored_bytes = result.bytes
-        self.feed.restored(self._started_at, result.source, result.bytes)
+        pod_start, source, nbytes = self._started_at, result.source, result.bytes
+        init = status.read_pod_restore(self.layout.status)
+        if init is not None and result.source == "local":  # the init container restored it
+            pod_start, source, nbytes = min(init.started_at, pod_start), init.source, init.bytes
+        first = status.first_sidecar_in_pod(self.layout.status)
+        self.feed.restored(pod_start, source, nbytes, own_start=self._started_at, first=first)
         self.readiness.set(result.source, result.step, result.seconds, result.bytes)
         self.metrics.restore.ready.set(1)
         if result.step is not None:
@@ -528,7 +533,7 @@ class Service:
         return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def _process_start(clock: Callable[[], float]) -> float:
+def process_start(clock: Callable[[], float] = time.time) -> float:
     """This process's start (before the imports), else now."""
     try:
         import psutil

@@ -3,9 +3,10 @@ metrics; first-step.json ends a recovery (its time, source and bytes); trainer.j
 drain whether the trainer has exited.
 
 A recovery is timed from the pod's start (this sidecar's start: its restore comes first) for
-the first trainer that starts after this sidecar's restore, and from the trainer container's
-own start for later ones (restarted in the pod: the volume has the checkpoint). A sidecar that
-starts while a trainer runs (it restarted) times only the trainer restarts after it."""
+the first trainer (the init container's start when `jitckpt-sidecar restore` ran as one), and
+from the trainer container's own start for later ones (restarted in the pod: the volume has the
+checkpoint). A restarted sidecar (`status/sidecar-started` exists) times only the trainer
+restarts after its own start. A run that began at step 0 is labelled `none`."""
 
 from __future__ import annotations
 
@@ -37,13 +38,14 @@ class StatusFeed:
         self._started_at = 0.0
         self._first_seen: Optional[str] = None
 
-    def restored(self, started_at: float, source: str, nbytes: int) -> None:
-        """The start-up restore is done: recoveries can be timed from here on."""
-        self._started_at = started_at
-        trainer = status.read_trainer(self.dir)
-        # A trainer that ran before this sidecar started: the sidecar restarted, not the pod.
-        before = trainer is not None and trainer.started_at < started_at
-        self._pod = None if before else (started_at, source, nbytes)
+    def restored(
+        self, pod_start: float, source: str, nbytes: int, *, own_start: float, first: bool
+    ) -> None:
+        """The start-up restore is done: recoveries can be timed from here on. `first`: this
+        is the pod's first sidecar (not a restarted one), whose restore (or the init
+        container's, begun at `pod_start`) came before the first trainer."""
+        self._started_at = pod_start if first else own_start
+        self._pod = (pod_start, source, nbytes) if first else None
 
     def poll(self) -> None:
         """Count save events and the JIT record not seen before (each exactly once)."""
@@ -78,10 +80,12 @@ class StatusFeed:
         if self._pod is not None:
             start, source, nbytes = self._pod
             self._pod, what = None, "the pod's start"
-        elif trainer_start is not None:
+        elif trainer_start is not None and trainer_start >= self._started_at:
             start, source, nbytes, what = trainer_start, "local", 0, "the trainer's restart"
         else:
-            return
+            return  # a trainer that started before this (restarted) sidecar: not its to time
+        if first.began_at_step == 0:
+            source, nbytes = "none", 0  # it did not resume (JITCKPT_RESUME=0, nothing saved)
         seconds = first.finished_at - start
         recovery.recovered(seconds, source, nbytes)
         if self.log is not None:

@@ -148,7 +148,9 @@ def test_torchrun_restarts_give_the_workers_their_own_store_unless_the_user_chos
     if user is not None:
         monkeypatch.setenv(torchrun.OWN_STORE_ENV, user)
     torchrun.patch_launch_agent(FakeLauncherApi)
-    config = type("Config", (), {"max_restarts": restarts, "shutdown_timeout": None})()
+    config = type(
+        "Config", (), {"max_restarts": restarts, "shutdown_timeout": None, "rdzv_backend": "c10d"}
+    )()
     assert FakeLauncherApi.launch_agent(config) == "launched"
     assert seen["env"] == expected
     said = "restarted workers get their own TCPStore" in capsys.readouterr().err

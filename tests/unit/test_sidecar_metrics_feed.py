@@ -118,7 +118,7 @@ def test_recovery_is_timed_from_the_pod_start_then_from_each_trainer_restart(tmp
     value = registry.get_sample_value
     status.write_trainer(d, status.TrainerStatus("run-a", 1, ("x",), 104.0))
     status.write_first_step(d, status.FirstStep("run-a", 40, 100.0))  # before the sidecar
-    feed.restored(103.0, "s3", 5_000_000)  # the sidecar started at 103 (the trainer at 104)
+    feed.restored(103.0, "s3", 5_000_000, own_start=103.0, first=True)  # the trainer at 104
     feed.poll()
     assert value("jitckpt_recovery_seconds", {"source": "s3"}) is None
     status.write_first_step(d, status.FirstStep("run-a", 40, 115.5))
@@ -138,11 +138,24 @@ def test_recovery_is_timed_from_the_pod_start_then_from_each_trainer_restart(tmp
     assert "the trainer's restart to the first training step (from checkpoint-50) in 3.0 s" in line
 
     restarted = StatusFeed(d, metrics.checkpoints, metrics.recovery)  # the sidecar restarted
-    restarted.restored(250.0, "local", 0)
+    restarted.restored(250.0, "local", 0, own_start=250.0, first=False)
+    status.write_trainer(d, status.TrainerStatus("run-e", 1, ("x",), 240.0))
+    status.write_first_step(d, status.FirstStep("run-e", 60, 255.0))  # began before it
+    restarted.poll()
+    assert value("jitckpt_recovery_seconds", {"source": "local"}) == 3.0  # unchanged
     status.write_trainer(d, status.TrainerStatus("run-d", 1, ("x",), 260.0))
     status.write_first_step(d, status.FirstStep("run-d", 60, 261.5))
     restarted.poll()
     assert value("jitckpt_recovery_seconds", {"source": "local"}) == 1.5
+    status.write_trainer(d, status.TrainerStatus("run-f", 1, ("x",), 270.0))
+    status.write_first_step(d, status.FirstStep("run-f", 0, 272.0))  # started over
+    restarted.poll()
+    assert value("jitckpt_recovery_seconds", {"source": "none"}) == 2.0
+
+
+def test_the_first_long_running_sidecar_of_a_pod_is_told_from_a_restarted_one(tmp_path):
+    assert status.first_sidecar_in_pod(str(tmp_path))
+    assert not status.first_sidecar_in_pod(str(tmp_path))
 
 
 @needs_promtool

@@ -240,9 +240,9 @@ class CheckpointManager:
 
     def refused(self, message: str) -> None:
         """Training stops before it begins (the error goes up into train()): the one line for
-        the entrypoint's termination message (world rank 0)."""
+        the entrypoint's termination message (each node's local rank 0)."""
         session = self.session
-        if session.topo.rank != 0 or not session.run_id:
+        if not session.topo.is_leader or not session.run_id:
             return
         try:
             status.write_refusal(session.layout.status, status.Refusal(session.run_id, message))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import time
 from collections.abc import Iterable
 from typing import Optional
@@ -83,24 +84,30 @@ def agreed_step(session: Session) -> Optional[int]:
 
 
 def zero_refusal(ckpt_dir: str, world_size: int, load_universal: bool) -> Optional[str]:
-    """One line when `ckpt_dir` holds DeepSpeed ZeRO optimizer states saved at another world
-    size: DeepSpeed loads those only at their own size (its own error comes after the model is
-    built, as a traceback), unless they were converted to a universal checkpoint."""
+    """One line when `ckpt_dir` holds DeepSpeed ZeRO optimizer states of a data-parallel
+    size other than this run's: DeepSpeed loads those only at their own size (its own error
+    comes after the model is built, as a traceback), unless converted to a universal
+    checkpoint. Only for pure data parallelism (one ZeRO partition per saved rank); with
+    tensor or sequence parallelism DeepSpeed decides."""
     if load_universal:
         return None
     save = complete_save(read_manifests(ckpt_dir))
-    if not save or save[0].world_size == world_size:
+    if not save:
         return None
-    states = glob.glob(os.path.join(glob.escape(ckpt_dir), "global_step*", "*zero_pp_rank_*"))
-    if not states:
-        return None
+    names = glob.glob(os.path.join(glob.escape(ckpt_dir), "global_step*", "*zero_pp_rank_*"))
+    partitions = {m.group(1) for n in names if (m := _ZERO_RANK.search(os.path.basename(n)))}
     saved = save[0].world_size
+    if len(partitions) != saved or saved == world_size:
+        return None
     return (
         f"{os.path.basename(ckpt_dir)} holds DeepSpeed ZeRO optimizer states of {saved} ranks "
         f"and this run has {world_size}: DeepSpeed loads them only at {saved} ranks; run at "
         f"{saved} ranks, or convert the checkpoint with DeepSpeed's ds_to_universal.py and "
         'resume from it with "checkpoint": {"load_universal": true} in the DeepSpeed config'
     )
+
+
+_ZERO_RANK = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 
 
 def remove_stale(session: Session, resume_step: Optional[int]) -> list[str]:

@@ -7,13 +7,14 @@ they SIGKILL the workers; in the agent process we raise that default to our valu
 The agent registers (role torchrun, with the timeout it uses, `--shutdown-timeout` included) so
 the entrypoint's SIGTERM line can name the real shutdown path.
 
-Restarts (`--max-restarts N`) under the c10d rendezvous (`--standalone`, `--rdzv-backend c10d`)
-share the rendezvous TCPStore with the workers (torch >= 2.4), and a restarted round can read
-the previous round's addresses: its process groups fail to connect ("Connection refused") or
-hang, with or without jitckpt (pytorch/pytorch#135712; 4 of 8 restarts here, torch 2.13, gloo).
-With restarts asked for, the agent sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch's own
-opt-out: the workers get their own store) unless the user set it; the restarted workers then
-resume from the newest checkpoint on the volume.
+Restarts (`--max-restarts N`) under a dynamic rendezvous (`--standalone`, `--rdzv-backend
+c10d`) share the rendezvous TCPStore with the workers (torch >= 2.4), and a restarted round can
+read the previous round's addresses: its process groups fail to connect ("Connection refused")
+or hang, with or without jitckpt (pytorch/pytorch#135712; 4 of 8 restarts here, torch 2.13,
+gloo). With restarts asked for there (the static rendezvous never shares), the agent sets
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch's own opt-out: the workers get their own store)
+unless the user set it; the restarted workers then resume from the newest checkpoint on the
+volume.
 """
 
 from __future__ import annotations
@@ -68,13 +69,20 @@ def patch_launch_agent(launcher_api: ModuleType) -> None:
         with contextlib.suppress(Exception):
             register_agent(getattr(config, "shutdown_timeout", None))
         restarts = getattr(config, "max_restarts", 0)
-        if isinstance(restarts, int) and restarts > 0 and OWN_STORE_ENV not in os.environ:
+        dynamic = getattr(config, "rdzv_backend", "static") != "static"  # static never shares
+        if (
+            isinstance(restarts, int)
+            and restarts > 0
+            and dynamic
+            and OWN_STORE_ENV not in os.environ
+        ):
             os.environ[OWN_STORE_ENV] = "1"
-            sys.stderr.write(  # the agent has no logger of ours: one line, the hook's prefix
-                f"jitckpt-hook[torchrun]: INFO --max-restarts {restarts}: restarted workers get "
-                f"their own TCPStore ({OWN_STORE_ENV}=1; a shared one can hand them the previous "
-                "round's addresses)\n"
-            )
+            with contextlib.suppress(Exception):  # the agent has no logger of ours: one line
+                sys.stderr.write(
+                    f"jitckpt-hook[torchrun]: INFO --max-restarts {restarts}: restarted workers "
+                    f"get their own TCPStore ({OWN_STORE_ENV}=1; a shared one can hand them the "
+                    "previous round's addresses)\n"
+                )
         return original(config, *args, **kwargs)
 
     launch_agent._jitckpt_registers = True  # type: ignore[attr-defined]

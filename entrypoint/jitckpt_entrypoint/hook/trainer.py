@@ -271,7 +271,7 @@ def _checkpoint_to_resume(manager: CheckpointManager, trainer: Any) -> Optional[
     cannot be resumed here."""
     step = manager.resume(asked=True)
     chosen = None if step is None else manager.checkpoint_dir(step)
-    if chosen is not None and trainer is not None:
+    if chosen is not None and getattr(trainer, "is_deepspeed_enabled", False):
         refusal = resume.zero_refusal(
             chosen,
             manager.session.topo.world_size,

@@ -16,6 +16,9 @@
   checkpoints only on process 0, so the other nodes' parts are the sidecar's to delete.
 - `run-<run id>/refusal.json` (hook): why the hook stopped training before it began (a
   checkpoint it cannot resume); the entrypoint's termination message carries it.
+- `pod-restore.json` (`jitckpt-sidecar restore`, the init-container mode): when the pod's
+  restore began, where from and its bytes; `sidecar-started` (the long-running sidecar, created
+  once per pod: a sidecar that finds it was restarted). Both for the recovery time.
 - `first-step.json` (hook, one per node): the first optimizer step of run `run_id` finished,
   and the step it began at; the sidecar's recovery time (start to first step) ends there.
 - `sidecar-ready.json` (sidecar): its start-up restore finished (what it restored, how fast),
@@ -46,6 +49,8 @@ NODE = "node.json"
 SIDECAR_READY = "sidecar-ready.json"
 FIRST_STEP = "first-step.json"
 REFUSAL = "refusal.json"
+POD_RESTORE = "pod-restore.json"
+SIDECAR_STARTED = "sidecar-started"
 SAVE_PREFIX = "save-"
 KEEP_SAVE_EVENTS = 100
 RUN_ID_ENV = "JITCKPT_RUN_ID"
@@ -138,6 +143,15 @@ class Refusal:
 
     run_id: str
     message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PodRestore:
+    """The init-container restore of this pod: when it began, where from, bytes downloaded."""
+
+    started_at: float
+    source: str
+    bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +308,24 @@ def write_refusal(status_dir: str, record: Refusal) -> None:
 
 def read_refusal(status_dir: str, run_id: str) -> Optional[Refusal]:
     return _read_run_record(status_dir, run_id, REFUSAL, Refusal)
+
+
+def write_pod_restore(status_dir: str, record: PodRestore) -> None:
+    write_record(os.path.join(status_dir, POD_RESTORE), record, durable=False)
+
+
+def read_pod_restore(status_dir: str) -> Optional[PodRestore]:
+    return read_record(os.path.join(status_dir, POD_RESTORE), PodRestore)
+
+
+def first_sidecar_in_pod(status_dir: str) -> bool:
+    """Creates `sidecar-started` once per volume: True for the pod's first long-running
+    sidecar, False for a restarted one."""
+    try:
+        os.close(os.open(os.path.join(status_dir, SIDECAR_STARTED), os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        return False
+    return True
 
 
 def write_first_step(status_dir: str, record: FirstStep) -> None:
