@@ -25,10 +25,12 @@ from jitckpt_entrypoint.settings import (
     BOOLEAN,
     INTEGER,
     NUMBER,
+    OPTIONAL_INTEGER,
     OPTIONAL_QUANTITY,
     QUANTITY,
     TEXT,
     Fallback,
+    Kind,
     Option,
     at_least,
     between,
@@ -87,6 +89,20 @@ STORAGE_CAPACITY = Option(
 )
 """Also inject's --capacity: what inject writes, the sidecar accepts."""
 _CHUNK = between(MIN_PART, MAX_PART, "a quantity from 5Mi to 5Gi")
+
+
+def _node_count(text: str) -> Optional[int]:
+    """torchrun's --nnodes: N, or MIN:MAX (elastic: the count is known only when they agree)."""
+    low, _, high = text.partition(":")
+    return int(low) if not high or int(high) == int(low) else None
+
+
+NODE_COUNT = Kind(
+    _node_count,
+    "is not a node count; set N (or MIN:MAX, as torchrun's --nnodes)",
+    optional=True,
+    format=lambda v: "" if v is None else str(v),
+)
 _CONCURRENCY = between(1, 64, "a number from 1 to 64")
 
 OPTIONS = (
@@ -201,6 +217,27 @@ OPTIONS = (
         doc="ranged-GET size of a restore: a larger file is fetched in parallel ranges (5Mi–5Gi)",
     ),
     Option(
+        "node_rank",
+        OPTIONAL_INTEGER,
+        "this pod's node rank in the job; empty = PET_NODE_RANK, JOB_COMPLETION_INDEX, unknown",
+        check=at_least(0, "a node rank >= 0"),
+        fallbacks=(Fallback("PET_NODE_RANK"), Fallback("JOB_COMPLETION_INDEX")),
+        default_doc="`PET_NODE_RANK`, else `JOB_COMPLETION_INDEX`, else unknown",
+        doc="this pod's node rank (torchrun's `--node-rank`); with `JITCKPT_NNODES`, a sharded "
+        "checkpoint of that node count is restored in part: this node's shards and the files "
+        "every node reads",
+    ),
+    Option(
+        "nnodes",
+        NODE_COUNT,
+        "the job's node count (torchrun's --nnodes); empty = PET_NNODES, unknown",
+        check=at_least(1, "a node count >= 1"),
+        fallbacks=(Fallback("PET_NNODES"),),
+        default_doc="`PET_NNODES`, else unknown",
+        doc="the job's node count (torchrun's `--nnodes`; `MIN:MAX` counts as unknown); "
+        "unknown means every node restores every file",
+    ),
+    Option(
         "exit_with_trainer",
         BOOLEAN,
         "1 = exit once the trainer exited and everything is uploaded",
@@ -261,6 +298,11 @@ class Config:
     larger GETs cost less per byte on both ends: measured on 1 GiB in 13 files, 512 MiB (one GET
     per file) against 256 MiB ranges: moto ~2x faster (it reads the whole object for each
     range), Ceph RGW the same within noise; a multi-GB shard still goes in parallel ranges."""
+    node_rank: Optional[int] = None
+    """This pod's node rank in the job (torchrun's static --node-rank); None = unknown."""
+    nnodes: Optional[int] = None
+    """The job's node count; None = unknown. With both known and equal to a checkpoint's own
+    node count, the restore fetches only what this node's ranks load (validity.node_files)."""
     exit_with_trainer: bool = False
     """Exit once the trainer exited and the queue is empty (plain-container variant)."""
     log_format: str = "text"

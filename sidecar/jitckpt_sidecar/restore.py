@@ -78,6 +78,8 @@ class RestoreResult:
     files: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    fetched: int = 0
+    """Of `bytes`, those downloaded (the rest were on the volume already)."""
 
 
 class Restorer:
@@ -184,16 +186,61 @@ class Restorer:
         self.log.info("no committed checkpoint in %s; starting fresh", self.remote.uri)
         return RestoreResult("none", seconds=seconds)
 
+    def complete(
+        self, step: int, save_id: str, cancel: Callable[[], Optional[str]] = lambda: None
+    ) -> RestoreResult:
+        """Fetch every file of save `save_id` of local checkpoint-<step> that is not here, for
+        a trainer that needs more of it than this node's restore fetched (another node rank,
+        another size: status.Fetch). The files here are linked into the temp directory and
+        verified, the rest downloaded; then the whole checkpoint is committed again."""
+        name = checkpoint_name(step)
+        final = self.layout.checkpoint_dir(step)
+        for attempt in range(3):
+            ckpt = self.remote.load(step)
+            if not ckpt.committed or ckpt.save_id != save_id:
+                raise SidecarError(f"{name} of save {save_id[:16]} is not committed in S3")
+            tmp = self._temp_dir(ckpt)
+            self._remove_leftovers(keep=tmp)
+            for rel in m.list_files(final):
+                dest = os.path.join(tmp, rel)
+                if not os.path.lexists(dest):
+                    os.makedirs(os.path.dirname(dest), exist_ok=True)
+                    os.link(os.path.join(final, rel), dest)
+            try:
+                return self._download(ckpt, cancel, whole=True)
+            except ChangedError as exc:
+                if attempt == 2:
+                    raise SidecarError(f"S3 kept changing while fetching {name}: {exc}") from None
+                self.log.info("%s; listing again", exc)
+        raise AssertionError("unreachable")
+
     # -- which checkpoint --
 
     def _newest_local(self) -> Optional[m.Manifest]:
-        """Node 0's manifest of the newest committed local checkpoint, in the restore's order."""
+        """Node 0's manifest of the newest local checkpoint that is committed and holds what
+        this node loads (every file, unless _node_part applies), in the restore's order."""
         found = []
         for step in checkpoint_steps(self.layout.checkpoints):
-            save = validity.committed(self.layout.checkpoint_dir(step))
+            path = self.layout.checkpoint_dir(step)
+            save = validity.committed(path)
+            if save is None and self.cfg.node_rank is not None and self.cfg.nnodes is not None:
+                save = validity.loadable(path, self.cfg.node_rank, self.cfg.nnodes)
             if save is not None:
                 found.append(save[0])
         return max(found, key=validity.newness, default=None)
+
+    def _node_part(self, save: dict[int, m.Manifest]) -> Optional[int]:
+        """This node's rank when it restores only what its ranks load: its node rank and the
+        job's node count are known (JITCKPT_NODE_RANK, JITCKPT_NNODES) and the checkpoint has
+        that node count (at another count DCP reshards, reading every file)."""
+        node, nodes = self.cfg.node_rank, self.cfg.nnodes
+        if node is None or nodes is None or nodes != save[0].nodes or node >= nodes:
+            return None
+        # A dynamic rendezvous numbers the nodes in its own order: the node rank of the pod is
+        # not the trainer's then.
+        if os.environ.get("PET_RDZV_BACKEND", "static") not in ("", "static"):
+            return None
+        return node
 
     def _choose(self) -> Optional[validity.RemoteCheckpoint]:
         """The checkpoint this round restores (pinned, or chosen and pinned), or None."""
@@ -312,7 +359,11 @@ class Restorer:
                 self._verified.pop(path, None)
 
     def _download(
-        self, ckpt: validity.RemoteCheckpoint, cancel: Callable[[], Optional[str]]
+        self,
+        ckpt: validity.RemoteCheckpoint,
+        cancel: Callable[[], Optional[str]],
+        *,
+        whole: bool = False,
     ) -> RestoreResult:
         started = self.monotonic()
         name = checkpoint_name(ckpt.step)
@@ -320,18 +371,22 @@ class Restorer:
         if save is None:
             raise ChangedError(f"{name} is no longer committed in S3")
         tmp = self._temp_dir(ckpt)
-        files = sorted(ckpt.files().values(), key=lambda e: e.size, reverse=True)
+        union = ckpt.files()
+        node = None if whole else self._node_part(save)
+        part = union if node is None else validity.node_files(save, node, union)
+        files = sorted(part.values(), key=lambda e: e.size, reverse=True)
         total = sum(e.size for e in files)
         os.makedirs(tmp, exist_ok=True)
         verified = self._verified.setdefault(tmp, set())
         todo = [e for e in files if not self._kept(tmp, e, verified)]
         kept = total - sum(e.size for e in todo)
         self.log.info(
-            "restoring %s from %s: %d files, %.1f MB%s",
+            "restoring %s from %s: %d files, %.1f MB%s%s",
             name,
             self.remote.uri,
             len(files),
             total / transfers.MB,
+            _part_of(union, part, node, save[0].nodes),
             f" ({kept / transfers.MB:.1f} MB already here)" if kept else "",
         )
         progress = transfers.Progress(
@@ -386,7 +441,7 @@ class Restorer:
             seconds,
             transfers.rate(total - kept, seconds),
         )
-        return RestoreResult("s3", ckpt.step, len(files), total, seconds)
+        return RestoreResult("s3", ckpt.step, len(files), total, seconds, total - kept)
 
     def _kept(self, tmp: str, entry: m.FileEntry, verified: set[tuple[str, Optional[str]]]) -> bool:
         """Whether `entry`'s file is already in `tmp`, whole and verified (an earlier attempt's,
@@ -433,6 +488,23 @@ class Restorer:
             raise ChangedError(f"{checkpoint_name(ckpt.step)}: {wrong}")
 
         return verify
+
+
+def _part_of(
+    union: dict[str, m.FileEntry], part: dict[str, m.FileEntry], node: Optional[int], nodes: int
+) -> str:
+    """What the restore's first line says about the share of the checkpoint it fetches."""
+    if nodes == 1:
+        return ""
+    whole = sum(e.size for e in union.values())
+    if node is None:
+        return f", every node's files (the whole checkpoint of {nodes} nodes)"
+    if len(part) == len(union):
+        return f", every node's files (node {node} loads all of them)"
+    return (
+        f", node {node}'s part: its shards and the files every node reads "
+        f"(of {len(union)} files, {whole / transfers.MB:.1f} MB)"
+    )
 
 
 def _remove_unlisted(directory: str, paths: set[str]) -> None:

@@ -32,6 +32,7 @@ from jitckpt_entrypoint.protocol.layout import FINAL_NAME, Layout, checkpoint_na
 from jitckpt_sidecar import memory, s3, sizing, staging, transfers
 from jitckpt_sidecar.backlog import Backlog
 from jitckpt_sidecar.config import Config
+from jitckpt_sidecar.fetch import Fetcher
 from jitckpt_sidecar.final import FinalModel, FinalUploader
 from jitckpt_sidecar.metrics import Metrics
 from jitckpt_sidecar.pressure import Pruner, Storage
@@ -116,6 +117,13 @@ class Service:
             describe=lambda exc: self._describe(exc, "final model upload"),
             monotonic=monotonic,
         )
+        self.fetcher = Fetcher(
+            self._restorer,
+            layout.status,
+            logger,
+            cancel=self._restore_cancel,
+            describe=lambda exc: self._describe(exc, "the fetch"),
+        )
         self.watcher = Watcher(layout, self.wake, logger)
         self.server = server
         self._wake = threading.Event()
@@ -188,10 +196,8 @@ class Service:
             if worker.is_alive():  # it stops at its next check; never past the grace period
                 worker.join(timeout=0.2 if self._sigterm_at is not None else 10.0)
 
-    def restore(self) -> Optional[RestoreResult]:
-        """The start-up restore with its metrics, tried again after each failure (not ready
-        meanwhile); None when SIGTERM ended it."""
-        restorer = Restorer(
+    def _restorer(self) -> Restorer:
+        return Restorer(
             self.client,
             self.remote,
             self.cfg,
@@ -200,6 +206,11 @@ class Service:
             monotonic=self.monotonic,
             on_retry=self.metrics.uploads.retries.inc,
         )
+
+    def restore(self) -> Optional[RestoreResult]:
+        """The start-up restore with its metrics, tried again after each failure (not ready
+        meanwhile); None when SIGTERM ended it."""
+        restorer = self._restorer()
         failures = 0
         while True:
             started = self.monotonic()
@@ -276,6 +287,7 @@ class Service:
                 self.backlog.forget(staged.step)
         self.final.tick()
         self.feed.poll()
+        self.fetcher.tick()
         try:
             self.pruner.prune()
         except Exception as exc:  # noqa: BLE001 - pruning is retried at the next tick; the loop must go on

@@ -62,10 +62,12 @@ def commit(
     save_seconds: float = 1.0,
     save_id: Optional[str] = None,
     lineage: str = "L1",
+    reads: Optional[dict[int, tuple[tuple[str, ...], tuple[str, ...]]]] = None,
 ) -> dict[int, m.Manifest]:
     """Commit checkpoint-<step> on every node (roots[k] is node k's JITCKPT_DIR, files[k] what
-    node k's ranks saved) as one save (`save_id`, a new one by default) of run `lineage`;
-    returns each node's own manifest as written."""
+    node k's ranks saved) as one save (`save_id`, a new one by default) of run `lineage`, with
+    the per-node shard `reads` of a sharded save (commit_node's); returns each node's own
+    manifest as written."""
     nodes = len(roots)
     save_id = save_id or m.new_save_id()
     layouts = [Layout(str(root)) for root in roots]
@@ -96,6 +98,7 @@ def commit(
             save_id=save_id,
             lineage=lineage,
             clock=lambda: now,
+            reads=reads,
         )
     return {
         node: m.read_manifests(layout.checkpoint_dir(step))[node]

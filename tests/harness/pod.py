@@ -84,6 +84,8 @@ class Pod:
             # mode) must not be shared with other pods' runs.
             TMPDIR=str(self.dir / "tmp"),
         )
+        if node is not None:  # the sidecar knows the node, as k8s/multi-node tells it
+            self.env.update(JITCKPT_NODE_RANK=str(node.rank), JITCKPT_NNODES=str(node.count))
         self.env.update(env or {})
         self.command = list(command) if command else self._torchrun(script, train_args)
         self.sidecar: Optional[Proc] = None

@@ -17,6 +17,7 @@ from harness.checkpoints import (
     http_get,
     log_line,
     metrics_port,
+    ready,
     scrape,
     sidecar_env,
     upload_directly,
@@ -214,3 +215,62 @@ def test_sigterm_after_failed_restores_exits_1_with_the_error_as_termination_mes
     message = termination_log.read_text()
     assert message.startswith("jitckpt-sidecar restore: access denied: GetObject on s3://")
     assert not (root / "status" / status.SIDECAR_READY).exists()
+
+
+def test_a_sharded_checkpoint_is_restored_in_part_and_the_rest_fetched_when_the_trainer_asks(
+    spawn, base_env, s3_bucket, tmp_path
+):
+    """Node 1 of a 2-node sharded save restores its own shards, node 0's file of replicated
+    values and the shared files, not node 0's shards. A trainer there that turns out to be
+    node 0 (another node rank than the sidecar's) asks for the rest, and gets it."""
+    from jitckpt_entrypoint.config import Config
+    from jitckpt_entrypoint.hook import resume
+    from jitckpt_entrypoint.hook.session import Session
+    from jitckpt_entrypoint.hook.topology import Topology
+
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    files = [
+        {
+            "trainer_state.json": b'{"global_step": 10}\n',
+            "opt/.metadata": 300,
+            "opt/__0_0.distcp": 2 * 1024 * 1024,
+            "opt/__0_1.distcp": 500,
+        },
+        {"opt/__1_0.distcp": 2 * 1024 * 1024 + 1},
+    ]
+    reads = {0: (("opt",), ()), 1: (("opt",), ("opt/__0_1.distcp",))}
+    commit(nodes, 10, files, reads=reads)
+    for node in nodes:
+        upload_directly(s3_bucket, node, 10)
+
+    root = tmp_path / "restored"
+    env = sidecar_env(
+        s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}),
+        JITCKPT_NODE_RANK="1",
+        JITCKPT_NNODES="2",
+    )
+    proc = spawn(SIDECAR, env=env)
+    wait_for(lambda: ready(root), 60, "the sidecar's restore")
+    ckpt = root / "checkpoints" / "checkpoint-10"
+    line = log_line(proc, r"restoring checkpoint-10 from .*").group(0)
+    assert "4 files" in line, line
+    assert "node 1's part: its shards and the files every node reads (of 5 files" in line, line
+    assert not (ckpt / "opt/__0_0.distcp").exists()
+    assert validity.loadable(str(ckpt), 1, 2, 2) is not None
+    assert validity.committed(str(ckpt)) is None
+
+    topo = Topology(rank=0, world_size=2, local_world_size=1, node=0, nodes=2)
+    session = Session(Config.from_env({"JITCKPT_DIR": str(root)}), topo, "run")
+    resume.fetch_missing(session)
+    answer = status.read_fetched(str(root / "status"))
+    assert answer is not None, proc.output()
+    assert answer.state == "done", proc.output()
+    assert answer.bytes == 2 * 1024 * 1024  # node 0's shards: the rest was here
+
+    assert validity.committed(str(ckpt)) is not None
+    for rel, content in files[0].items():
+        expected = content if isinstance(content, bytes) else data(content, 10)
+        assert (ckpt / rel).read_bytes() == expected
+    log_line(proc, r"the trainer needs more of checkpoint-10 than this node holds")
+    proc.send(signal.SIGTERM)
+    proc.wait(30)

@@ -189,7 +189,17 @@ def test_draining_one_of_two_nodes_stops_both_at_one_step_and_fresh_pods_resume(
         again = pods(args(strategy, step + 2), env=strategy_env(strategy))
         finish_resumed_job([again.start()], step)
     else:
-        finish_resumed_job(job(pods, args(strategy, step + 2), strategy_env(strategy)), step)
+        again = job(pods, args(strategy, step + 2), strategy_env(strategy))
+        finish_resumed_job(again, step)
+        if strategy == "fsdp1-sharded":  # node 1 restored its own shards and the shared files
+            assert again[1].sidecar is not None
+            line = next(
+                x for x in again[1].sidecar.stderr if f"restoring checkpoint-{step} from" in x
+            )
+            part = re.search(r"(\d+) files, [\d.]+ MB, node 1's part: .* \(of (\d+) files", line)
+            assert part, line
+            # Every file but node 0's shards: 2 ranks x (model, optimizer).
+            assert int(part.group(1)) == int(part.group(2)) - 4, line
 
 
 CAPACITY = 4 * 1024**2

@@ -400,3 +400,28 @@ def test_a_zero_checkpoint_of_another_world_size_is_refused_in_one_line(tmp_path
     assert resume.zero_refusal(ckpt, 1, load_universal=True) is None
     other = str(roots[0] / "checkpoints" / "checkpoint-8")
     assert resume.zero_refusal(other, 1, load_universal=False) is None
+
+
+def test_node_reads_names_the_other_nodes_shard_files_each_node_reads_grouped():
+    """4 ranks on 2 nodes: every rank reads rank 0's file of replicated values; a map that
+    does not number ranks as torchrun does is not used (every node then reads everything)."""
+    from jitckpt_entrypoint.hook import committer, dcp_reads
+
+    maps = {
+        "opt": [
+            frozenset({"__0_0.distcp", "__0_1.distcp", ".metadata"}),
+            frozenset({"__1_0.distcp", "__0_1.distcp"}),
+            frozenset({"__2_0.distcp", "__0_1.distcp"}),
+            frozenset({"__3_0.distcp", "__0_1.distcp", "__1_0.distcp"}),
+        ],
+        "": [frozenset({f"__{r}_0.distcp"}) for r in range(4)],
+    }
+    reads = dcp_reads.node_reads(maps, local_world_size=2)
+    assert reads == (("", "opt"), {(): (0,), ("opt/__0_1.distcp", "opt/__1_0.distcp"): (1,)})
+    topo = Topology(rank=0, world_size=4, local_world_size=2, nodes=2)
+    assert committer._node_reads(reads, [0, 0, 1, 1], topo) == {
+        0: (("", "opt"), ()),
+        1: (("", "opt"), ("opt/__0_1.distcp", "opt/__1_0.distcp")),
+    }
+    assert committer._node_reads(reads, [0, 1, 0, 1], topo) == {}
+    assert dcp_reads.node_reads({}, 2) is None

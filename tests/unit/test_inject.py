@@ -421,3 +421,24 @@ def test_the_command_line_prints_the_rewriters_warnings_even_when_quiet(capsys, 
         "make its last command `exec torchrun ...` so SIGTERM reaches torchrun"
     )
     assert err.splitlines() == [warning]
+
+
+def test_the_sidecar_gets_the_trainers_node_rank_and_node_count():
+    """With them it restores only what its node's ranks load (a sharded checkpoint)."""
+    text = JOB.replace(
+        '        args: [--lr, "1e-4"]\n',
+        '        args: [--lr, "1e-4"]\n'
+        "        env:\n"
+        '        - {name: PET_NNODES, value: "4"}\n'
+        "        - name: PET_NODE_RANK\n"
+        "          valueFrom: {fieldRef: {fieldPath: \"metadata.annotations['batch.kubernetes.io/"
+        "job-completion-index']\"}}\n",
+    )
+    pod = docs(injected(text))[0]["spec"]["template"]["spec"]
+    sidecar = containers(pod)["jitckpt-sidecar"]
+    by_name = {v["name"]: v for v in sidecar["env"]}
+    assert by_name["JITCKPT_NNODES"] == {"name": "JITCKPT_NNODES", "value": "4"}
+    assert by_name["JITCKPT_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"].endswith(
+        "job-completion-index']"
+    )
+    assert "JITCKPT_NODE_RANK" not in env_of(containers(pod)["train"])

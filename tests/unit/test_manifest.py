@@ -157,3 +157,113 @@ def test_lineages_sort_in_birth_order():
     older, newer = m.new_lineage(1_700_000_000.0), m.new_lineage(1_700_000_000.5)
     assert older < newer
     assert older.startswith("20231114T221320000Z-")
+
+
+def two_node_sharded_save(tmp_path: Path) -> tuple[Path, dict[int, m.Manifest]]:
+    """checkpoint-4 of 2 nodes x 2 ranks as node 1's volume holds it after a per-node restore:
+    its own shards, node 0's file of replicated values, and the shared files."""
+    d = make_ckpt(
+        tmp_path,
+        4,
+        {
+            "trainer_state.json": b"{}",
+            "opt/.metadata": b"m",
+            "opt/__0_1.distcp": b"r",
+            "opt/__2_0.distcp": b"22",
+            "opt/__3_0.distcp": b"33",
+        },
+    )
+    node0 = {
+        "trainer_state.json": 2,
+        "opt/.metadata": 1,
+        "opt/__0_0.distcp": 2,
+        "opt/__0_1.distcp": 1,
+        "opt/__1_0.distcp": 2,
+    }
+    node1 = {"opt/__2_0.distcp": 2, "opt/__3_0.distcp": 2}
+    entries = m.assign_owners({0: node0, 1: node1})
+    reads = {0: (("opt",), ()), 1: (("opt",), ("opt/__0_1.distcp",))}
+    save = {
+        n: m.new_manifest(
+            4,
+            "periodic",
+            node=n,
+            nodes=2,
+            world_size=4,
+            files=entries[n],
+            save_id="s",
+            shard_dirs=reads[n][0],
+            shard_reads=reads[n][1],
+        )
+        for n in (0, 1)
+    }
+    for man in save.values():
+        m.write_manifest(str(d), man)
+    return d, save
+
+
+def test_a_node_of_a_sharded_save_reads_its_shards_the_listed_ones_and_every_other_file(
+    tmp_path,
+):
+    d, save = two_node_sharded_save(tmp_path)
+    union = validity.local_union(save)
+    assert sorted(validity.node_files(save, 1, union)) == [
+        "opt/.metadata",
+        "opt/__0_1.distcp",
+        "opt/__2_0.distcp",
+        "opt/__3_0.distcp",
+        "trainer_state.json",
+    ]
+    assert validity.node_files(save, 0, union).keys() == union.keys() - {
+        "opt/__2_0.distcp",
+        "opt/__3_0.distcp",
+    }
+    # Node 1's volume: loadable for node 1 at the save's size only; never held in full.
+    assert validity.loadable(str(d), 1, 2, 4) is not None
+    assert validity.loadable(str(d), 1) is not None
+    assert validity.loadable(str(d), 0, 2, 4) is None  # node 0's shards are not here
+    assert validity.loadable(str(d), 1, 1, 2) is None  # another size reshards: every file
+    assert validity.committed(str(d)) is None
+
+
+def test_the_shard_map_round_trips_and_manifests_without_it_read_every_file():
+    man = m.new_manifest(
+        4,
+        "jit",
+        node=1,
+        nodes=2,
+        world_size=4,
+        files=(),
+        shard_dirs=("", "opt"),
+        shard_reads=("opt/__0_1.distcp",),
+    )
+    parsed = m.Manifest.from_json(json.loads(man.to_bytes()))
+    assert parsed is not None
+    assert (parsed.shard_dirs, parsed.shard_reads) == (("", "opt"), ("opt/__0_1.distcp",))
+    plain = m.new_manifest(4, "jit", node=0, nodes=1, world_size=1, files=())
+    assert "reads" not in plain.to_json()
+    unsafe = {"dirs": ["../x"], "shards": []}
+    assert m.Manifest.from_json({**plain.to_json(), "reads": unsafe}) is None
+
+
+def test_the_hook_asks_for_the_rest_only_of_a_newest_checkpoint_it_cannot_load(tmp_path):
+    """On node 1's volume (its part of a sharded save) a trainer that is node 0, or of another
+    size, wants the rest; node 1 at the save's size does not. Without a sidecar nothing waits."""
+    from jitckpt_entrypoint.config import Config
+    from jitckpt_entrypoint.hook import resume
+    from jitckpt_entrypoint.hook.session import Session
+    from jitckpt_entrypoint.hook.topology import Topology
+
+    two_node_sharded_save(tmp_path)
+
+    def topo(node: int, nodes: int = 2, world: int = 4) -> Topology:
+        return Topology(
+            rank=0, world_size=world, local_world_size=world // nodes, node=node, nodes=nodes
+        )
+
+    assert resume._wanted(str(tmp_path), topo(1)) is None
+    assert resume._wanted(str(tmp_path), topo(0)) == (4, "s")
+    assert resume._wanted(str(tmp_path), topo(0, nodes=1, world=2)) == (4, "s")
+    session = Session(Config.from_env({"JITCKPT_DIR": str(tmp_path / "jdir")}), topo(0), "run")
+    clock = iter([0.0]).__next__  # a second reading of the clock would fail: no waiting
+    resume.fetch_missing(session, clock=clock)

@@ -22,9 +22,10 @@ import errno
 import os
 from typing import Optional
 
-from jitckpt_entrypoint.hook import memory
+from jitckpt_entrypoint.hook import dcp_reads, memory
 from jitckpt_entrypoint.hook.control import ControlGroup
 from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.hook.topology import Topology
 from jitckpt_entrypoint.protocol import durable, status
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.commit import commit_node, remove_checkpoint
@@ -88,12 +89,15 @@ def commit(
             outcome = outcome_of(exc, ckpt_dir)
     # Rank 0 draws the save id (and the lineage of a run that did not resume): every node's
     # manifests carry the same ones.
+    # With several nodes it also hands out which DCP shard files each rank reads back.
     drawn = None
     if topo.rank == 0:
         lineage = session.lineage if session.lineage is not None else m.new_lineage()
-        drawn = (m.new_save_id(), lineage)
+        maps = dcp_reads.take(ckpt_dir)
+        reads = dcp_reads.node_reads(maps, topo.local_world_size) if topo.nodes > 1 else None
+        drawn = (m.new_save_id(), lineage, reads)
     gathered = control.all_gather((topo.node, outcome, holding, drawn))
-    save_id, session.lineage = gathered[0][3]
+    save_id, session.lineage, reads = gathered[0][3]
     outcomes = tuple((node, o) for node, o, _, _ in gathered)
     event, result = None, OK
     written = all(o == OK for _, o in outcomes)
@@ -114,6 +118,7 @@ def commit(
                 stage_for_upload=bool(session.cfg.storage_uri),
                 save_id=save_id,
                 lineage=session.lineage,
+                reads=_node_reads(reads, [node for node, _, _, _ in gathered], topo),
                 synced=True,
             )
         except OSError as exc:
@@ -128,3 +133,16 @@ def commit(
         if written:  # its commit may have staged it
             remove_checkpoint(session.layout.staged_dir(step))
     return Vote(False, outcomes)
+
+
+def _node_reads(
+    reads: Optional[tuple[tuple[str, ...], dict[tuple[str, ...], tuple[int, ...]]]],
+    nodes: list[int],
+    topo: Topology,
+) -> dict[int, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Per node, its manifest's (shard_dirs, shard_reads) from rank 0's grouped `reads`; none
+    (every node reads every file) unless the ranks are numbered as node_reads assumed."""
+    if reads is None or nodes != [r // topo.local_world_size for r in range(len(nodes))]:
+        return {}
+    dirs, grouped = reads
+    return {node: (dirs, files) for files, members in grouped.items() for node in members}

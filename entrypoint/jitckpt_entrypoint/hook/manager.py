@@ -266,6 +266,7 @@ class CheckpointManager:
             with self._lock:
                 self._committed.difference_update(step_of(n) for n in removed)
             return None
+        resume.fetch_missing(session)
         step = resume.agreed_step(session)
         resume.remove_stale(session, step)
         session.lineage = None if step is None else resume.lineage_of(self.checkpoint_dir(step))

@@ -8,14 +8,16 @@ import os
 import re
 import time
 from collections.abc import Iterable
-from typing import Optional
+from typing import Callable, Optional
 
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.hook.topology import Topology
+from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
 from jitckpt_entrypoint.protocol.manifest import read_manifests
-from jitckpt_entrypoint.protocol.validity import committed, complete_save
+from jitckpt_entrypoint.protocol.validity import committed, complete_save, loadable
 
 SaveKey = tuple[int, str, str]
 """(step, save id, lineage) of a committed checkpoint."""
@@ -29,12 +31,17 @@ def lineage_of(ckpt_dir: str) -> Optional[str]:
     return save[0].lineage if save else None
 
 
-def _saves(checkpoints: str, node: Optional[int] = None) -> list[SaveKey]:
-    """(step, save id, lineage) of every checkpoint committed under `checkpoints` (held in
-    full, or `node`'s part of it)."""
+def _saves(checkpoints: str, topo: Topology, own_part: bool = False) -> list[SaveKey]:
+    """(step, save id, lineage) of every checkpoint committed under `checkpoints` that this
+    node can load (what its ranks read: validity.loadable), or of which it holds its own part."""
     found = []
     for step in checkpoint_steps(checkpoints):
-        save = committed(os.path.join(checkpoints, checkpoint_name(step)), node)
+        path = os.path.join(checkpoints, checkpoint_name(step))
+        save = (
+            committed(path, topo.node)
+            if own_part
+            else loadable(path, topo.node, topo.nodes, topo.world_size)
+        )
         if save is not None:
             found.append((step, save[0].save_id, save[0].lineage))
     return found
@@ -46,21 +53,98 @@ def _newest(saves: Iterable[SaveKey]) -> Optional[SaveKey]:
     return max(saves, key=lambda s: (s[2], s[0]), default=None)
 
 
+FETCH_ANSWER = 60.0
+"""Seconds the sidecar has to take up a fetch (status.Fetch) before the hook carries on."""
+FETCH_PATIENCE = 3600.0
+"""Seconds a fetch the sidecar took up may last."""
+
+
+def fetch_missing(
+    session: Session, *, clock: Callable[[], float] = time.time, poll: float = 0.2
+) -> None:
+    """When the newest committed checkpoint on this node's volume is one its ranks cannot load
+    from what the volume holds (the restore fetched another node's part, the job changed size,
+    or a container restarted in place where each node holds only its own part), ask the sidecar
+    for the rest (status.Fetch) and wait for its answer: every local rank waits, so no
+    collective waits on it. Without a sidecar, or one that does not take it up within
+    FETCH_ANSWER seconds or cannot fetch it, training carries on: agreed_step then resumes
+    from an older checkpoint every node can load, or stops with one line."""
+    topo, layout = session.topo, session.layout
+    if status.read_sidecar_ready(layout.status) is None:
+        return
+    wanted = _wanted(layout.checkpoints, topo)
+    if wanted is None:
+        return
+    step, save_id = wanted
+    since = clock()
+    if topo.is_leader:
+        session.log.info(
+            "%s is committed but this node does not hold every file its ranks load; asking the "
+            "sidecar to fetch the rest from S3",
+            checkpoint_name(step),
+        )
+        status.write_fetch(layout.status, status.Fetch(step, save_id, since))
+    answer = None
+    while clock() - since < FETCH_ANSWER or (
+        answer is not None and answer.state == "fetching" and clock() - since < FETCH_PATIENCE
+    ):
+        answer = status.read_fetched(layout.status)
+        if answer is not None and (answer.step, answer.save_id) != (step, save_id):
+            answer = None
+        if answer is not None and answer.requested_at < since - FETCH_ANSWER:
+            answer = None  # an earlier container's request
+        if answer is not None and answer.state != "fetching":
+            break
+        time.sleep(poll)
+    if topo.is_leader:
+        if answer is None or answer.state == "fetching":
+            session.log.warning("the sidecar did not fetch %s in time", checkpoint_name(step))
+        elif answer.state == "failed":
+            session.log.warning(
+                "the sidecar could not fetch %s: %s", checkpoint_name(step), answer.error
+            )
+        else:
+            session.log.info(
+                "the sidecar fetched the rest of %s (%.1f MB)",
+                checkpoint_name(step),
+                answer.bytes / 1e6,
+            )
+
+
+def _wanted(checkpoints: str, topo: Topology) -> Optional[tuple[int, str]]:
+    """(step, save id) of the newest committed checkpoint here, when this node cannot load it
+    from what it holds and can load nothing as new."""
+    newest: Optional[tuple[tuple[str, int], int, str, bool]] = None
+    for step in checkpoint_steps(checkpoints):
+        path = os.path.join(checkpoints, checkpoint_name(step))
+        save = complete_save(read_manifests(path), step)
+        if save is None:
+            continue
+        here = loadable(path, topo.node, topo.nodes, topo.world_size) is not None
+        key = (save[0].lineage, step)
+        if newest is None or key > newest[0]:
+            newest = (key, step, save[0].save_id, here)
+    if newest is None or newest[3]:
+        return None
+    return newest[1], newest[2]
+
+
 def agreed_step(session: Session) -> Optional[int]:
     """The highest step complete on every node (collective), or None.
 
-    Ranks never disagree on where to resume: each node reports the checkpoints it holds in full
-    and all pick the newest step common to every report. With several nodes a node holds only
-    its own part of what it saved (each pod has its own emptyDir); the sidecar's restore brings
-    the rest when a pod starts. A newer checkpoint committed but not complete everywhere is
-    skipped with a warning; when it is the only one, training stops with an error rather than
-    silently starting over.
+    Ranks never disagree on where to resume: each node reports the checkpoints it can load
+    (every file its ranks read: all of them, or for a sharded save at its own size, its own
+    shards and the shared files) and all pick the newest step common to every report. With
+    several nodes a node holds only its own part of what it saved (each pod has its own
+    emptyDir); the sidecar's restore brings what else it reads when a pod starts. A newer
+    checkpoint committed but not loadable everywhere is skipped with a warning; when it is the
+    only one, training stops with an error rather than silently starting over.
     """
     topo, checkpoints = session.topo, session.layout.checkpoints
     # The same save, not just the same step number: a volume may hold another save of a step
     # (an earlier attempt's) that the other nodes do not.
     reports = session.control.all_gather(
-        (_saves(checkpoints), _newest(_saves(checkpoints, topo.node)))
+        (_saves(checkpoints, topo), _newest(_saves(checkpoints, topo, own_part=True)))
     )
     common = set.intersection(*(set(c) for c, _ in reports)) if reports else set()
     best = _newest(common)
@@ -70,13 +154,13 @@ def agreed_step(session: Session) -> Optional[int]:
         name = checkpoint_name(newest[0])
         if step is None:
             raise JitckptError(
-                f"{name} is committed but no node holds all of its files; restart the pods so "
-                "the sidecar restores it from S3 (or set JITCKPT_RESUME=0 to start over)"
+                f"{name} is committed but no node holds every file its ranks load; restart the "
+                "pods so the sidecar restores it from S3 (or set JITCKPT_RESUME=0 to start over)"
             )
         if topo.rank == 0:
             session.log.warning(
-                "%s is committed but not held in full by every node; resuming from %s "
-                "(a new pod restores the newest one from S3 on every node)",
+                "%s is committed but not every node holds the files its ranks load; resuming "
+                "from %s (a new pod restores the newest one from S3 on every node)",
                 name,
                 checkpoint_name(step),
             )

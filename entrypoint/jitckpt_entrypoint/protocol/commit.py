@@ -17,7 +17,7 @@ import errno
 import os
 import shutil
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from jitckpt_entrypoint.protocol import atomic, durable, status
 from jitckpt_entrypoint.protocol import manifest as m
@@ -41,13 +41,16 @@ def commit_node(
     lineage: str,
     clock: Callable[[], float] = time.time,
     synced: bool = False,
+    reads: Optional[dict[int, tuple[tuple[str, ...], tuple[str, ...]]]] = None,
 ) -> status.SaveEvent:
     """Commit node `node`'s copy of `ckpt_dir`; `holdings`: per node, relative path -> size of
     every file it holds (one entry per node); `save_id`: this save's (the same on every node);
     `lineage`: the run's (manifest.new_lineage). Returns the save event it recorded. `clock` gives
     the wall time (a fixed one makes the recorded save time exact in tests). `synced`: every
     node already made its files durable (durable.sync_tree) before any node commits, as the
-    hook does (on a shared volume a node writes the others' manifests too)."""
+    hook does (on a shared volume a node writes the others' manifests too). `reads`: per node,
+    the DCP directories mapped and the other nodes' shard files it reads (manifest.shard_dirs,
+    shard_reads); a node without an entry reads every file."""
     entries = m.assign_owners(holdings)
     if not synced:
         durable.sync_tree(ckpt_dir)  # the data before any manifest, on every save path
@@ -63,6 +66,7 @@ def commit_node(
             save_seconds=save_seconds,
             save_id=save_id,
             lineage=lineage,
+            **_reads_of((reads or {}).get(n)),
         )
         for n, files in entries.items()
     }
@@ -76,6 +80,12 @@ def commit_node(
     )
     status.write_save_event(layout.status, event)
     return event
+
+
+def _reads_of(
+    reads: Optional[tuple[tuple[str, ...], tuple[str, ...]]],
+) -> dict[str, tuple[str, ...]]:
+    return {} if reads is None else {"shard_dirs": reads[0], "shard_reads": reads[1]}
 
 
 def stage(layout: Layout, ckpt_dir: str, own: m.Manifest) -> str:

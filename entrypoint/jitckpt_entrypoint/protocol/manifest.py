@@ -14,6 +14,11 @@ all there. `lineage` names the run the save belongs to: a run that starts withou
 begins a new lineage (`new_lineage`: its birth time, then random hex, so a later-born lineage
 sorts higher); a run that resumes from a checkpoint carries that checkpoint's lineage on.
 
+A node of a sharded (DCP) save also records which shard files its ranks read back at the
+save's world size and node count (`shard_dirs`, `shard_reads`: its own, plus the few listed of
+other nodes), so a restore at that size fetches only those (validity.node_files); a manifest
+without them means every node reads every file (DDP, DeepSpeed, anything not mapped).
+
 The final model is not a checkpoint: what the training script saved into its own output_dir is
 staged as `staging/final/` and uploaded to `s3://bucket/prefix/final/` with one manifest of kind
 `output` (written last, like a checkpoint's). Its directory name matches no `checkpoint-<step>`,
@@ -33,9 +38,10 @@ from typing import Any, Callable, Optional
 from jitckpt_entrypoint.protocol import atomic
 
 FORMAT_VERSION = 1
-"""`save_id` and `lineage` are optional fields of version 1: manifests written before them read
-as save id "" and lineage "" (one legacy save and run), and readers that predate them ignore
-them (a rolled-back sidecar still reads every checkpoint)."""
+"""`save_id`, `lineage` and `reads` are optional fields of version 1: manifests written before
+them read as save id "" and lineage "" (one legacy save and run) and no shard map (every node
+reads every file), and readers that predate them ignore them (a rolled-back sidecar still
+reads every checkpoint, whole)."""
 KINDS = ("periodic", "jit", "final")
 """Checkpoint kinds; `final` is the checkpoint of the last training step."""
 OUTPUT_KIND = "output"
@@ -99,6 +105,12 @@ class Manifest:
     """One per save, the same in every node's manifest ("" in manifests written before it)."""
     lineage: str = ""
     """The run this save belongs to (new_lineage); "" in manifests written before it."""
+    shard_dirs: tuple[str, ...] = ()
+    """DCP directories of the checkpoint whose shard files (`*.distcp`) this node's ranks do not
+    all read at the save's own world size and node count ("" for the checkpoint directory
+    itself); empty when unknown: the node reads every file."""
+    shard_reads: tuple[str, ...] = ()
+    """The shard files under `shard_dirs` that other nodes hold and this node's ranks read."""
     version: int = FORMAT_VERSION
 
     @property
@@ -126,6 +138,11 @@ class Manifest:
             "save_id": self.save_id,
             "lineage": self.lineage,
             "files": [f.to_json() for f in self.files],
+            **(
+                {"reads": {"dirs": list(self.shard_dirs), "shards": list(self.shard_reads)}}
+                if self.shard_dirs
+                else {}
+            ),
         }
 
     def to_bytes(self) -> bytes:
@@ -160,6 +177,13 @@ class Manifest:
                 save_id=str(obj.get("save_id", "")),
                 lineage=str(obj.get("lineage", "")),
             )
+            reads = obj.get("reads")
+            if reads is not None:
+                manifest = dataclasses.replace(
+                    manifest,
+                    shard_dirs=tuple(str(d) and _safe_relpath(str(d)) for d in reads["dirs"]),
+                    shard_reads=tuple(_safe_relpath(str(p)) for p in reads["shards"]),
+                )
         except (KeyError, TypeError, ValueError):
             return None
         if manifest.nodes < 1 or not 0 <= manifest.node < manifest.nodes or manifest.step < 0:
@@ -247,6 +271,8 @@ def new_manifest(
     save_seconds: float = 0.0,
     save_id: str = "",
     lineage: str = "",
+    shard_dirs: tuple[str, ...] = (),
+    shard_reads: tuple[str, ...] = (),
 ) -> Manifest:
     """A manifest created now; `save_id` defaults to a new one (right for a single node only:
     the nodes of one save must share it)."""
@@ -263,6 +289,8 @@ def new_manifest(
         save_seconds=save_seconds,
         save_id=save_id or new_save_id(),
         lineage=lineage,
+        shard_dirs=shard_dirs,
+        shard_reads=shard_reads,
     )
 
 

@@ -21,6 +21,11 @@
   once per pod: a sidecar that finds it was restarted). Both for the recovery time.
 - `first-step.json` (hook, one per node): the first optimizer step of run `run_id` finished,
   and the step it began at; the sidecar's recovery time (start to first step) ends there.
+- `fetch.json` (hook, the node's local rank 0) and `fetched.json` (sidecar): a committed
+  checkpoint this node's ranks cannot load from what the volume holds (the restore fetched one
+  node's part and the trainer is another node, or the job's size changed, or a container
+  restarted in place on a node that holds only its own part): the hook asks for every missing
+  file of that save, the sidecar says it is fetching, then done or why not.
 - `sidecar-ready.json` (sidecar): its start-up restore finished (what it restored, how fast),
   for anything that waits on the volume rather than on /readyz, and for the entrypoint's
   grace-period estimate.
@@ -50,6 +55,8 @@ SIDECAR_READY = "sidecar-ready.json"
 FIRST_STEP = "first-step.json"
 REFUSAL = "refusal.json"
 POD_RESTORE = "pod-restore.json"
+FETCH = "fetch.json"
+FETCHED = "fetched.json"
 SIDECAR_STARTED = "sidecar-started"
 SAVE_PREFIX = "save-"
 KEEP_SAVE_EVENTS = 100
@@ -152,6 +159,29 @@ class PodRestore:
     started_at: float
     source: str
     bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetch:
+    """The hook asks the sidecar for every file of checkpoint `step`, save `save_id`, that
+    this node does not hold."""
+
+    step: int
+    save_id: str
+    requested_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+    """The sidecar's answer to the Fetch of the same step, save id and requested_at."""
+
+    step: int
+    save_id: str
+    requested_at: float
+    state: str
+    """'fetching', 'done' or 'failed'."""
+    error: str = ""
+    bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,6 +346,22 @@ def write_pod_restore(status_dir: str, record: PodRestore) -> None:
 
 def read_pod_restore(status_dir: str) -> Optional[PodRestore]:
     return read_record(os.path.join(status_dir, POD_RESTORE), PodRestore)
+
+
+def write_fetch(status_dir: str, record: Fetch) -> None:
+    write_record(os.path.join(status_dir, FETCH), record, durable=False)
+
+
+def read_fetch(status_dir: str) -> Optional[Fetch]:
+    return read_record(os.path.join(status_dir, FETCH), Fetch)
+
+
+def write_fetched(status_dir: str, record: Fetched) -> None:
+    write_record(os.path.join(status_dir, FETCHED), record, durable=False)
+
+
+def read_fetched(status_dir: str) -> Optional[Fetched]:
+    return read_record(os.path.join(status_dir, FETCHED), Fetched)
 
 
 def first_sidecar_in_pod(status_dir: str) -> bool:

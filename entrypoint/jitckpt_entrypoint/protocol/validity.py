@@ -118,6 +118,54 @@ def committed(ckpt_dir: str, node: Optional[int] = None) -> Optional[dict[int, m
     return manifests
 
 
+def loadable(
+    ckpt_dir: str, node: int, nodes: Optional[int] = None, world_size: Optional[int] = None
+) -> Optional[dict[int, m.Manifest]]:
+    """The manifests when local `ckpt_dir` is committed and holds what node `node` loads in a
+    job of `nodes` nodes and `world_size` ranks (None: the save's own): at the save's size, its
+    files as node_files lists them; at another size, every file (DCP reshards). Else None."""
+    step = step_of(os.path.basename(os.path.normpath(ckpt_dir)))
+    if step is None:
+        return None
+    save = complete_save(m.read_manifests(ckpt_dir), step)
+    if save is None:
+        return None
+    union = local_union(save)
+    first = save[0]
+    same_size = (nodes in (None, first.nodes)) and (world_size in (None, first.world_size))
+    needed = node_files(save, node, union) if same_size else union
+    return save if files_match(ckpt_dir, needed.values()) else None
+
+
+def local_union(save: dict[int, m.Manifest]) -> dict[str, m.FileEntry]:
+    """Every file a manifest of `save` names (local entries carry no checksum), by path."""
+    return {e.path: e for manifest in save.values() for e in manifest.files}
+
+
+def node_files(
+    save: dict[int, m.Manifest], node: int, union: dict[str, m.FileEntry]
+) -> dict[str, m.FileEntry]:
+    """Of `union` (the save's files), those node `node`'s ranks load at the save's own world
+    size and node count: every file but the shard files of the DCP directories its manifest
+    maps (`shard_dirs`) that another node holds and it does not read (`shard_reads`). All of
+    `union` when its manifest maps none, or names no such node."""
+    manifest = save.get(node)
+    if manifest is None or not manifest.shard_dirs:
+        return union
+    dirs = set(manifest.shard_dirs)
+    keep = {e.path for e in manifest.files} | set(manifest.shard_reads)
+    return {p: e for p, e in union.items() if p in keep or not _shard_in(p, dirs)}
+
+
+def _shard_in(path: str, dirs: set[str]) -> bool:
+    parent, _, name = path.rpartition("/")
+    return name.endswith(SHARD_SUFFIX) and parent in dirs
+
+
+SHARD_SUFFIX = ".distcp"
+"""DCP's data files; everything else of a checkpoint (its `.metadata` too) every node reads."""
+
+
 def newness(manifest: m.Manifest) -> tuple[str, int]:
     """The order in which resume and restore prefer checkpoints: by run (lineage, the
     newest-born last), then step."""

@@ -82,6 +82,25 @@ def sidecar_env(opts: Options, grace: int, *, exit_with_trainer: bool = False) -
     return env
 
 
+NODE_VARS = {
+    "PET_NODE_RANK": "JITCKPT_NODE_RANK",
+    "PET_NNODES": "JITCKPT_NNODES",
+    "PET_RDZV_BACKEND": "PET_RDZV_BACKEND",
+}
+"""The trainer's torchrun variables the sidecar reads too, under its own names: with the node
+rank and count it restores only what its node's ranks load (docs/how-it-works.md)."""
+
+
+def node_env(trainer_container: Obj) -> list[Obj]:
+    """The trainer's PET_NODE_RANK, PET_NNODES and PET_RDZV_BACKEND (value or valueFrom), for
+    the sidecar."""
+    return [
+        {**var, "name": NODE_VARS[var["name"]]}
+        for var in trainer_container.get("env") or []
+        if isinstance(var, dict) and var.get("name") in NODE_VARS
+    ]
+
+
 def install_container(opts: Options, trainer_container: Obj) -> Obj:
     return {
         "name": INSTALL,
@@ -101,7 +120,7 @@ def _s3_container(
 ) -> Obj:
     """A container of the sidecar image that talks to S3: `head`, its settings and credentials,
     `probes`, then resources, security context and the data volume, in that order."""
-    container = {**head, "env": sidecar_env(opts, grace, **env)}
+    container = {**head, "env": sidecar_env(opts, grace, **env) + node_env(trainer_container)}
     if opts.secret:
         container["envFrom"] = [{"secretRef": {"name": opts.secret}}]
     container.update(probes)

@@ -1,0 +1,217 @@
+"""Which files of a DCP checkpoint each rank reads back, so a node restores only those.
+
+A sharded (FSDP) checkpoint is one `dcp.save` per state dict (the model, the optimizer): each
+rank writes its shards into its own `__<rank>_<n>.distcp`, and rank 0 writes `.metadata`, which
+maps every item to the file and byte range holding it. Items every rank holds alike (plain
+tensors such as the optimizer's `step` scalars, and non-tensor values) are written once:
+DCP's `dedup_save_plans` gives each to the rank with the least planned bytes so far, which
+spreads them over every rank's file, and then every rank reads a few bytes of every other
+rank's file. So, for checkpoints under JITCKPT_DIR/checkpoints only, three small changes to
+where DCP puts bytes (never to what it saves; the checkpoint loads the same everywhere):
+
+- replicated items of at most SMALL bytes go to the lowest rank holding them (big ones stay
+  balanced: a DDP model saved through DCP is still written by every rank, 1/N each);
+- a rank's file of shards and its file of non-shard items are separate files
+  (`__0_0.distcp` and `__0_1.distcp`), so the shared bytes are a file of their own;
+- the coordinator maps every rank's own plan (before deduplication: what the rank will load
+  at the same world size and sharding) to files through the metadata it writes, and keeps that
+  map (`take`) for the commit, which records per node which other nodes' shard files it reads.
+
+Whatever this cannot see (a save in another process, a planner it does not know) simply has
+no map: that checkpoint is restored whole on every node, as before. Every patch falls back
+to DCP's own behaviour on any error of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import re
+import threading
+from typing import Any, Callable, Optional
+
+from jitckpt_entrypoint.protocol.validity import SHARD_SUFFIX
+
+log = logging.getLogger("jitckpt.hook")
+
+SMALL = 1 << 20
+"""Replicated items up to this size (bytes) are written by the lowest rank holding them."""
+
+_local = threading.local()
+_maps: dict[str, list[frozenset[str]]] = {}
+"""DCP directory (absolute) -> per rank of the save's group, the files of it that rank reads."""
+_lock = threading.Lock()
+_root: Optional[str] = None
+
+
+def patch_filesystem(module: Any) -> None:
+    """torch.distributed.checkpoint.filesystem: the writer notes its directory, the files are
+    split by kind, and the coordinator's `finish` maps plans to files."""
+    writer = getattr(module, "_FileSystemWriter", None)
+    split = getattr(module, "_split_by_size_and_type", None)
+    if writer is None or split is None or getattr(writer, "_jitckpt_reads", False):
+        return
+    writer._jitckpt_reads = True
+    prepare, finish = writer.prepare_local_plan, writer.finish
+
+    @functools.wraps(prepare)
+    def prepare_local_plan(self: Any, plan: Any) -> Any:
+        _local.directory = _ours(getattr(self, "path", None))
+        _local.plans = None
+        return prepare(self, plan)
+
+    @functools.wraps(finish)
+    def finish_(self: Any, metadata: Any, results: Any) -> Any:
+        out = finish(self, metadata, results)
+        _guarded(_record, metadata)
+        return out
+
+    writer.prepare_local_plan = prepare_local_plan
+    writer.finish = finish_
+    module._split_by_size_and_type = _wrap(split, _split)
+
+
+def patch_planner(module: Any) -> None:
+    """torch.distributed.checkpoint.default_planner: small replicated items go to the lowest
+    rank, and the coordinator keeps every rank's plan before deduplication."""
+    dedup = getattr(module, "dedup_save_plans", None)
+    if dedup is None or getattr(dedup, "_jitckpt_reads", False):
+        return
+    wrapped = _wrap(dedup, _dedup)
+    wrapped._jitckpt_reads = True  # type: ignore[attr-defined]
+    module.dedup_save_plans = wrapped
+
+
+def take(ckpt_dir: str) -> dict[str, list[frozenset[str]]]:
+    """The maps of the DCP saves under `ckpt_dir`, by directory relative to it ('/'-separated),
+    removed from the store (a checkpoint is committed once)."""
+    base = os.path.abspath(ckpt_dir)
+    with _lock:
+        mine = {
+            d: _maps.pop(d) for d in [d for d in _maps if (d + os.sep).startswith(base + os.sep)]
+        }
+        for d in [d for d in _maps if not os.path.isdir(d)]:  # abandoned saves' maps
+            del _maps[d]
+    return {_rel(d, base): files for d, files in mine.items()}
+
+
+def _rel(directory: str, base: str) -> str:
+    rel = os.path.relpath(directory, base).replace(os.sep, "/")
+    return "" if rel == "." else rel
+
+
+def node_reads(
+    maps: dict[str, list[frozenset[str]]], local_world_size: int
+) -> Optional[tuple[tuple[str, ...], dict[tuple[str, ...], tuple[int, ...]]]]:
+    """From the maps of one checkpoint's DCP saves (`take`), what each node's manifest
+    records: (the directories mapped, {the other nodes' shard files a node reads: the nodes
+    that read exactly those}), grouped so it stays small at any node count. Rank r is on node
+    r // local_world_size (torchrun's numbering; the commit checks it). None without maps."""
+    if not maps or local_world_size < 1:
+        return None
+    per_node: dict[int, set[str]] = {}
+    for directory, per_rank in maps.items():
+        for rank, files in enumerate(per_rank):
+            node = rank // local_world_size
+            reads = per_node.setdefault(node, set())
+            for name in files:
+                writer = _writer(name)
+                if name.endswith(SHARD_SUFFIX) and writer // local_world_size != node:
+                    reads.add(f"{directory}/{name}" if directory else name)
+    grouped: dict[tuple[str, ...], list[int]] = {}
+    for node in sorted(per_node):
+        grouped.setdefault(tuple(sorted(per_node[node])), []).append(node)
+    return tuple(sorted(maps)), {reads: tuple(nodes) for reads, nodes in grouped.items()}
+
+
+def _writer(name: str) -> int:
+    """The rank of the save's group that wrote shard file `name` (`__<rank>_<n>.distcp`); -1
+    when the name is not DCP's (so every node reads it)."""
+    match = re.match(r"__(\d+)_\d+\.distcp$", name)
+    return int(match.group(1)) if match else -1
+
+
+# -- the patches' bodies --
+
+
+def _wrap(original: Callable[..., Any], ours: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_local, "directory", None) is None:
+            return original(*args, **kwargs)
+        try:
+            return ours(original, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - DCP's own behaviour, never an error of ours
+            _local.directory = None
+            log.info("a DCP save is left as DCP lays it out (%s: %s)", type(exc).__name__, exc)
+            return original(*args, **kwargs)
+
+    return wrapper
+
+
+def _dedup(original: Callable[..., Any], all_plans: list[Any], *args: Any, **kwargs: Any) -> Any:
+    """Small replicated items to the lowest rank; the rest as DCP dedups them. Keeps the plans
+    before deduplication (what each rank loads) for `_record`."""
+    _local.plans = [[item.index for item in plan.items] for plan in all_plans]
+    holders: dict[Any, list[int]] = {}
+    for rank, plan in enumerate(all_plans):
+        for item in plan.items:
+            holders.setdefault(item.index, []).append(rank)
+    drop: list[set[Any]] = [set() for _ in all_plans]
+    for rank, plan in enumerate(all_plans):
+        for item in plan.items:
+            ranks = holders[item.index]
+            if len(ranks) > 1 and rank != ranks[0] and (item.tensor_storage_size() or 0) <= SMALL:
+                drop[rank].add(item.index)
+    plans = [
+        dataclasses.replace(plan, items=[i for i in plan.items if i.index not in gone])
+        if gone
+        else plan
+        for plan, gone in zip(all_plans, drop)
+    ]
+    return original(plans, *args, **kwargs)
+
+
+def _split(original: Callable[..., Any], bins: int, items: list[Any]) -> list[list[Any]]:
+    """A rank's shards and its other items (replicated tensors, values) in separate files."""
+    shards = [item for item in items if item.type.name == "SHARD"]
+    others = [item for item in items if item.type.name != "SHARD"]
+    if not shards or not others:
+        return list(original(bins, items))
+    return [*original(bins, shards), others]
+
+
+def _record(metadata: Any) -> None:
+    """On the coordinator, after it wrote `.metadata`: per rank, the files its plan reads."""
+    directory, plans = getattr(_local, "directory", None), getattr(_local, "plans", None)
+    _local.directory = _local.plans = None
+    if directory is None or plans is None:
+        return
+    where = {index: info.relative_path for index, info in metadata.storage_data.items()}
+    files = [frozenset(where[index] for index in plan) for plan in plans]  # KeyError: no map
+    with _lock:
+        _maps[directory] = files
+
+
+def _guarded(fn: Callable[..., None], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - no map means a whole restore, never an error
+        log.info("no per-node read map for a DCP save (%s: %s)", type(exc).__name__, exc)
+
+
+def _ours(path: Any) -> Optional[str]:
+    """`path` (absolute) when it is under JITCKPT_DIR/checkpoints, else None."""
+    global _root  # noqa: PLW0603 - read once per process
+    try:
+        if _root is None:
+            from jitckpt_entrypoint.config import Config
+            from jitckpt_entrypoint.protocol.layout import Layout
+
+            _root = os.path.abspath(Layout(Config.from_env(os.environ).dir).checkpoints) + os.sep
+        directory = os.path.abspath(os.fspath(path))
+    except Exception:  # noqa: BLE001 - not ours to lay out
+        return None
+    return directory if directory.startswith(_root) else None

@@ -1,0 +1,128 @@
+"""FSDP2 (CPU, gloo) saves a model and its AdamW state with DCP under JITCKPT_DIR, as the
+Trainer does, then checks hook/dcp_reads: every rank loads the state back from a copy of the
+checkpoint that holds only what its node reads (validity.node_files over the manifests the
+commit would write), pretending ranks 2r and 2r+1 are node r. Prints one "rank R ok" line per
+rank; any missing file or different tensor fails the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.fsdp import fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from jitckpt_entrypoint.hook import dcp_reads
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import validity
+
+LOCAL = 2  # ranks per pretended node
+
+
+def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=512,
+    )
+    model = LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def flat(state: object, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    if isinstance(state, dict):
+        for key, value in state.items():
+            out.update(flat(value, f"{prefix}{key}."))
+    elif isinstance(state, list):
+        for i, value in enumerate(state):
+            out.update(flat(value, f"{prefix}{i}."))
+    else:
+        out[prefix] = state.to_local() if hasattr(state, "to_local") else state
+    return out
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ckpt = os.path.join(os.environ["JITCKPT_DIR"], "checkpoints", "checkpoint-1")
+    model, opt = build()
+    batch = torch.randint(0, 512, (2, 16))
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    saved = flat({"model": msd, "optimizer": osd})
+    dcp.save(msd, checkpoint_id=os.path.join(ckpt, "pytorch_model_fsdp_0"))
+    dcp.save({"optimizer": osd}, checkpoint_id=os.path.join(ckpt, "optimizer_0"))
+    dist.barrier()
+
+    if rank == 0:  # what committer.commit does with the maps, without the Trainer
+        maps = dcp_reads.take(ckpt)
+        reads = dcp_reads.node_reads(maps, LOCAL)
+        assert reads is not None, "no map of the DCP saves"
+        dirs, grouped = reads
+        files = m.list_files(ckpt)
+        nodes = world // LOCAL
+
+        def held_by(node: int, path: str) -> bool:  # node 0 writes .metadata
+            if not path.endswith(".distcp"):
+                return node == 0
+            return dcp_reads._writer(path.rsplit("/", 1)[-1]) // LOCAL == node
+
+        save = {
+            node: m.new_manifest(
+                1,
+                "periodic",
+                node=node,
+                nodes=nodes,
+                world_size=world,
+                files=tuple(m.FileEntry(p, s) for p, s in files.items() if held_by(node, p)),
+                shard_dirs=dirs,
+                shard_reads=next(f for f, members in grouped.items() if node in members),
+            )
+            for node in range(nodes)
+        }
+        union = {p: m.FileEntry(p, s) for p, s in files.items()}
+        report = {}
+        for node in range(nodes):
+            part = validity.node_files(save, node, union)
+            view = f"{ckpt}-node{node}"
+            for path in part:
+                os.makedirs(os.path.dirname(os.path.join(view, path)), exist_ok=True)
+                shutil.copy(os.path.join(ckpt, path), os.path.join(view, path))
+            report[node] = sorted(part)
+        print("views " + json.dumps({"union": sorted(union), "nodes": report}), flush=True)
+    dist.barrier()
+
+    view = f"{ckpt}-node{rank // LOCAL}"
+    model2, opt2 = build()
+    msd2, osd2 = get_state_dict(model2, opt2)
+    dcp.load(msd2, checkpoint_id=os.path.join(view, "pytorch_model_fsdp_0"))
+    wrapped = {"optimizer": osd2}
+    dcp.load(wrapped, checkpoint_id=os.path.join(view, "optimizer_0"))
+    loaded = flat({"model": msd2, "optimizer": wrapped["optimizer"]})
+    assert loaded.keys() == saved.keys(), sorted(set(loaded) ^ set(saved))
+    for key, value in saved.items():
+        other = loaded[key]
+        same = torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+        assert same, f"rank {rank}: {key} differs after the load"
+    print(f"rank {rank} ok", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
