@@ -44,6 +44,7 @@ import dataclasses
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -376,6 +377,16 @@ def report(  # noqa: PLR0917 - one call, each argument named there
             f"| {row.download_s:.1f} | {row.restore_s:.2f} | {floor:.2f} "
             f"| {row.restore_s / floor:.1f}x |"
         )
+    mid = statistics.median
+    floors = [
+        (served_all if together else sum(r.bytes for r in data if r.node == n)) / bandwidth
+        for n in range(len(rows))
+    ]
+    print(
+        f"| median | {mid(r.files for r in rows):.0f} | {mid(r.mb for r in rows):.1f} | "
+        f"| | {mid(r.download_s for r in rows):.1f} | {mid(r.restore_s for r in rows):.2f} "
+        f"| {mid(floors):.2f} | {mid(r.restore_s / f for r, f in zip(rows, floors)):.1f}x |"
+    )
     print(
         f"\nAll nodes: {served_all / MB:.1f} MB in data GETs ({served_all / total:.2f}x the "
         f"checkpoint), {len(requests_restore)} S3 requests, "
