@@ -28,13 +28,15 @@ def torchrun(script: Path, *args: str, nproc: int = 2) -> list[str]:
     return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
 
 
-def torchrun_node(script: Path, *args: str, node: int, nodes: int, port: int) -> list[str]:
+def torchrun_node(
+    script: Path, *args: str, node: int, nodes: int, port: int, nproc: int = 2
+) -> list[str]:
     """One node of a multi-node job: static rendezvous on 127.0.0.1:`port`."""
     return [
         TORCHRUN,
         f"--nnodes={nodes}",
         f"--node-rank={node}",
-        "--nproc-per-node=2",
+        f"--nproc-per-node={nproc}",
         "--master-addr=127.0.0.1",
         f"--master-port={port}",
         str(script),
