@@ -192,6 +192,8 @@ def _record(metadata: Any) -> None:
     where = {index: info.relative_path for index, info in metadata.storage_data.items()}
     files = [frozenset(where[index] for index in plan) for plan in plans]  # KeyError: no map
     with _lock:
+        for gone in [d for d in _maps if not os.path.isdir(d)]:  # rotated or abandoned saves
+            del _maps[gone]
         _maps[directory] = files
 
 
