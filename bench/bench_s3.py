@@ -479,6 +479,8 @@ def commit_and_stage(jdir: Path, src: Path) -> Any:
         started_at=time.time(),
         run_id="bench",
         stage_for_upload=True,
+        save_id=m.new_save_id(),
+        lineage=m.new_lineage(),
     )
     return layout
 

@@ -41,3 +41,13 @@ class Readiness:
     @property
     def ready(self) -> bool:
         return self._ready.is_set()
+
+
+def process_start(clock: Callable[[], float] = time.time) -> float:
+    """This process's start (before the imports), else now: the recovery metric's origin."""
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:  # noqa: BLE001 - a metric's start: now is close enough
+        return clock()

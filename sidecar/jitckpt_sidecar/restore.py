@@ -407,6 +407,7 @@ class Restorer:
                                 entry.size,
                                 self._verifier(ckpt, dest, entry, verified),
                                 etag=ckpt.etags.get(entry.path),
+                                fsync=dest,
                             )
                         ],
                     )

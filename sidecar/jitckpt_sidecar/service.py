@@ -36,7 +36,7 @@ from jitckpt_sidecar.fetch import Fetcher
 from jitckpt_sidecar.final import FinalModel, FinalUploader
 from jitckpt_sidecar.metrics import Metrics
 from jitckpt_sidecar.pressure import Pruner, Storage
-from jitckpt_sidecar.readiness import Readiness
+from jitckpt_sidecar.readiness import Readiness, process_start
 from jitckpt_sidecar.remote import Remote
 from jitckpt_sidecar.restore import Restorer, RestoreResult
 from jitckpt_sidecar.retention import Retention
@@ -543,13 +543,3 @@ class Service:
         if isinstance(exc, OSError):
             return f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")
         return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def process_start(clock: Callable[[], float] = time.time) -> float:
-    """This process's start (before the imports), else now."""
-    try:
-        import psutil
-
-        return float(psutil.Process().create_time())
-    except Exception:  # noqa: BLE001 - a metric's start: now is close enough
-        return clock()

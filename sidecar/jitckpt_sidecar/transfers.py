@@ -4,13 +4,20 @@ One TransferManager per checkpoint (upload or restore): its thread pool bounds t
 flight, leaving the context cancels whatever is still running (s3transfer aborts the
 multipart uploads it started), and a `Batch` waits for every file with a progress line every
 10 s and a cancellation check (a newer checkpoint during the drain, the drain deadline).
+
+What runs once a download is done (the restore's checksum verification, then an fsync of the
+file) runs on the Batch's own threads: s3transfer calls it on its single IO thread, which writes
+every download's bytes, and would stall them all meanwhile. The fsync there starts each file's
+writeback while the others still download, instead of all of it at the commit's sync.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from jitckpt_sidecar.config import Config
@@ -18,6 +25,9 @@ from jitckpt_sidecar.errors import SidecarError
 
 PROGRESS_EVERY = 10.0
 MB = 1e6
+AFTER_THREADS = 2
+"""Threads that run what follows a download (verification, fsync): both mostly wait on the
+disk or hash outside the GIL."""
 
 
 class TransferCancelledError(SidecarError):
@@ -116,19 +126,23 @@ class Batch:
         self._cond = threading.Condition()
         self._pending = 0
         self._errors: list[BaseException] = []
+        self._after: Optional[ThreadPoolExecutor] = None
+        self._waited = False
 
     def subscriber(
         self,
         size: Optional[int] = None,
         after: Optional[Callable[[], None]] = None,
         etag: Optional[str] = None,
+        fsync: Optional[str] = None,
     ) -> _Subscriber:
-        """A subscriber for one transfer; `after` runs (in a transfer thread) once it is done.
-        A download given the object's `size` and `etag` (from the listing) sends no HeadObject,
-        and its ranged GETs ask for exactly that object (If-Match)."""
+        """A subscriber for one transfer; once it is done, `after` runs (on the Batch's
+        threads), then the file at `fsync` is fsynced. A download given the object's `size` and
+        `etag` (from the listing) sends no HeadObject, and its ranged GETs ask for exactly that
+        object (If-Match)."""
         with self._cond:
             self._pending += 1
-        return _Subscriber(self, size, after, etag)
+        return _Subscriber(self, size, after, etag, fsync)
 
     def fail(self, exc: BaseException) -> None:
         with self._cond:
@@ -142,9 +156,32 @@ class Batch:
                 self._errors.append(error)
             self._cond.notify_all()
 
+    def _then(self, job: Callable[[], None]) -> None:
+        """Run `job` on the Batch's threads; it ends the transfer (`_finished`) when done."""
+        with self._cond:
+            if self._after is None and not self._waited:
+                self._after = ThreadPoolExecutor(AFTER_THREADS, thread_name_prefix="after")
+            pool = self._after
+        if pool is None:  # the wait already ended (failed or cancelled): as s3transfer would
+            job()
+            return
+        try:
+            pool.submit(job)
+        except RuntimeError:  # shut down in between
+            job()
+
     def wait(self, cancel: Callable[[], Optional[str]], poll: float = 0.2) -> None:
         """Until every transfer is done; raise the first error, or TransferCancelledError when
         `cancel` returns a reason (leaving the TransferManager's context cancels the rest)."""
+        try:
+            self._wait(cancel, poll)
+        finally:
+            with self._cond:
+                pool, self._after, self._waited = self._after, None, True
+            if pool is not None:  # what runs still touches the files: finish it, drop the rest
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def _wait(self, cancel: Callable[[], Optional[str]], poll: float) -> None:
         while True:
             with self._cond:
                 if self._errors:
@@ -167,8 +204,9 @@ class _Subscriber:
         size: Optional[int],
         after: Optional[Callable[[], None]],
         etag: Optional[str] = None,
+        fsync: Optional[str] = None,
     ) -> None:
-        self.batch, self.size, self.after, self.etag = batch, size, after, etag
+        self.batch, self.size, self.after, self.etag, self.fsync = batch, size, after, etag, fsync
 
     def on_queued(self, future: Any, **_: Any) -> None:
         # A download sends a HeadObject unless it knows both (s3transfer >= 0.11 wants the ETag).
@@ -181,11 +219,31 @@ class _Subscriber:
         self.batch.progress.add(bytes_transferred)
 
     def on_done(self, future: Any, **_: Any) -> None:
-        error: Optional[BaseException] = None
         try:
             future.result()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, re-raised there
+            self.batch._finished(exc)
+            return
+        if self.after is None and self.fsync is None:
+            self.batch._finished(None)
+        else:
+            self.batch._then(self._then)
+
+    def _then(self) -> None:
+        error: Optional[BaseException] = None
+        try:
             if self.after is not None:
                 self.after()
+            if self.fsync is not None:
+                _fsync(self.fsync)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, re-raised there
             error = exc
         self.batch._finished(error)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
