@@ -17,7 +17,7 @@ from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
 from jitckpt_entrypoint.protocol.manifest import read_manifests
-from jitckpt_entrypoint.protocol.validity import committed, complete_save, loadable
+from jitckpt_entrypoint.protocol.validity import committed, complete_save, loadable, local_save
 
 SaveKey = tuple[int, str, str]
 """(step, save id, lineage) of a committed checkpoint."""
@@ -117,7 +117,7 @@ def _wanted(checkpoints: str, topo: Topology) -> Optional[tuple[int, str]]:
     newest: Optional[tuple[tuple[str, int], int, str, bool]] = None
     for step in checkpoint_steps(checkpoints):
         path = os.path.join(checkpoints, checkpoint_name(step))
-        save = complete_save(read_manifests(path), step)
+        save = local_save(path)
         if save is None:
             continue
         here = loadable(path, topo.node, topo.nodes, topo.world_size) is not None

@@ -102,12 +102,16 @@ def incomplete_reason(manifests: dict[int, m.Manifest]) -> str:
     return "manifests disagree on the step, the node count, the world size or the kind"
 
 
+def local_save(ckpt_dir: str) -> Optional[dict[int, m.Manifest]]:
+    """The manifests of the complete save in local `ckpt_dir` (named for its step), else None;
+    its files unchecked."""
+    step = step_of(os.path.basename(os.path.normpath(ckpt_dir)))
+    return None if step is None else complete_save(m.read_manifests(ckpt_dir), step)
+
+
 def committed(ckpt_dir: str, node: Optional[int] = None) -> Optional[dict[int, m.Manifest]]:
     """The manifests when local `ckpt_dir` is committed (for `node`, or every node), else None."""
-    step = step_of(os.path.basename(os.path.normpath(ckpt_dir)))
-    if step is None:
-        return None
-    manifests = complete_save(m.read_manifests(ckpt_dir), step)
+    manifests = local_save(ckpt_dir)
     if manifests is None:
         return None
     if node is not None and node not in manifests:
@@ -124,10 +128,7 @@ def loadable(
     """The manifests when local `ckpt_dir` is committed and holds what node `node` loads in a
     job of `nodes` nodes and `world_size` ranks (None: the save's own): at the save's size, its
     files as node_files lists them; at another size, every file (DCP reshards). Else None."""
-    step = step_of(os.path.basename(os.path.normpath(ckpt_dir)))
-    if step is None:
-        return None
-    save = complete_save(m.read_manifests(ckpt_dir), step)
+    save = local_save(ckpt_dir)
     if save is None:
         return None
     union = local_union(save)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import fully_shard
-from transformers import LlamaConfig, LlamaForCausalLM
+from train_hf import tiny_llama
 
 from jitckpt_entrypoint.hook import dcp_reads
 from jitckpt_entrypoint.protocol import manifest as m
@@ -26,16 +26,7 @@ LOCAL = 2  # ranks per pretended node
 
 
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=512,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(vocab=512, hidden=64, layers=2)  # train_hf.py's model, seed 0
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
