@@ -63,7 +63,7 @@ sys.path[:0] = [*CODE, str(REPO / "tests"), str(REPO / "bench")]
 from bench_s3 import MiB, _connection  # noqa: E402
 from harness import rgw  # noqa: E402
 from harness.checkpoints import committed_in_s3, scrape  # noqa: E402
-from harness.pod import Node, Pod  # noqa: E402
+from harness.pod import Node, Pod, start_job  # noqa: E402
 from harness.procs import free_port  # noqa: E402
 from harness.s3 import FAKE_CREDENTIALS, Bucket, RgwStore  # noqa: E402
 from harness.training import TRAIN_HF, torchrun_node  # noqa: E402
@@ -210,13 +210,7 @@ def save(root: Path, bucket: Bucket, nodes: int, opts: argparse.Namespace) -> in
     with closing(
         make_pods(root, f"save{nodes}", bucket, nodes, train_args(opts, opts.steps, opts.steps))
     ) as pods:
-        for pod in pods:
-            pod.start_sidecar()
-        for pod in pods:
-            pod.wait_ready()
-        for pod in pods:
-            pod.start_trainer()
-        for pod in pods:
+        for pod in start_job(pods):
             out = pod.finish(timeout=900)  # the trainer ends; the sidecar drains, then exits
             if (out.trainer, out.sidecar) != (0, 0):
                 raise RuntimeError(f"{pod.name}: exit codes {out}\n{pod.output()[-6000:]}")
