@@ -66,6 +66,13 @@ def core_objects(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:  
                 f"{kind}/{_name(doc)} job {rj['name']}",
                 _job(rj["name"], t["spec"], t.get("metadata")),
             )
+    elif kind == "PyTorchJob":  # each replica type's pod template, as the operator's pods
+        for rtype, replica in doc["spec"]["pytorchReplicaSpecs"].items():
+            t = replica["template"]
+            pod = {"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {**t.get("metadata", {}), "name": f"{_name(doc)}-{rtype.lower()}"},
+                   "spec": t["spec"]}  # fmt: skip
+            yield f"PyTorchJob/{_name(doc)} {rtype}", pod
     elif kind == "TrainJob":
         trainer = doc["spec"]["trainer"]
         container = {"name": "node", "image": trainer.get("image", "runtime-image")}
@@ -105,7 +112,8 @@ def validate(obj: dict[str, Any], version: str) -> str | None:
 
 
 def pod_specs(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any] | None, dict[str, Any]]]:
-    """(job spec or None, pod spec) for every pod template in a Pod, Job, JobSet or runtime."""
+    """(job spec or None, pod spec) for every pod template in a Pod, Job, JobSet, runtime or
+    PyTorchJob (whose replica spec stands for the job spec)."""
     kind = doc["kind"]
     if kind == "Pod":
         yield None, doc["spec"]
@@ -117,6 +125,9 @@ def pod_specs(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any] | None, dict
     elif kind in ("TrainingRuntime", "ClusterTrainingRuntime"):
         for rj in doc["spec"]["template"]["spec"]["replicatedJobs"]:
             yield rj["template"]["spec"], rj["template"]["spec"]["template"]["spec"]
+    elif kind == "PyTorchJob":  # the replica spec (template, restartPolicy) stands for the job
+        for replica in doc["spec"]["pytorchReplicaSpecs"].values():
+            yield replica, replica["template"]["spec"]
 
 
 def env_of(container: dict[str, Any]) -> dict[str, Any]:

@@ -67,7 +67,7 @@ def test_every_manifest_validates_strictly(version):
 def test_custom_resources_are_only_the_known_ones():
     """Anything not validated against a core schema is one of the CRDs we check by hand."""
     kinds = {d["kind"] for _, d in DOCS if d["apiVersion"] not in ("v1", "batch/v1")}
-    assert kinds <= {"TrainJob", "TrainingRuntime", "PodMonitor", "PrometheusRule"}
+    assert kinds <= {"TrainJob", "TrainingRuntime", "PyTorchJob", "PodMonitor", "PrometheusRule"}
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) not installed")
@@ -140,6 +140,10 @@ def test_settings_that_must_agree_do(path, doc, job, pod):
         if doc["kind"] != "TrainingRuntime":  # a TrainJob sets it per job (trainjob.yaml)
             assert env["JITCKPT_STORAGE_URI"] == side_env["JITCKPT_STORAGE_URI"]
         assert any(m["mountPath"] == env["JITCKPT_DIR"] for m in trainer["volumeMounts"])
+        if doc["kind"] == "PyTorchJob":  # the operator retries exit codes >= 128 (the JIT's)
+            assert job["restartPolicy"] == "ExitCode"
+            assert int(env.get("JITCKPT_EXIT_CODE", "143")) >= 128
+            return
         rules = job["podFailurePolicy"]["rules"]
         assert {
             "action": "Ignore",
@@ -273,6 +277,9 @@ def test_pvc_mode_shares_one_readwritemany_claim_as_jitckpt_dir():
           "--secret", "aws-connection-jitckpt"]),
         ("trainjob/trainjob.yaml", "trainjob/trainjob.orig.yaml",
          ["--storage-uri", "s3://my-bucket/jitckpt/llama-finetune"]),
+        ("pytorchjob/pytorchjob.yaml", "pytorchjob/pytorchjob.orig.yaml",
+         ["--image", "jitckpt-sidecar:0.1.0", "--storage-uri",
+          "s3://my-bucket/jitckpt/llama-finetune-ddp", "--secret", "aws-connection-jitckpt"]),
     ],
 )  # fmt: skip
 def test_generated_examples_are_injects_current_output(generated, original, args, capsys):

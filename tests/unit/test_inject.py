@@ -75,6 +75,31 @@ spec:
     image: registry.example.com/team/trainer:1
     command: [torchrun, /app/train.py]
 """
+PYTORCHJOB = """\
+apiVersion: kubeflow.org/v1
+kind: PyTorchJob
+metadata: {name: train}
+spec:
+  pytorchReplicaSpecs:
+    Master:
+      replicas: 1
+      restartPolicy: ExitCode
+      template:
+        spec:
+          containers:
+          - name: pytorch
+            image: registry.example.com/team/trainer:1
+            command: [torchrun, --nproc-per-node=8, /app/train.py]
+    Worker:
+      replicas: 3
+      template:
+        spec:
+          containers:
+          - name: pytorch
+            image: registry.example.com/team/trainer:1
+            command: [torchrun, --nproc-per-node=8, /app/train.py]
+          - {name: log-shipper, image: registry.example.com/logs:1}
+"""
 LIST = """\
 apiVersion: v1
 kind: List
@@ -134,7 +159,9 @@ def assert_valid(text: str) -> int:
     return checked
 
 
-@pytest.mark.parametrize("source", [JOB, POD, JOBSET, TRAINJOB, LIST, JOB + "---\n" + SERVICE])
+@pytest.mark.parametrize(
+    "source", [JOB, POD, JOBSET, TRAINJOB, PYTORCHJOB, LIST, JOB + "---\n" + SERVICE]
+)
 @pytest.mark.parametrize("mode", ["native", "container"])
 def test_output_validates_and_a_second_run_changes_nothing(source, mode):
     once = injected(source, "sidecar_mode", mode)
@@ -442,3 +469,25 @@ def test_the_sidecar_gets_the_trainers_node_rank_and_node_count():
         "job-completion-index']"
     )
     assert "JITCKPT_NODE_RANK" not in env_of(containers(pod)["train"])
+
+
+def test_a_pytorchjob_gets_a_sidecar_in_every_replica_type_with_one_storage_uri():
+    """Master and Worker pods are each wrapped (the operator's `pytorch` container, even beside
+    another one), with the operator's restart semantics in a note, not a podFailurePolicy."""
+    job = docs(injected(PYTORCHJOB))[0]
+    uris = set()
+    for rtype, replica in job["spec"]["pytorchReplicaSpecs"].items():
+        pod = replica["template"]["spec"]
+        by_name = containers(pod)
+        assert by_name["pytorch"]["command"][:3] == ["python3", "/jitckpt/jitckpt-entrypoint", "--"]
+        assert "command" not in by_name.get("log-shipper", {}), rtype
+        assert [c["name"] for c in pod["initContainers"]] == ["jitckpt-install", "jitckpt-sidecar"]
+        uris.add(env_of(by_name["jitckpt-sidecar"])["JITCKPT_STORAGE_URI"])
+        uris.add(env_of(by_name["pytorch"])["JITCKPT_STORAGE_URI"])
+    assert uris == {"s3://ckpt/team-a/run-1"}
+    assert "podFailurePolicy" not in job["spec"]
+    said = notes(PYTORCHJOB)
+    assert "Worker: restartPolicy OnFailure: the container restarts in place" in said
+    assert "Master: restartPolicy" not in said  # ExitCode: the JIT exit 143 is retried
+    never = notes(PYTORCHJOB.replace("restartPolicy: ExitCode", "restartPolicy: Never"))
+    assert "Master: restartPolicy Never: a JIT exit fails the PyTorchJob" in never

@@ -1,4 +1,5 @@
-"""The rewrite: Pods, Jobs, JobSets, TrainJobs and Lists into the swap-in form, in place.
+"""The rewrite: Pods, Jobs, JobSets, TrainJobs, PyTorchJobs and Lists into the swap-in form, in
+place.
 
 Each rewriter checks before it changes anything it cannot undo: a refusal (InjectError) names
 the object; warnings and notes go into the Report, for the command line to print.
@@ -309,13 +310,66 @@ def inject_object(doc: Any, opts: Options, where: str, report: Report) -> None:
         result, trainers = inject_jobset(doc, opts, where, report)
     elif kind == "TrainJob" and api.startswith(f"{t.TRAINER_API}/"):
         result, trainers = inject_trainjob(doc, opts, where, report), ["node"]
+    elif kind == "PyTorchJob" and api == PYTORCHJOB_API:
+        result, trainers = inject_pytorchjob(doc, opts, where, report)
     else:
         raise InjectError(
             f"{where}: {api or '?'} {kind} is not supported (inject handles v1 Pod, batch/v1 "
-            f"Job, JobSet, Kubeflow Trainer TrainJob and List); run training in a Job"
+            f"Job, JobSet, Kubeflow Trainer TrainJob, {PYTORCHJOB_API} PyTorchJob and List); "
+            "run training in a Job"
         )
     what = "already injected, unchanged" if result == "unchanged" else "injected"
     report.objects.append(f"{where}: {what} (trainer container {', '.join(trainers)})")
+
+
+PYTORCHJOB_API = "kubeflow.org/v1"
+PYTORCHJOB_CONTAINER = "pytorch"
+"""The container the Training Operator gives torchrun's environment (PET_*, MASTER_ADDR)."""
+PYTORCHJOB_RESTART = {
+    "ExitCode": "",
+    "OnFailure": "the container restarts in place after a JIT exit and resumes from the volume "
+    "(an evicted pod is recreated and restores from S3); ExitCode restarts only on exit codes "
+    "of 128 and above, the JIT exit 143 among them",
+    "Always": "the container restarts in place even after training ends",
+    "Never": "a JIT exit fails the PyTorchJob; set restartPolicy: ExitCode (exit codes of 128 "
+    "and above, the JIT exit 143 among them, are retried) or OnFailure",
+}
+"""What a replica's restartPolicy does to a JIT exit; ExitCode (the recommended one) says
+nothing. The operator's default when unset is OnFailure."""
+
+
+def inject_pytorchjob(doc: Obj, opts: Options, where: str, report: Report) -> tuple[str, list[str]]:
+    """Kubeflow Training Operator v1: every replica type's pod template (Master, Worker), each
+    with its own sidecar and one storage URI; a note for each restartPolicy that does not bring
+    a preempted replica back to resume."""
+    spec = doc.get("spec")
+    replicas = spec.get("pytorchReplicaSpecs") if isinstance(spec, dict) else None
+    if not isinstance(replicas, dict) or not replicas:
+        raise InjectError(f"{where}: no spec.pytorchReplicaSpecs")
+    if isinstance(spec.get("elasticPolicy"), dict):  # type: ignore[union-attr]
+        report.notes.append(
+            f"note: {where}: elasticPolicy (a dynamic rendezvous): every node restores whole "
+            "checkpoints, since node ranks are assigned at the rendezvous"
+        )
+    results: list[str] = []
+    trainers: list[str] = []
+    for rtype, rspec in replicas.items():
+        where_r = f"{where} {rtype}"
+        template = rspec.get("template") if isinstance(rspec, dict) else None
+        pod = template.get("spec") if isinstance(template, dict) else None
+        if not isinstance(pod, dict):
+            raise InjectError(f"{where_r}: no template.spec")
+        ours = opts
+        if not opts.containers and PYTORCHJOB_CONTAINER in _names(pod.get("containers")):
+            ours = dataclasses.replace(opts, containers=(PYTORCHJOB_CONTAINER,))
+        result, names = inject_pod(pod, ours, where_r, report)
+        policy = rspec.get("restartPolicy") or "OnFailure"
+        effect = PYTORCHJOB_RESTART.get(policy, f"restartPolicy {policy!r} is not one inject knows")
+        if result == "injected" and effect:
+            report.notes.append(f"note: {where_r}: restartPolicy {policy}: {effect}")
+        results.append(result)
+        trainers.extend(n for n in names if n not in trainers)
+    return ("injected" if "injected" in results else "unchanged"), trainers
 
 
 def inject_jobset(doc: Obj, opts: Options, where: str, report: Report) -> tuple[str, list[str]]:
