@@ -222,10 +222,10 @@ OPTIONS = (
         "this pod's node rank in the job; empty = PET_NODE_RANK, JOB_COMPLETION_INDEX, unknown",
         check=at_least(0, "a node rank >= 0"),
         fallbacks=(Fallback("PET_NODE_RANK"), Fallback("JOB_COMPLETION_INDEX")),
-        default_doc="`PET_NODE_RANK`, else `JOB_COMPLETION_INDEX`, else unknown",
-        doc="this pod's node rank (torchrun's `--node-rank`); with `JITCKPT_NNODES`, a sharded "
-        "checkpoint of that node count is restored in part: this node's shards and the files "
-        "every node reads",
+        default_doc="unknown",
+        doc="this pod's node rank (torchrun's `--node-rank`); with `JITCKPT_NNODES`, the "
+        "long-running sidecar restores a sharded checkpoint of that node count in part: this "
+        "node's shards and the files every node reads (the rest on the trainer's request)",
     ),
     Option(
         "nnodes",
@@ -233,7 +233,7 @@ OPTIONS = (
         "the job's node count (torchrun's --nnodes); empty = PET_NNODES, unknown",
         check=at_least(1, "a node count >= 1"),
         fallbacks=(Fallback("PET_NNODES"),),
-        default_doc="`PET_NNODES`, else unknown",
+        default_doc="unknown",
         doc="the job's node count (torchrun's `--nnodes`; `MIN:MAX` counts as unknown); "
         "unknown means every node restores every file",
     ),

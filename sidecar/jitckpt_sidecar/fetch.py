@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Optional
 
 from jitckpt_entrypoint.protocol import status
@@ -30,9 +31,10 @@ class Fetcher:
         *,
         cancel: Callable[[], Optional[str]],
         describe: Callable[[BaseException], str],
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.restorer, self.status_dir, self.log = restorer, status_dir, logger
-        self.cancel, self.describe = cancel, describe
+        self.cancel, self.describe, self.clock = cancel, describe, clock
         self._thread: Optional[threading.Thread] = None
         self._handled: Optional[Key] = None
 
@@ -47,6 +49,8 @@ class Fetcher:
         if key == self._handled:
             return
         self._handled = key
+        if self.clock() - request.requested_at > status.FETCH_PATIENCE:
+            return  # nobody waits for it any more
         answer = status.read_fetched(self.status_dir)
         if answer is not None and _key(answer) == key and answer.state != "fetching":
             return  # answered by this pod's sidecar before it restarted

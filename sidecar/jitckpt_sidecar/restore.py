@@ -95,6 +95,7 @@ class Restorer:
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
         on_retry: Callable[[], None] = lambda: None,
+        partial: bool = False,
     ) -> None:
         self.client, self.remote, self.cfg, self.layout, self.log = (
             client,
@@ -104,6 +105,9 @@ class Restorer:
             logger,
         )
         self.monotonic, self.clock, self.sleep, self.on_retry = monotonic, clock, sleep, on_retry
+        self.partial = partial
+        """Restore a sharded checkpoint in part (_node_part): only where a long-running sidecar
+        stays to fetch the rest when the trainer asks (the one-shot `restore` restores whole)."""
         self._config = transfers.download_config(cfg)
         self._moved = 0
         """Bytes downloaded by every attempt so far (progress resets the patience)."""
@@ -193,9 +197,21 @@ class Restorer:
         a trainer that needs more of it than this node's restore fetched (another node rank,
         another size: status.Fetch). The files here are linked into the temp directory and
         verified, the rest downloaded; then the whole checkpoint is committed again."""
+        try:
+            return self._complete(step, save_id, cancel)
+        except BaseException:
+            self._remove_leftovers(keep=None)  # never a partial download left on the volume
+            raise
+
+    def _complete(
+        self, step: int, save_id: str, cancel: Callable[[], Optional[str]]
+    ) -> RestoreResult:
         name = checkpoint_name(step)
         final = self.layout.checkpoint_dir(step)
         for attempt in range(3):
+            local = validity.local_save(final)
+            if local is None or local[0].save_id != save_id:
+                raise SidecarError(f"{name} of save {save_id[:16]} is no longer here")
             ckpt = self.remote.load(step)
             if not ckpt.committed or ckpt.save_id != save_id:
                 raise SidecarError(f"{name} of save {save_id[:16]} is not committed in S3")
@@ -207,7 +223,7 @@ class Restorer:
                     os.makedirs(os.path.dirname(dest), exist_ok=True)
                     os.link(os.path.join(final, rel), dest)
             try:
-                return self._download(ckpt, cancel, whole=True)
+                return self._download(ckpt, cancel, whole=True, into=save_id)
             except ChangedError as exc:
                 if attempt == 2:
                     raise SidecarError(f"S3 kept changing while fetching {name}: {exc}") from None
@@ -223,18 +239,21 @@ class Restorer:
         for step in checkpoint_steps(self.layout.checkpoints):
             path = self.layout.checkpoint_dir(step)
             save = validity.committed(path)
-            if save is None and self.cfg.node_rank is not None and self.cfg.nnodes is not None:
-                save = validity.loadable(path, self.cfg.node_rank, self.cfg.nnodes)
+            if save is None and self._node_part(validity.local_save(path)) is not None:
+                save = validity.loadable(path, self.cfg.node_rank or 0, self.cfg.nnodes)
             if save is not None:
                 found.append(save[0])
         return max(found, key=validity.newness, default=None)
 
-    def _node_part(self, save: dict[int, m.Manifest]) -> Optional[int]:
-        """This node's rank when it restores only what its ranks load: its node rank and the
-        job's node count are known (JITCKPT_NODE_RANK, JITCKPT_NNODES) and the checkpoint has
-        that node count (at another count DCP reshards, reading every file)."""
+    def _node_part(self, save: Optional[dict[int, m.Manifest]]) -> Optional[int]:
+        """This node's rank when it restores only what its ranks load: a long-running sidecar
+        (`partial`), its node rank and the job's node count known (JITCKPT_NODE_RANK,
+        JITCKPT_NNODES), and the checkpoint of that node count (at another count DCP reshards,
+        reading every file)."""
         node, nodes = self.cfg.node_rank, self.cfg.nnodes
-        if node is None or nodes is None or nodes != save[0].nodes or node >= nodes:
+        if not self.partial or not save or node is None or nodes is None:
+            return None
+        if nodes != save[0].nodes or node >= nodes:
             return None
         # A dynamic rendezvous numbers the nodes in its own order: the node rank of the pod is
         # not the trainer's then.
@@ -364,6 +383,7 @@ class Restorer:
         cancel: Callable[[], Optional[str]],
         *,
         whole: bool = False,
+        into: Optional[str] = None,
     ) -> RestoreResult:
         started = self.monotonic()
         name = checkpoint_name(ckpt.step)
@@ -427,6 +447,10 @@ class Restorer:
         for node in sorted(save):  # the commit: manifests after every file
             m.write_manifest(tmp, save[node])
         final = self.layout.checkpoint_dir(ckpt.step)
+        if into is not None and (
+            (local := validity.local_save(final)) is None or local[0].save_id != into
+        ):  # completing a checkpoint the trainer removed meanwhile: never bring it back
+            raise SidecarError(f"{name} was removed while its files were fetched")
         if os.path.lexists(final):  # an uncommitted leftover, or an older save of the step
             remove_checkpoint(final)
         os.rename(tmp, final)

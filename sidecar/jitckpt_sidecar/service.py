@@ -205,6 +205,7 @@ class Service:
             self.log,
             monotonic=self.monotonic,
             on_retry=self.metrics.uploads.retries.inc,
+            partial=True,  # this sidecar stays and fetches the rest when the trainer asks
         )
 
     def restore(self) -> Optional[RestoreResult]:

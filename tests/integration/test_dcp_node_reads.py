@@ -2,7 +2,8 @@
 
 Each rank loads the model and optimizer back from a copy of the checkpoint that holds only its
 node's files (2 ranks per node): its own shards, the one small file of replicated values, and
-`.metadata`; the state must come back exactly.
+`.metadata`; the state must come back exactly. A load in another layout (the full model: every
+shard file) first asks the node's sidecar for what the node does not hold.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def test_each_node_loads_an_fsdp_checkpoint_from_its_own_shards_and_the_shared_f
     assert proc.wait(timeout=300) == 0, proc.output()
     out = "\n".join(proc.stdout)  # the ranks' lines may interleave
     assert set(re.findall(r"rank (\d) ok", out)) == {"0", "1", "2", "3"}, proc.output()
+    # In another layout (full tensors) each node asked its sidecar for the rest, then loaded.
+    assert set(re.findall(r"rank (\d) resharded ok", out)) == {"0", "1", "2", "3"}, proc.output()
+    asked = [line for line in proc.stderr if "needs" in line and "asking the sidecar" in line]
+    assert asked, proc.output()
     views = json.loads(re.search(r"^views (.*)$", out, re.MULTILINE).group(1))
     node1 = set(views["nodes"]["1"])
     assert {"optimizer_0/__0_1.distcp", "optimizer_0/.metadata"} <= node1

@@ -425,3 +425,39 @@ def test_node_reads_names_the_other_nodes_shard_files_each_node_reads_grouped():
     }
     assert committer._node_reads(reads, [0, 1, 0, 1], topo) == {}
     assert dcp_reads.node_reads({}, 2) is None
+
+
+def test_a_rank_waits_for_the_sidecars_answer_to_its_own_request_only(tmp_path):
+    """hook/fetch: no sidecar, nothing asked; an earlier container's answer to the same save is
+    not this request's; no answer in time withdraws the request (a late sidecar never acts)."""
+    from jitckpt_entrypoint.hook import fetch
+    from jitckpt_entrypoint.protocol import status
+    from jitckpt_entrypoint.protocol.layout import Layout
+
+    layout = Layout(str(tmp_path))
+    layout.ensure()
+    now = [1000.0]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    assert fetch.ask_sidecar(layout, 4, "s", clock=clock, poll=0) is None  # no sidecar
+    assert status.read_fetch(layout.status) is None
+    status.write_sidecar_ready(layout.status, status.SidecarReady(1.0, 1, "s3", 4, 1.0, 10))
+    status.write_fetched(layout.status, status.Fetched(4, "s", 900.0, "failed", "S3 was down"))
+    assert fetch.ask_sidecar(layout, 4, "s", clock=clock, poll=0) is None  # not answered
+    assert status.read_fetch(layout.status) is None  # withdrawn
+
+    def sidecar() -> None:
+        while (request := status.read_fetch(layout.status)) is None:
+            time.sleep(0.01)
+        key = (request.step, request.save_id, request.requested_at)
+        status.write_fetched(layout.status, status.Fetched(*key, "done", "", 2048))
+
+    thread = threading.Thread(target=sidecar)
+    thread.start()
+    answer = fetch.ask_sidecar(layout, 4, "s", poll=0.01)
+    thread.join()
+    assert answer is not None
+    assert (answer.state, answer.bytes) == ("done", 2048)

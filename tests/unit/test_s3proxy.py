@@ -22,6 +22,11 @@ class Upstream(http.server.BaseHTTPRequestHandler):
 
     def do_PUT(self) -> None:
         if self.headers.get("Transfer-Encoding") == "chunked":  # as Ceph RGW 16 answers
+            # Read the body first: answering and closing while the proxy still sends it makes
+            # the proxy's write fail (a reset) before it reads the answer, now and then.
+            while size := int(self.rfile.readline().split(b";")[0], 16):
+                self.rfile.read(size + 2)
+            self.rfile.readline()
             self.close_connection = True
             self._reply(b"<Error><Code>MissingContentLength</Code></Error>", 411)
             return

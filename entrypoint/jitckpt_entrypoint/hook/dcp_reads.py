@@ -32,7 +32,8 @@ import re
 import threading
 from typing import Any, Callable, Optional
 
-from jitckpt_entrypoint.protocol.validity import SHARD_SUFFIX
+from jitckpt_entrypoint.protocol.layout import step_of
+from jitckpt_entrypoint.protocol.validity import SHARD_SUFFIX, local_save
 
 log = logging.getLogger("jitckpt.hook")
 
@@ -71,6 +72,16 @@ def patch_filesystem(module: Any) -> None:
     writer.prepare_local_plan = prepare_local_plan
     writer.finish = finish_
     module._split_by_size_and_type = _wrap(split, _split)
+    reader = getattr(module, "FileSystemReader", None)
+    if reader is not None and hasattr(reader, "read_data"):
+        read_data = reader.read_data
+
+        @functools.wraps(read_data)
+        def read_data_(self: Any, plan: Any, planner: Any) -> Any:
+            _guarded(_fetch_missing, self, plan)
+            return read_data(self, plan, planner)
+
+        reader.read_data = read_data_
 
 
 def patch_planner(module: Any) -> None:
@@ -153,8 +164,12 @@ def _wrap(original: Callable[..., Any], ours: Callable[..., Any]) -> Callable[..
 
 def _dedup(original: Callable[..., Any], all_plans: list[Any], *args: Any, **kwargs: Any) -> Any:
     """Small replicated items to the lowest rank; the rest as DCP dedups them. Keeps the plans
-    before deduplication (what each rank loads) for `_record`."""
-    _local.plans = [[item.index for item in plan.items] for plan in all_plans]
+    before deduplication (what each rank loads) for `_record`, when the save's group is the
+    whole world (a subgroup's ranks are not the world's: its save gets no map)."""
+    import torch.distributed as dist
+
+    whole = dist.is_initialized() and len(all_plans) == dist.get_world_size()
+    _local.plans = [[item.index for item in plan.items] for plan in all_plans] if whole else None
     holders: dict[Any, list[int]] = {}
     for rank, plan in enumerate(all_plans):
         for item in plan.items:
@@ -195,6 +210,37 @@ def _record(metadata: Any) -> None:
         for gone in [d for d in _maps if not os.path.isdir(d)]:  # rotated or abandoned saves
             del _maps[gone]
         _maps[directory] = files
+
+
+def _fetch_missing(reader: Any, plan: Any) -> None:
+    """Before a DCP load under JITCKPT_DIR/checkpoints reads its files: the ones this node does
+    not hold (its restore fetched what its ranks load at the checkpoint's own size and layout,
+    and this load reshards or is another node's) are asked of the sidecar (hook/fetch.py)."""
+    directory = _ours(getattr(reader, "path", None))
+    storage = getattr(reader, "storage_data", None)
+    if directory is None or not storage or _root is None:
+        return
+    rel = os.path.relpath(directory, _root).split(os.sep)
+    ckpt_dir = os.path.join(_root, rel[0])
+    step = step_of(rel[0])
+    paths = {storage[item.storage_index].relative_path for item in plan.items}
+    missing = sorted(p for p in paths if not os.path.exists(os.path.join(directory, p)))
+    if not missing or step is None:
+        return
+    save = local_save(ckpt_dir)
+    if not save:
+        return
+    log.info(
+        "loading %s needs %d file(s) this node does not hold (e.g. %s); asking the sidecar for "
+        "them",
+        rel[0],
+        len(missing),
+        missing[0],
+    )
+    from jitckpt_entrypoint.hook import fetch
+    from jitckpt_entrypoint.protocol.layout import Layout
+
+    fetch.ask_sidecar(Layout(os.path.dirname(_root.rstrip(os.sep))), step, save[0].save_id)
 
 
 def _guarded(fn: Callable[..., None], *args: Any) -> None:

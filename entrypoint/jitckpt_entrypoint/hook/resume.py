@@ -8,12 +8,12 @@ import os
 import re
 import time
 from collections.abc import Iterable
-from typing import Callable, Optional
+from typing import Optional
 
 from jitckpt_entrypoint.errors import JitckptError
+from jitckpt_entrypoint.hook import fetch
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.topology import Topology
-from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
 from jitckpt_entrypoint.protocol.manifest import read_manifests
@@ -53,62 +53,28 @@ def _newest(saves: Iterable[SaveKey]) -> Optional[SaveKey]:
     return max(saves, key=lambda s: (s[2], s[0]), default=None)
 
 
-FETCH_ANSWER = 60.0
-"""Seconds the sidecar has to take up a fetch (status.Fetch) before the hook carries on."""
-FETCH_PATIENCE = 3600.0
-"""Seconds a fetch the sidecar took up may last."""
-
-
-def fetch_missing(
-    session: Session, *, clock: Callable[[], float] = time.time, poll: float = 0.2
-) -> None:
+def fetch_missing(session: Session) -> None:
     """When the newest committed checkpoint on this node's volume is one its ranks cannot load
     from what the volume holds (the restore fetched another node's part, the job changed size,
     or a container restarted in place where each node holds only its own part), ask the sidecar
-    for the rest (status.Fetch) and wait for its answer: every local rank waits, so no
-    collective waits on it. Without a sidecar, or one that does not take it up within
-    FETCH_ANSWER seconds or cannot fetch it, training carries on: agreed_step then resumes
-    from an older checkpoint every node can load, or stops with one line."""
+    for the rest and wait (hook/fetch.py): every local rank asks and waits, so no collective
+    waits on it. Without an answer, training carries on: agreed_step then resumes from an
+    older checkpoint every node can load, or stops with one line."""
     topo, layout = session.topo, session.layout
-    if status.read_sidecar_ready(layout.status) is None:
+    try:
+        wanted = _wanted(layout.checkpoints, topo)
+    except OSError:
         return
-    wanted = _wanted(layout.checkpoints, topo)
     if wanted is None:
         return
     step, save_id = wanted
-    since = clock()
     if topo.is_leader:
         session.log.info(
             "%s is committed but this node does not hold every file its ranks load; asking the "
             "sidecar to fetch the rest from S3",
             checkpoint_name(step),
         )
-        status.write_fetch(layout.status, status.Fetch(step, save_id, since))
-    answer = None
-    while clock() - since < FETCH_ANSWER or (
-        answer is not None and answer.state == "fetching" and clock() - since < FETCH_PATIENCE
-    ):
-        answer = status.read_fetched(layout.status)
-        if answer is not None and (answer.step, answer.save_id) != (step, save_id):
-            answer = None
-        if answer is not None and answer.requested_at < since - FETCH_ANSWER:
-            answer = None  # an earlier container's request
-        if answer is not None and answer.state != "fetching":
-            break
-        time.sleep(poll)
-    if topo.is_leader:
-        if answer is None or answer.state == "fetching":
-            session.log.warning("the sidecar did not fetch %s in time", checkpoint_name(step))
-        elif answer.state == "failed":
-            session.log.warning(
-                "the sidecar could not fetch %s: %s", checkpoint_name(step), answer.error
-            )
-        else:
-            session.log.info(
-                "the sidecar fetched the rest of %s (%.1f MB)",
-                checkpoint_name(step),
-                answer.bytes / 1e6,
-            )
+    fetch.ask_sidecar(layout, step, save_id, say=topo.is_leader)
 
 
 def _wanted(checkpoints: str, topo: Topology) -> Optional[tuple[int, str]]:

@@ -57,6 +57,9 @@ REFUSAL = "refusal.json"
 POD_RESTORE = "pod-restore.json"
 FETCH = "fetch.json"
 FETCHED = "fetched.json"
+FETCH_PATIENCE = 1500.0
+"""Seconds a fetch may take before the hook stops waiting and the sidecar ignores the request:
+under torch's default 30-minute collective timeout, which the other nodes' ranks wait in."""
 SIDECAR_STARTED = "sidecar-started"
 SAVE_PREFIX = "save-"
 KEEP_SAVE_EVENTS = 100

@@ -1,15 +1,21 @@
 """FSDP2 (CPU, gloo) saves a model and its AdamW state with DCP under JITCKPT_DIR, as the
 Trainer does, then checks hook/dcp_reads: every rank loads the state back from a copy of the
 checkpoint that holds only what its node reads (validity.node_files over the manifests the
-commit would write), pretending ranks 2r and 2r+1 are node r. Prints one "rank R ok" line per
-rank; any missing file or different tensor fails the run."""
+commit would write; node<k>/checkpoints/checkpoint-1 under JITCKPT_DIR), pretending ranks 2r
+and 2r+1 are node r; then loads the model in another layout (full tensors: every shard file),
+for which the hook asks its node's sidecar (played by a thread) for the missing files before
+DCP reads. Prints "rank R ok" and "rank R resharded ok" per rank; a missing file or a
+different tensor fails the run."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -20,7 +26,8 @@ from train_hf import tiny_llama
 
 from jitckpt_entrypoint.hook import dcp_reads
 from jitckpt_entrypoint.protocol import manifest as m
-from jitckpt_entrypoint.protocol import validity
+from jitckpt_entrypoint.protocol import status, validity
+from jitckpt_entrypoint.protocol.layout import Layout
 
 LOCAL = 2  # ranks per pretended node
 
@@ -47,6 +54,7 @@ def flat(state: object, prefix: str = "") -> dict[str, object]:
 
 
 def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="jitckpt-hook: %(levelname)s %(message)s")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt = os.path.join(os.environ["JITCKPT_DIR"], "checkpoints", "checkpoint-1")
@@ -56,6 +64,7 @@ def main() -> None:
     opt.step()
     msd, osd = get_state_dict(model, opt)
     saved = flat({"model": msd, "optimizer": osd})
+    full_model = {k: v.full_tensor() for k, v in msd.items()}
     dcp.save(msd, checkpoint_id=os.path.join(ckpt, "pytorch_model_fsdp_0"))
     dcp.save({"optimizer": osd}, checkpoint_id=os.path.join(ckpt, "optimizer_0"))
     dist.barrier()
@@ -80,6 +89,7 @@ def main() -> None:
                 node=node,
                 nodes=nodes,
                 world_size=world,
+                save_id="one-save",
                 files=tuple(m.FileEntry(p, s) for p, s in files.items() if held_by(node, p)),
                 shard_dirs=dirs,
                 shard_reads=next(f for f, members in grouped.items() if node in members),
@@ -90,15 +100,20 @@ def main() -> None:
         report = {}
         for node in range(nodes):
             part = validity.node_files(save, node, union)
-            view = f"{ckpt}-node{node}"
+            view = node_view(node)
             for path in part:
                 os.makedirs(os.path.dirname(os.path.join(view, path)), exist_ok=True)
                 shutil.copy(os.path.join(ckpt, path), os.path.join(view, path))
+            for manifest in save.values():
+                m.write_manifest(view, manifest)
+            layout = Layout(os.path.dirname(os.path.dirname(view)))
+            layout.ensure()  # a sidecar is there to ask (played below by a thread)
+            status.write_sidecar_ready(layout.status, status.SidecarReady(0.0, 1, "s3", 1, 0, 0))
             report[node] = sorted(part)
         print("views " + json.dumps({"union": sorted(union), "nodes": report}), flush=True)
     dist.barrier()
 
-    view = f"{ckpt}-node{rank // LOCAL}"
+    view = node_view(rank // LOCAL)
     model2, opt2 = build()
     msd2, osd2 = get_state_dict(model2, opt2)
     dcp.load(msd2, checkpoint_id=os.path.join(view, "pytorch_model_fsdp_0"))
@@ -111,8 +126,45 @@ def main() -> None:
         same = torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
         assert same, f"rank {rank}: {key} differs after the load"
     print(f"rank {rank} ok", flush=True)
+    layout = Layout(os.path.dirname(os.path.dirname(view)))
+    assert status.read_fetch(layout.status) is None, "a node's own part needed a fetch"
+    dist.barrier()
+
+    # Another layout at the same size (a plain full model state, as a FULL_STATE_DICT load
+    # through DCP reads it): every rank needs every shard file. Its node's sidecar (a thread
+    # here, copying from the whole checkpoint) is asked for the rest before DCP reads.
+    dcp_reads._root = layout.checkpoints + os.sep
+    if rank % LOCAL == 0:
+        threading.Thread(target=sidecar, args=(layout, ckpt), daemon=True).start()
+    full = {k: torch.zeros_like(v) for k, v in full_model.items()}
+    dcp.load(full, checkpoint_id=os.path.join(view, "pytorch_model_fsdp_0"))
+    for key, value in full_model.items():
+        assert torch.equal(full[key], value), f"rank {rank}: full {key} differs"
+    answer = status.read_fetched(layout.status)
+    assert answer is not None, "no fetch was asked"
+    assert answer.state == "done", answer
+    print(f"rank {rank} resharded ok", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def node_view(node: int) -> str:
+    return os.path.join(os.environ["JITCKPT_DIR"], f"node{node}", "checkpoints", "checkpoint-1")
+
+
+def sidecar(layout: Layout, whole: str) -> None:
+    """The sidecar's Fetcher, played: every missing file of the checkpoint, copied in."""
+    while (request := status.read_fetch(layout.status)) is None:
+        time.sleep(0.05)
+    key = (request.step, request.save_id, request.requested_at)
+    status.write_fetched(layout.status, status.Fetched(*key, "fetching"))
+    here = os.path.join(layout.checkpoints, "checkpoint-1")
+    copied = 0
+    for path in m.list_files(whole):
+        if not os.path.exists(os.path.join(here, path)):
+            shutil.copy(os.path.join(whole, path), os.path.join(here, path))
+            copied += os.path.getsize(os.path.join(here, path))
+    status.write_fetched(layout.status, status.Fetched(*key, "done", "", copied))
 
 
 if __name__ == "__main__":
