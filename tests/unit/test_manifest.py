@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -247,7 +248,9 @@ def test_the_shard_map_round_trips_and_manifests_without_it_read_every_file():
     assert m.Manifest.from_json({**plain.to_json(), "reads": unsafe}) is None
 
 
-def test_the_hook_asks_for_the_rest_only_of_a_newest_checkpoint_it_cannot_load(tmp_path):
+def test_the_hook_asks_for_the_rest_only_of_a_newest_checkpoint_it_cannot_load(
+    tmp_path, monkeypatch
+):
     """On node 1's volume (its part of a sharded save) a trainer that is node 0, or of another
     size, wants the rest; node 1 at the save's size does not. Without a sidecar nothing waits."""
     from jitckpt_entrypoint.config import Config
@@ -265,6 +268,9 @@ def test_the_hook_asks_for_the_rest_only_of_a_newest_checkpoint_it_cannot_load(t
     assert resume._wanted(str(tmp_path), topo(1)) is None
     assert resume._wanted(str(tmp_path), topo(0)) == (4, "s")
     assert resume._wanted(str(tmp_path), topo(0, nodes=1, world=2)) == (4, "s")
+    hook_log = logging.getLogger("jitckpt.hook")  # a Session sets it up; put it back after
+    monkeypatch.setattr(hook_log, "handlers", list(hook_log.handlers))
+    monkeypatch.setattr(hook_log, "propagate", hook_log.propagate)
     session = Session(Config.from_env({"JITCKPT_DIR": str(tmp_path / "jdir")}), topo(0), "run")
     started = time.monotonic()
     resume.fetch_missing(session)  # no sidecar in this pod: no request, no wait
