@@ -195,8 +195,8 @@ class Restorer:
     ) -> RestoreResult:
         """Fetch every file of save `save_id` of local checkpoint-<step> that is not here, for
         a trainer that needs more of it than this node's restore fetched (another node rank,
-        another size: status.Fetch). The files here are linked into the temp directory and
-        verified, the rest downloaded; then the whole checkpoint is committed again."""
+        another size or layout: status.Fetch). The files here are linked into the temp
+        directory and verified, the rest downloaded, then moved in one by one (_move_in)."""
         try:
             return self._complete(step, save_id, cancel)
         except BaseException:
@@ -444,16 +444,15 @@ class Restorer:
             self._moved += progress.moved
         _remove_unlisted(tmp, {e.path for e in files})
         durable.sync_tree(tmp)  # the data before the manifests (the commit's rule)
-        for node in sorted(save):  # the commit: manifests after every file
-            m.write_manifest(tmp, save[node])
         final = self.layout.checkpoint_dir(ckpt.step)
-        if into is not None and (
-            (local := validity.local_save(final)) is None or local[0].save_id != into
-        ):  # completing a checkpoint the trainer removed meanwhile: never bring it back
-            raise SidecarError(f"{name} was removed while its files were fetched")
-        if os.path.lexists(final):  # an uncommitted leftover, or an older save of the step
-            remove_checkpoint(final)
-        os.rename(tmp, final)
+        if into is not None:
+            self._move_in(tmp, final, [e.path for e in todo], name, into)
+        else:
+            for node in sorted(save):  # the commit: manifests after every file
+                m.write_manifest(tmp, save[node])
+            if os.path.lexists(final):  # an uncommitted leftover, or an older save of the step
+                remove_checkpoint(final)
+            os.rename(tmp, final)
         atomic.fsync_dir(self.layout.checkpoints)
         self._verified.pop(tmp, None)
         self.remote.remember(ckpt)
@@ -467,6 +466,24 @@ class Restorer:
             transfers.rate(total - kept, seconds),
         )
         return RestoreResult("s3", ckpt.step, len(files), total, seconds, total - kept)
+
+    def _move_in(self, tmp: str, final: str, fetched: list[str], name: str, save_id: str) -> None:
+        """Complete the committed `final` with the files just `fetched` into `tmp`, one rename
+        each: ranks may be reading `final` meanwhile (a DCP load asked for the rest), so it is
+        never replaced, and a file appears whole or not at all. Never into a checkpoint the
+        trainer removed, or replaced by another save, meanwhile."""
+        local = validity.local_save(final)
+        if local is None or local[0].save_id != save_id:
+            raise SidecarError(f"{name} was removed while its files were fetched")
+        parents = set()
+        for rel in fetched:
+            dest = os.path.join(final, rel)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            os.replace(os.path.join(tmp, rel), dest)
+            parents.add(os.path.dirname(dest))
+        for parent in sorted(parents):
+            atomic.fsync_dir(parent)
+        shutil.rmtree(tmp, ignore_errors=True)  # what is left: links of files already there
 
     def _kept(self, tmp: str, entry: m.FileEntry, verified: set[tuple[str, Optional[str]]]) -> bool:
         """Whether `entry`'s file is already in `tmp`, whole and verified (an earlier attempt's,

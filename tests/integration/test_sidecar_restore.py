@@ -259,6 +259,7 @@ def test_a_sharded_checkpoint_is_restored_in_part_and_the_rest_fetched_when_the_
     assert validity.loadable(str(ckpt), 1, 2, 2) is not None
     assert validity.committed(str(ckpt)) is None
 
+    inode = ckpt.stat().st_ino  # completed in place: ranks may be reading it
     topo = Topology(rank=0, world_size=2, local_world_size=1, node=0, nodes=2)
     session = Session(Config.from_env({"JITCKPT_DIR": str(root)}), topo, "run")
     resume.fetch_missing(session)
@@ -268,6 +269,8 @@ def test_a_sharded_checkpoint_is_restored_in_part_and_the_rest_fetched_when_the_
     assert answer.bytes == 2 * 1024 * 1024  # node 0's shards: the rest was here
 
     assert validity.committed(str(ckpt)) is not None
+    assert ckpt.stat().st_ino == inode
+    assert [p.name for p in ckpt.parent.iterdir()] == ["checkpoint-10"]  # no temp left
     for rel, content in files[0].items():
         expected = content if isinstance(content, bytes) else data(content, 10)
         assert (ckpt / rel).read_bytes() == expected
