@@ -66,8 +66,15 @@ class Fetcher:
             "the trainer needs more of %s than this node holds; fetching the rest",
             checkpoint_name(step),
         )
+
+        def cancel() -> Optional[str]:  # SIGTERM, or nobody waits for it any more
+            request = status.read_fetch(self.status_dir)
+            if request is None or (request.step, request.save_id) != (step, save_id):
+                return "the trainer withdrew its request"
+            return self.cancel()
+
         try:
-            result = self.restorer().complete(step, save_id, self.cancel)
+            result = self.restorer().complete(step, save_id, cancel)
         except Exception as exc:  # noqa: BLE001 - answered to the trainer, which carries on
             reason = self.describe(exc)
             self.log.error("cannot fetch the rest of %s: %s", checkpoint_name(step), reason)

@@ -195,8 +195,8 @@ class Restorer:
     ) -> RestoreResult:
         """Fetch every file of save `save_id` of local checkpoint-<step> that is not here, for
         a trainer that needs more of it than this node's restore fetched (another node rank,
-        another size or layout: status.Fetch). The files here are linked into the temp
-        directory and verified, the rest downloaded, then moved in one by one (_move_in)."""
+        another size or layout: status.Fetch). The files missing here are downloaded into a
+        temp directory, verified, then moved in one by one (_move_in); what is here stays."""
         try:
             return self._complete(step, save_id, cancel)
         except BaseException:
@@ -215,13 +215,7 @@ class Restorer:
             ckpt = self.remote.load(step)
             if not ckpt.committed or ckpt.save_id != save_id:
                 raise SidecarError(f"{name} of save {save_id[:16]} is not committed in S3")
-            tmp = self._temp_dir(ckpt)
-            self._remove_leftovers(keep=tmp)
-            for rel in m.list_files(final):
-                dest = os.path.join(tmp, rel)
-                if not os.path.lexists(dest):
-                    os.makedirs(os.path.dirname(dest), exist_ok=True)
-                    os.link(os.path.join(final, rel), dest)
+            self._remove_leftovers(keep=self._temp_dir(ckpt))
             try:
                 return self._download(ckpt, cancel, whole=True, into=save_id)
             except ChangedError as exc:
@@ -398,7 +392,13 @@ class Restorer:
         total = sum(e.size for e in files)
         os.makedirs(tmp, exist_ok=True)
         verified = self._verified.setdefault(tmp, set())
-        todo = [e for e in files if not self._kept(tmp, e, verified)]
+        final = self.layout.checkpoint_dir(ckpt.step)
+        here = (
+            set()
+            if into is None  # completing `final`: what it holds stays, the rest is fetched
+            else {p for p, size in m.list_files(final).items() if part.get(p, _NONE).size == size}
+        )
+        todo = [e for e in files if e.path not in here and not self._kept(tmp, e, verified)]
         kept = total - sum(e.size for e in todo)
         self.log.info(
             "restoring %s from %s: %d files, %.1f MB%s%s",
@@ -442,9 +442,8 @@ class Restorer:
                     raise
         finally:
             self._moved += progress.moved
-        _remove_unlisted(tmp, {e.path for e in files})
+        _remove_unlisted(tmp, {e.path for e in files if e.path not in here})
         durable.sync_tree(tmp)  # the data before the manifests (the commit's rule)
-        final = self.layout.checkpoint_dir(ckpt.step)
         if into is not None:
             self._move_in(tmp, final, [e.path for e in todo], name, into)
         else:
@@ -483,7 +482,7 @@ class Restorer:
             parents.add(os.path.dirname(dest))
         for parent in sorted(parents):
             atomic.fsync_dir(parent)
-        shutil.rmtree(tmp, ignore_errors=True)  # what is left: links of files already there
+        shutil.rmtree(tmp, ignore_errors=True)
 
     def _kept(self, tmp: str, entry: m.FileEntry, verified: set[tuple[str, Optional[str]]]) -> bool:
         """Whether `entry`'s file is already in `tmp`, whole and verified (an earlier attempt's,
@@ -530,6 +529,9 @@ class Restorer:
             raise ChangedError(f"{checkpoint_name(ckpt.step)}: {wrong}")
 
         return verify
+
+
+_NONE = m.FileEntry("", -1)
 
 
 def _part_of(

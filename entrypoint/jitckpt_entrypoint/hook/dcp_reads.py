@@ -37,6 +37,9 @@ from jitckpt_entrypoint.protocol.validity import SHARD_SUFFIX, local_save
 
 log = logging.getLogger("jitckpt.hook")
 
+READ_PATIENCE = 540.0
+"""Seconds a DCP load waits for the sidecar's fetch: every other rank waits in DCP's read
+collective on the training's group meanwhile, and NCCL's default timeout is 10 minutes."""
 SMALL = 1 << 20
 """Replicated items up to this size (bytes) are written by the lowest rank holding them."""
 
@@ -78,7 +81,7 @@ def patch_filesystem(module: Any) -> None:
 
         @functools.wraps(read_data)
         def read_data_(self: Any, plan: Any, planner: Any) -> Any:
-            _guarded(_fetch_missing, self, plan)
+            _guarded(_fetch_missing, self, plan, what="cannot ask for the missing files")
             return read_data(self, plan, planner)
 
         reader.read_data = read_data_
@@ -240,14 +243,22 @@ def _fetch_missing(reader: Any, plan: Any) -> None:
     from jitckpt_entrypoint.hook import fetch
     from jitckpt_entrypoint.protocol.layout import Layout
 
-    fetch.ask_sidecar(Layout(os.path.dirname(_root.rstrip(os.sep))), step, save[0].save_id)
+    fetch.ask_sidecar(
+        Layout(os.path.dirname(_root.rstrip(os.sep))),
+        step,
+        save[0].save_id,
+        ready=lambda: all(os.path.exists(os.path.join(directory, p)) for p in missing),
+        patience=READ_PATIENCE,  # the other nodes' ranks wait in DCP's collective meanwhile
+    )
 
 
-def _guarded(fn: Callable[..., None], *args: Any) -> None:
+def _guarded(
+    fn: Callable[..., None], *args: Any, what: str = "no per-node read map for a DCP save"
+) -> None:
     try:
         fn(*args)
-    except Exception as exc:  # noqa: BLE001 - no map means a whole restore, never an error
-        log.info("no per-node read map for a DCP save (%s: %s)", type(exc).__name__, exc)
+    except Exception as exc:  # noqa: BLE001 - DCP goes on as without jitckpt, never an error
+        log.info("%s (%s: %s)", what, type(exc).__name__, exc)
 
 
 def _ours(path: Any) -> Optional[str]:

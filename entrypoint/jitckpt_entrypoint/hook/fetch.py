@@ -34,13 +34,19 @@ def ask_sidecar(
     save_id: str,
     *,
     say: bool = True,
+    ready: Callable[[], bool] = lambda: False,
+    patience: float = status.FETCH_PATIENCE,
     clock: Callable[[], float] = time.time,
     poll: float = 0.2,
 ) -> Optional[status.Fetched]:
     """Request every missing file of save `save_id` of checkpoint-<step> and wait for the
-    answer (at most status.FETCH_PATIENCE seconds); the final answer, or None."""
+    answer, or until `ready()` (the files this rank needs are there), at most `patience`
+    seconds once the sidecar took it up; the final answer (a 'done' one for `ready`), or
+    None."""
     try:
-        return _ask(layout, step, save_id, say=say, clock=clock, poll=poll)
+        return _ask(
+            layout, step, save_id, say=say, ready=ready, patience=patience, clock=clock, poll=poll
+        )
     except Exception as exc:  # noqa: BLE001 - never into training: carry on without the files
         log.warning("cannot ask the sidecar for %s: %s", checkpoint_name(step), exc)
         return None
@@ -52,6 +58,8 @@ def _ask(
     save_id: str,
     *,
     say: bool,
+    ready: Callable[[], bool],
+    patience: float,
     clock: Callable[[], float],
     poll: float,
 ) -> Optional[status.Fetched]:
@@ -60,7 +68,7 @@ def _ask(
         return None  # no sidecar in this pod (local mode), or not started
     started = clock()
     key = _request(layout, step, save_id, started)
-    answer = None
+    answer: Optional[status.Fetched] = None
     while True:
         answer = status.read_fetched(layout.status)
         current = status.read_fetch(layout.status)
@@ -68,8 +76,16 @@ def _ask(
             key = _key(current)  # another rank of this node asked again: one request
         if answer is not None and _key(answer) == key and answer.state != "fetching":
             break
-        taken = answer is not None and _key(answer) == key
-        if clock() - started > (status.FETCH_PATIENCE if taken else FETCH_ANSWER):
+        if ready():  # another rank's request (or answer) brought what this rank needs
+            answer = status.Fetched(*key, "done")
+            break
+        # Taken up: the sidecar works on this save (for this request or another rank's).
+        taken = (
+            answer is not None
+            and (answer.step, answer.save_id) == (step, save_id)
+            and answer.state == "fetching"
+        )
+        if clock() - started > (patience if taken else FETCH_ANSWER):
             answer = None
             break
         time.sleep(poll)
