@@ -48,7 +48,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "inject": (
         "jitckpt_sidecar.inject.cli:main",
-        "rewrite Pod/Job/JobSet/TrainJob YAML into the swap-in form (stdin or -f FILE)",
+        "rewrite Pod/Job/JobSet/TrainJob/PyTorchJob YAML into the swap-in form (stdin or -f FILE)",
+    ),
+    "webhook": (
+        "jitckpt_sidecar.webhook.cli:main",
+        "a mutating admission webhook: inject pods labelled jitckpt.io/inject=true (HTTPS)",
     ),
 }
 USAGE = f"{PROG} [{'|'.join(COMMANDS)}] [OPTIONS]"

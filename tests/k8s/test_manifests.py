@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from harness.k8s import (
+    CORE_API,
     K8S,
     VERSIONS,
     containers,
@@ -28,6 +29,8 @@ from harness.k8s import (
 )
 from jitckpt_sidecar import inject
 from jitckpt_sidecar.metric_names import LABEL_VALUES, METRICS, series_names
+from jitckpt_sidecar.webhook import admission
+from jitckpt_sidecar.webhook import cli as webhook_cli
 
 FILES = manifest_files()
 DOCS = [(p, d) for p in FILES for d in load_all(p)]
@@ -66,8 +69,69 @@ def test_every_manifest_validates_strictly(version):
 
 def test_custom_resources_are_only_the_known_ones():
     """Anything not validated against a core schema is one of the CRDs we check by hand."""
-    kinds = {d["kind"] for _, d in DOCS if d["apiVersion"] not in ("v1", "batch/v1")}
-    assert kinds <= {"TrainJob", "TrainingRuntime", "PyTorchJob", "PodMonitor", "PrometheusRule"}
+    kinds = {d["kind"] for _, d in DOCS if d["apiVersion"] not in CORE_API}
+    assert kinds <= {"TrainJob", "TrainingRuntime", "PyTorchJob", "PodMonitor", "PrometheusRule",
+                     "Certificate", "Issuer"}  # fmt: skip
+
+
+WEBHOOK = {(d["kind"], d["metadata"]["name"]): d
+           for d in load_all(K8S / "webhook" / "webhook.yaml")
+           + load_all(K8S / "webhook" / "certificate.yaml")}  # fmt: skip
+
+
+def test_the_webhook_deployment_certificate_and_configuration_agree():
+    """k8s/webhook/: the MutatingWebhookConfiguration selects the label the webhook injects,
+    never blocks a pod (Ignore, 5 s, no side effects), reaches the Service that reaches the
+    Deployment's port, and trusts the CA of the Certificate whose Secret the pods mount; two
+    replicas under a PodDisruptionBudget, locked down, with arguments the webhook accepts."""
+    config = WEBHOOK[("MutatingWebhookConfiguration", "jitckpt-webhook")]
+    [hook] = config["webhooks"]
+    assert hook["objectSelector"] == {"matchLabels": {admission.LABEL: "true"}}
+    assert (hook["failurePolicy"], hook["sideEffects"], hook["timeoutSeconds"]) == (
+        "Ignore",
+        "None",
+        5,
+    )
+    assert hook["reinvocationPolicy"] == "IfNeeded"
+    assert hook["admissionReviewVersions"] == ["v1"]
+    assert hook["rules"] == [{"operations": ["CREATE"], "apiGroups": [""], "apiVersions": ["v1"],
+                              "resources": ["pods"], "scope": "Namespaced"}]  # fmt: skip
+    ref = hook["clientConfig"]["service"]
+    assert ref["path"] == "/mutate"
+    service = WEBHOOK[("Service", ref["name"])]
+    assert service["metadata"]["namespace"] == ref["namespace"]
+    [port] = [p for p in service["spec"]["ports"] if p["port"] == ref["port"]]
+    deployment = WEBHOOK[("Deployment", "jitckpt-webhook")]
+    pod = deployment["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    [c] = pod["spec"]["containers"]
+    [named] = [p for p in c["ports"] if p["name"] == port["targetPort"]]
+    cfg, policy, _ = webhook_cli.parse(c["args"][1:])
+    assert c["args"][0] == "webhook"
+    assert named["containerPort"] == cfg.port
+    assert policy.storage_uri_prefix
+    assert policy.defaults["image"].startswith("jitckpt-sidecar:")
+    for probe in (c["readinessProbe"], c["livenessProbe"]):
+        assert probe["httpGet"] == {"scheme": "HTTPS", "path": "/healthz", "port": "https"}
+    cert = WEBHOOK[("Certificate", "jitckpt-webhook")]
+    namespace = ref["namespace"]
+    assert config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == (
+        f"{cert['metadata']['namespace']}/{cert['metadata']['name']}"
+    )
+    assert f"{ref['name']}.{namespace}.svc" in cert["spec"]["dnsNames"]
+    [tls] = [v for v in pod["spec"]["volumes"] if v["name"] == "tls"]
+    assert tls["secret"]["secretName"] == cert["spec"]["secretName"]
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == "tls"]
+    assert cfg.tls_cert_file == f"{mount['mountPath']}/tls.crt"
+    assert WEBHOOK[("Issuer", cert["spec"]["issuerRef"]["name"])]
+    assert deployment["spec"]["replicas"] == 2
+    pdb = WEBHOOK[("PodDisruptionBudget", "jitckpt-webhook")]
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert not [d for d in WEBHOOK.values() if d["kind"] in ("Role", "ClusterRole")]
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) not installed")

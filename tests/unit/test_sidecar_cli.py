@@ -38,7 +38,8 @@ def test_an_unknown_command_is_one_line_and_exit_2(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     expected = (
         "jitckpt-sidecar: error: unknown command 'uplaod'; use one of run, restore, check, "
-        "install, inject (usage: jitckpt-sidecar [run|restore|check|install|inject] [OPTIONS])"
+        "install, inject, webhook (usage: jitckpt-sidecar "
+        "[run|restore|check|install|inject|webhook] [OPTIONS])"
     )
     assert err == [expected]
 

@@ -86,14 +86,16 @@ NODE_VARS = {
     "PET_NODE_RANK": "JITCKPT_NODE_RANK",
     "PET_NNODES": "JITCKPT_NNODES",
     "PET_RDZV_BACKEND": "PET_RDZV_BACKEND",
+    "JOB_COMPLETION_INDEX": "JOB_COMPLETION_INDEX",
 }
-"""The trainer's torchrun variables the sidecar reads too, under its own names: with the node
-rank and count it restores only what its node's ranks load (docs/how-it-works.md)."""
+"""The trainer's torchrun variables (and an Indexed Job's index, which the Job controller adds to
+the pods it creates, before the webhook adds the sidecar) the sidecar reads too, under its own
+names: with the node rank and count it restores only what its node's ranks load
+(docs/how-it-works.md)."""
 
 
 def node_env(trainer_container: Obj) -> list[Obj]:
-    """The trainer's PET_NODE_RANK, PET_NNODES and PET_RDZV_BACKEND (value or valueFrom), for
-    the sidecar."""
+    """The trainer's NODE_VARS (value or valueFrom), for the sidecar."""
     return [
         {**var, "name": NODE_VARS[var["name"]]}
         for var in trainer_container.get("env") or []

@@ -1,0 +1,116 @@
+"""`jitckpt-sidecar webhook --tls-cert-file F --tls-private-key-file F [OPTIONS]`.
+
+Exit 0 after SIGTERM or SIGINT (the requests in flight are answered first); 2 for a usage or
+configuration error (a certificate that does not load, a taken port).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+from typing import Any, Optional
+
+from jitckpt_entrypoint import config as trainer
+from jitckpt_entrypoint import log, settings
+from jitckpt_entrypoint.settings import INTEGER, OPTIONAL_TEXT, TEXT, Option, between
+from jitckpt_sidecar.errors import SidecarError
+from jitckpt_sidecar.inject.options import OPTIONS as INJECT_OPTIONS
+from jitckpt_sidecar.inject.options import Options
+from jitckpt_sidecar.webhook import admission
+from jitckpt_sidecar.webhook.server import WebhookServer
+
+PROG = "jitckpt-sidecar webhook"
+DEFAULTS = tuple(o for o in INJECT_OPTIONS if o.field not in ("storage_uri", "containers"))
+"""inject's flags, as the defaults of every pod (the pod's annotations win, but for the image)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WebhookConfig:
+    tls_cert_file: str
+    tls_private_key_file: str
+    port: int = 8443
+    address: str = "0.0.0.0"  # noqa: S104 - a webhook serves the API server from its pod IP
+    storage_uri_prefix: Optional[str] = None
+    """s3://bucket/prefix: pods without jitckpt.io/storage-uri use <prefix>/<namespace>/<job>."""
+
+    def __post_init__(self) -> None:
+        settings.validate(self, OPTIONS)
+
+
+OPTIONS = (
+    Option("tls_cert_file", TEXT, "serving certificate (PEM; reloaded when it changes)",
+           flag_only=True, required=True, metavar="FILE"),
+    Option("tls_private_key_file", TEXT, "its private key (PEM)", flag_only=True, required=True,
+           metavar="FILE"),
+    Option("port", INTEGER, "HTTPS port", check=between(1, 65535, "a port number 1-65535"),
+           flag_only=True, metavar="PORT"),
+    Option("address", TEXT, "address to listen on", flag_only=True, metavar="ADDRESS"),
+    Option("storage_uri_prefix", OPTIONAL_TEXT,
+           "pods without the jitckpt.io/storage-uri annotation use PREFIX/<namespace>/<job name>",
+           check=trainer.s3_uri_problem, show=trainer.STORAGE_URI.show, flag_only=True,
+           metavar="s3://BUCKET/PREFIX"),
+)  # fmt: skip
+
+
+def _parser() -> settings.ArgumentParser:
+    parser = settings.ArgumentParser(
+        prog=PROG,
+        description=(
+            "A mutating admission webhook: pods labelled jitckpt.io/inject=true get the rewrite "
+            "of `jitckpt-sidecar inject`. inject's options below are the defaults; a pod's "
+            "jitckpt.io/<option> annotations win (not for --image)."
+        ),
+        hint=f"see {PROG} --help",
+    )
+    settings.add_flags(parser, OPTIONS, WebhookConfig)
+    settings.add_flags(parser, DEFAULTS, Options)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs")
+    return parser
+
+
+def parse(argv: list[str]) -> tuple[WebhookConfig, admission.Policy, bool]:
+    parsed = vars(_parser().parse_args(argv))
+    cfg = settings.resolve(WebhookConfig, OPTIONS, {}, settings.flag_values(parsed, OPTIONS))
+    defaults: dict[str, Any] = {
+        option.field: option.convert(value, f"{option.flag} ")
+        for option, value in (
+            (o, settings.flag_values(parsed, DEFAULTS).get(o.field)) for o in DEFAULTS
+        )
+        if value is not None
+    }
+    # Checked now, with a placeholder URI, so a bad flag stops the start and not every pod.
+    settings.resolve(Options, INJECT_OPTIONS, {}, {**defaults, "storage_uri": "s3://check/x"})
+    return cfg, admission.Policy(defaults, cfg.storage_uri_prefix), bool(parsed["verbose"])
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg, policy, verbose = parse(argv)
+    except settings.SettingError:
+        return 2
+    logger = log.setup(PROG, verbose=verbose)
+    try:
+        server = WebhookServer(
+            (cfg.address, cfg.port), (cfg.tls_cert_file, cfg.tls_private_key_file), policy, logger
+        )
+    except SidecarError as exc:
+        logger.error("%s", exc)
+        return exc.exit_code
+
+    def stop(signum: int, _frame: Any) -> None:
+        logger.info("%s: stopping", signal.Signals(signum).name)
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    for signo in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signo, stop)
+    where = cfg.storage_uri_prefix or "only the jitckpt.io/storage-uri annotation"
+    logger.info(
+        "serving POST /mutate, /healthz and /metrics on https://%s:%d (storage: %s)",
+        cfg.address,
+        server.port,
+        where,
+    )
+    with server:
+        server.serve_forever(poll_interval=0.5)
+    return 0
