@@ -40,6 +40,8 @@ CASE_SECONDS = 15.0
 _buckets = itertools.count(1)
 RUN = ("--", "{script}")
 """The training command: a script that creates the marker file if it ever runs."""
+WEBHOOK = ("webhook", "--tls-cert-file", "/no/tls.crt", "--tls-private-key-file", "/no/tls.key")
+"""The webhook's flags are checked before its certificate is read."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +306,37 @@ CASES = [
             "AWS_DEFAULT_REGION",
         ),
         id="sidecar-bad-region",
+    ),
+    # --- jitckpt-sidecar webhook: refused at start, before it listens -------------------
+    pytest.param(
+        sc(("webhook",), {}, "required: --tls-cert-file, --tls-private-key-file"),
+        id="sidecar-webhook-without-a-certificate",
+    ),
+    pytest.param(
+        sc(
+            ("webhook", "--tls-cert-file", "{file}", "--tls-private-key-file", "{file}"),
+            {},
+            "cannot load the TLS certificate {file}",
+            "check --tls-cert-file and --tls-private-key-file",
+        ),
+        id="sidecar-webhook-certificate-not-pem",
+    ),
+    pytest.param(
+        sc(
+            (*WEBHOOK, "--storage-uri-prefix", "s3://b/jitckpt"),
+            {},
+            "--storage-uri-prefix 's3://b/jitckpt'",
+            "not a valid bucket name",
+        ),
+        id="sidecar-webhook-bad-prefix",
+    ),
+    pytest.param(
+        sc((*WEBHOOK, "--capacity", "lots"), {}, "--capacity 'lots' is not a Kubernetes quantity"),
+        id="sidecar-webhook-bad-capacity",
+    ),
+    pytest.param(
+        sc((*WEBHOOK, "--port", "70000"), {}, "--port 70000 is invalid", "1-65535"),
+        id="sidecar-webhook-bad-port",
     ),
     pytest.param(
         sc(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import sys
 import threading
 from typing import Any, Optional
 
@@ -72,12 +73,9 @@ def _parser() -> settings.ArgumentParser:
 def parse(argv: list[str]) -> tuple[WebhookConfig, admission.Policy, bool]:
     parsed = vars(_parser().parse_args(argv))
     cfg = settings.resolve(WebhookConfig, OPTIONS, {}, settings.flag_values(parsed, OPTIONS))
-    defaults: dict[str, Any] = {
-        option.field: option.convert(value, f"{option.flag} ")
-        for option, value in (
-            (o, settings.flag_values(parsed, DEFAULTS).get(o.field)) for o in DEFAULTS
-        )
-        if value is not None
+    given = settings.flag_values(parsed, DEFAULTS)
+    defaults = {
+        o.field: o.convert(given[o.field], f"{o.flag} ") for o in DEFAULTS if o.field in given
     }
     # Checked now, with a placeholder URI, so a bad flag stops the start and not every pod.
     settings.resolve(Options, INJECT_OPTIONS, {}, {**defaults, "storage_uri": "s3://check/x"})
@@ -87,7 +85,8 @@ def parse(argv: list[str]) -> tuple[WebhookConfig, admission.Policy, bool]:
 def main(argv: list[str]) -> int:
     try:
         cfg, policy, verbose = parse(argv)
-    except settings.SettingError:
+    except settings.SettingError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     logger = log.setup(PROG, verbose=verbose)
     try:
