@@ -310,3 +310,147 @@ def _bucket(client: Any) -> bool:
     except Exception as exc:  # noqa: BLE001 - moto still starting: connection refused
         return "BucketAlready" in type(exc).__name__ or "BucketAlready" in str(exc)
     return True
+
+
+# --- the admission webhook: a PyTorchJob's pod, injected as the API server would have it ---------
+
+
+def pytorchjob_pod_through_the_webhook(tmp_path: Path, s3_endpoint: str) -> dict[str, Any]:
+    """k8s/pytorchjob/pytorchjob.orig.yaml's Master pod as the Training Operator creates it
+    (its labels, owner and PET_* variables), labelled jitckpt.io/inject, sent to the real
+    webhook over HTTPS; the JSONPatch applied, then made runnable by `podman kube play` as
+    pod_from_k8s does. The container sidecar mode: podman 4.3 has no native sidecars."""
+    import base64
+
+    import jsonpatch
+
+    from harness.admission import review, tls_pair
+    from harness.checkpoints import SIDECAR as SIDECAR_CLI
+
+    job = yaml.safe_load((REPO / "k8s" / "pytorchjob" / "pytorchjob.orig.yaml").read_text())
+    template = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    spec = template["spec"]
+    [trainer] = spec["containers"]
+    trainer.update(image=BASE, imagePullPolicy="Never", resources={}, args=[],
+                   command=["torchrun", "--standalone", "--nproc-per-node=2",
+                            "/children/train_hf.py", "--max-steps", "2000",
+                            "--save-steps", "1000"])  # fmt: skip
+    trainer["env"] = [{"name": "PET_NNODES", "value": "1"}, {"name": "PET_NODE_RANK", "value": "0"},
+                      {"name": "MASTER_ADDR", "value": "localhost"},
+                      {"name": "HF_HUB_OFFLINE", "value": "1"},
+                      {"name": "OMP_NUM_THREADS", "value": "1"}]  # fmt: skip
+    name = job["metadata"]["name"]
+    labels = {**template["metadata"]["labels"], "jitckpt.io/inject": "true",
+              "training.kubeflow.org/job-name": name,
+              "training.kubeflow.org/replica-type": "master"}  # fmt: skip
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "jitckpt-webhook-play", "namespace": "ml", "labels": labels,
+                        "annotations": {"jitckpt.io/sidecar-mode": "container"},
+                        "ownerReferences": [{"apiVersion": "kubeflow.org/v1",
+                                             "kind": "PyTorchJob", "name": name, "uid": "u1",
+                                             "controller": True}]},
+           "spec": {**spec, "restartPolicy": "OnFailure"}}  # fmt: skip
+
+    cert, key = tls_pair(tmp_path)
+    port = free_port()
+    hook = Proc([*SIDECAR_CLI, "webhook", "--tls-cert-file", str(cert),
+                 "--tls-private-key-file", str(key), "--address", "127.0.0.1",
+                 "--port", str(port), "--storage-uri-prefix", "s3://ckpt/jit",
+                 "--image", SIDECAR])  # fmt: skip
+    try:
+        import http.client
+        import ssl
+
+        context = ssl.create_default_context(cafile=str(cert))
+
+        def answer() -> dict[str, Any] | None:
+            conn = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=10)
+            try:
+                conn.request("POST", "/mutate", body=json.dumps(review(pod)),
+                             headers={"Content-Type": "application/json"})  # fmt: skip
+                return json.loads(conn.getresponse().read())["response"]  # type: ignore[no-any-return]
+            except ConnectionRefusedError:
+                return None
+            finally:
+                conn.close()
+
+        response: dict[str, Any] = {}
+        wait_for(lambda: response.update(answer() or {}) or bool(response), timeout=30,
+                 what="the webhook to answer")  # fmt: skip
+    finally:
+        hook.kill_tree()
+    assert response["allowed"] is True
+    ops = json.loads(base64.b64decode(response["patch"]))
+    injected: dict[str, Any] = jsonpatch.apply_patch(pod, ops)
+    assert injected["metadata"]["annotations"]["jitckpt.io/injected"]
+
+    spec = injected["spec"]
+    spec["hostNetwork"] = True
+    spec["hostname"] = "localhost"
+    spec["volumes"].append({"name": "children", "hostPath": {"path": str(CHILDREN)}})
+    s3_env = [{"name": "AWS_ENDPOINT_URL", "value": s3_endpoint},
+              {"name": "AWS_ACCESS_KEY_ID", "value": "testing"},
+              {"name": "AWS_SECRET_ACCESS_KEY", "value": "testing"},
+              {"name": "AWS_DEFAULT_REGION", "value": "us-east-1"}]  # fmt: skip
+    for c in spec["initContainers"] + spec["containers"]:
+        for key_ in ("resources", "ports", "livenessProbe", "startupProbe"):  # podman 4.3
+            c.pop(key_, None)
+        c["imagePullPolicy"] = "Never"
+        if c["name"] in ("jitckpt-sidecar", "jitckpt-restore"):
+            c["env"] = c.get("env", []) + s3_env
+    mounts = next(c for c in spec["containers"] if c["name"] == "pytorch")["volumeMounts"]
+    mounts.append({"name": "children", "mountPath": "/children", "readOnly": True})
+    del injected["metadata"]["ownerReferences"], injected["metadata"]["namespace"]
+    return injected
+
+
+def test_kube_play_pytorchjob_pod_injected_by_the_webhook_checkpoints_and_resumes(pm, tmp_path):
+    """The webhook's rewrite of a PyTorchJob Master pod (the one inject gives every replica),
+    under `podman kube play`: SIGTERM (`podman pod stop`) ends the trainer with a committed JIT
+    checkpoint, exit 143, which the sidecar uploads under the job's URI; the pod played again
+    (a new volume, as a recreated replica gets) restores it from S3 and resumes at its step."""
+    import boto3
+
+    port = free_port()
+    s3 = Proc([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1",
+               "-p", str(port)])  # fmt: skip
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
+                          aws_secret_access_key="testing", region_name="us-east-1")  # fmt: skip
+    pod_yaml = tmp_path / "pod.yaml"
+    name = "jitckpt-webhook-play"
+    try:
+        wait_for(lambda: _bucket(client), timeout=30, what="moto to create the bucket")
+        pod_yaml.write_text(yaml.safe_dump(pytorchjob_pod_through_the_webhook(tmp_path, endpoint)))
+        pm.run("kube", "play", str(pod_yaml), timeout=300)
+        logs = Proc(pm.cmd("logs", "--follow", f"{name}-pytorch"), env=pm.env)
+        try:
+            logs.expect(r"^step 5 rank=0$", timeout=300)
+            pm.run("pod", "stop", "--time", "120", name, timeout=180)
+        finally:
+            logs.kill_tree()
+        state = json.loads(pm.run("inspect", f"{name}-pytorch", f"{name}-jitckpt-sidecar").stdout)
+        codes = {c["Name"]: c["State"]["ExitCode"] for c in state}
+        trainer_log = pm.run("logs", f"{name}-pytorch").stderr
+        assert codes[f"{name}-pytorch"] == JIT_EXIT, trainer_log[-3000:]
+        step = int(re.findall(r"JIT checkpoint checkpoint-(\d+) committed", trainer_log)[-1])
+        assert codes[f"{name}-jitckpt-sidecar"] == 0, pm.run(
+            "logs", f"{name}-jitckpt-sidecar"
+        ).stderr[-3000:]
+        prefix = "jit/ml/llama-finetune-ddp/"
+        keys = [o["Key"] for o in client.list_objects_v2(Bucket="ckpt", Prefix=prefix)["Contents"]]
+        assert f"{prefix}checkpoint-{step}/jitckpt-manifest.node-0.json" in keys, keys
+
+        pm.run("kube", "down", str(pod_yaml), check=False)
+        assert pm.run("volume", "ls", "--quiet").stdout.strip() == ""  # the emptyDirs went too
+        pm.run("kube", "play", str(pod_yaml), timeout=300)
+        logs = Proc(pm.cmd("logs", "--follow", f"{name}-pytorch"), env=pm.env)
+        try:  # a new pod's emptyDir is empty: this step came from S3 (podman 4.3 removes the
+            # restore init container once it has run, with its log)
+            logs.expect(rf"^begin rank=0 pid=\d+ step={step}$", timeout=300)
+        finally:
+            logs.kill_tree()
+    finally:
+        pm.run("kube", "down", str(pod_yaml), check=False)
+        s3.send(signal.SIGTERM)
+        s3.kill_tree()

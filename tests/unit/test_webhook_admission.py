@@ -274,3 +274,29 @@ def test_diff_is_a_json_patch_from_old_to_new(old: Any, new: Any) -> None:
     ops = admission.diff(old, new)
     assert jsonpatch.apply_patch(copy.deepcopy(old), ops) == new
     assert (ops == []) == (old == new)
+
+
+def test_the_webhook_and_inject_give_a_pytorchjob_replica_the_same_pod() -> None:
+    """k8s/pytorchjob/pytorchjob.orig.yaml through inject, and its Master pod (as the operator
+    creates it, before its own environment) through the webhook: the same pod spec, so the
+    `podman kube play` run of the webhook's pod (tests/images) stands for inject's too."""
+    import yaml
+
+    from harness.procs import REPO
+
+    text = (REPO / "k8s" / "pytorchjob" / "pytorchjob.orig.yaml").read_text()
+    opts = Options(storage_uri="s3://ckpt-bucket/jit/ml/llama-finetune-ddp", image=IMAGE)
+    injected = yaml.safe_load(inject_text(text, opts)[0])
+    original = yaml.safe_load(text)
+    for replica in ("Master", "Worker"):
+        template = original["spec"]["pytorchReplicaSpecs"][replica]["template"]
+        labels = {**template["metadata"]["labels"], **LABEL,
+                  "training.kubeflow.org/job-name": "llama-finetune-ddp"}  # fmt: skip
+        p = pod(template["spec"]["containers"], labels=labels,
+                owner=("kubeflow.org/v1", "PyTorchJob", "llama-finetune-ddp"),
+                name=f"llama-finetune-ddp-{replica.lower()}-0")  # fmt: skip
+        p["spec"] = {**template["spec"]}
+        decision, _, result = run(p)
+        assert decision.outcome == "injected"
+        expected = injected["spec"]["pytorchReplicaSpecs"][replica]["template"]["spec"]
+        assert result["spec"] == expected, replica
