@@ -253,7 +253,30 @@ def test_a_rotated_certificate_is_served_without_a_restart(
     assert any("does not load" in line for line in webhook.proc.stderr)
 
 
-def test_sigterm_stops_it_with_exit_0(webhook: Webhook) -> None:
+def test_sigterm_drains_it_and_it_exits_0(webhook: Webhook) -> None:
+    """At SIGTERM it goes on answering for --drain-seconds (5 s) with /healthz at 503, so the
+    Service drops it before it stops; then it exits 0."""
+    conn = webhook.connect()
+    assert webhook.admit(job_pod("before"), conn)["allowed"] is True
     webhook.proc.send(signal.SIGTERM)
+    wait_for(lambda: webhook.call("GET", "/healthz")[0] == 503, timeout=3,
+             what="/healthz to say it is stopping")  # fmt: skip
+    assert "patch" in webhook.admit(job_pod("during"), conn)  # the kept-alive connection
+    assert "patch" in webhook.admit(job_pod("during-new"))  # and a new one
     assert webhook.proc.wait(15) == 0, webhook.proc.output()
-    assert any("SIGTERM: stopping" in line for line in webhook.proc.stderr)
+    assert any("SIGTERM: stopping in 5 s" in line for line in webhook.proc.stderr)
+
+
+def test_a_burst_of_new_connections_is_answered(webhook: Webhook) -> None:
+    """As when a controller creates the pods of a large job: 100 clients at once, each on a new
+    TLS connection, all answered well within the API server's 5 s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> float:
+        started = time.monotonic()
+        assert "patch" in webhook.admit(job_pod(f"burst-{i}"))
+        return time.monotonic() - started
+
+    with ThreadPoolExecutor(100) as pool:
+        seconds = sorted(pool.map(one, range(100)))
+    assert seconds[-1] < 5, seconds[-5:]

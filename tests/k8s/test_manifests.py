@@ -123,7 +123,12 @@ def test_the_webhook_deployment_certificate_and_configuration_agree():
     assert tls["secret"]["secretName"] == cert["spec"]["secretName"]
     [mount] = [m for m in c["volumeMounts"] if m["name"] == "tls"]
     assert cfg.tls_cert_file == f"{mount['mountPath']}/tls.crt"
-    assert WEBHOOK[("Issuer", cert["spec"]["issuerRef"]["name"])]
+    # Signed by a CA of its own (stable across renewals), not self-signed.
+    issuer = WEBHOOK[("Issuer", cert["spec"]["issuerRef"]["name"])]
+    ca = WEBHOOK[("Certificate", "jitckpt-webhook-ca")]
+    assert issuer["spec"]["ca"]["secretName"] == ca["spec"]["secretName"]
+    assert ca["spec"]["isCA"] is True
+    assert "selfSigned" in WEBHOOK[("Issuer", ca["spec"]["issuerRef"]["name"])]["spec"]
     assert deployment["spec"]["replicas"] == 2
     pdb = WEBHOOK[("PodDisruptionBudget", "jitckpt-webhook")]
     assert pdb["spec"]["minAvailable"] == 1

@@ -56,7 +56,8 @@ def test_a_labelled_job_pod_gets_exactly_injects_rewrite() -> None:
     original = job_pod("llama")
     decision, response, result = run(original)
     assert decision.outcome == "injected", decision
-    expected = copy.deepcopy(original)
+    expected = copy.deepcopy(original)  # as written: 30 is the API server's default
+    del expected["spec"]["terminationGracePeriodSeconds"]
     opts = Options(storage_uri="s3://ckpt-bucket/jit/ml/llama", image=IMAGE)
     inject_pod(expected["spec"], opts, "pod", Report())
     assert result["spec"] == expected["spec"]
@@ -67,9 +68,11 @@ def test_a_labelled_job_pod_gets_exactly_injects_rewrite() -> None:
     # The patch touches what it adds and nothing else (a JSONPatch, not a replaced pod).
     ops = json.loads(__import__("base64").b64decode(response["patch"]))
     assert {op["path"] for op in ops} == {
-        "/metadata/annotations", "/spec/containers", "/spec/initContainers", "/spec/volumes"
+        "/metadata/annotations", "/spec/containers", "/spec/initContainers", "/spec/volumes",
+        "/spec/terminationGracePeriodSeconds",
     }  # fmt: skip
-    assert any("terminationGracePeriodSeconds is 30" in w for w in response["warnings"])
+    assert result["spec"]["terminationGracePeriodSeconds"] == 120  # inject's default
+    assert "warnings" not in response
 
 
 def test_an_injected_pod_is_never_injected_again() -> None:
@@ -163,7 +166,7 @@ def test_annotations_set_injects_options() -> None:
     assert decision.outcome == "injected"
     spec = result["spec"]
     assert spec["terminationGracePeriodSeconds"] == 300
-    assert not any("terminationGracePeriodSeconds is 30" in w for w in response.get("warnings", []))
+    assert "warnings" not in response
     assert [c["name"] for c in spec["initContainers"]] == ["jitckpt-install", "jitckpt-restore"]
     side = next(c for c in spec["containers"] if c["name"] == "jitckpt-sidecar")
     assert env(side)["JITCKPT_STORAGE_CAPACITY"] == "200Gi"
@@ -195,9 +198,18 @@ def test_the_container_annotation_picks_the_trainer() -> None:
          ["annotation jitckpt.io/storage-uri"]),
         (job_pod(annotations={"jitckpt.io/container": "nope"}), ["no container named nope"]),
         (pod([container("t", TORCHRUN)], labels=LABEL), ["belongs to no job"]),
+        (pod([container("t", TORCHRUN)], labels=LABEL, owner=("apps/v1", "StatefulSet", "db")),
+         ["a pod of the StatefulSet 'db'", "run training in a Job"]),
+        (pod([container("t", TORCHRUN)], labels=LABEL, owner=("apps/v1", "ReplicaSet", "w-5d")),
+         ["a pod of the ReplicaSet 'w-5d'"]),
+        (job_pod(annotations={"jitckpt.io/storage-uri": ""}),
+         ["annotation jitckpt.io/storage-uri"]),
+        (job_pod(annotations={"jitckpt.io/python": "python3 -X dev"}),
+         ["annotation jitckpt.io/python=", "no spaces"]),
     ],
     ids=["two-containers", "no-command", "tini", "bad-capacity", "bad-grace", "bad-uri",
-         "unknown-container", "unnamed-bare-pod"],
+         "unknown-container", "unnamed-bare-pod", "statefulset", "replicaset", "empty-uri",
+         "python-with-spaces"],
 )  # fmt: skip
 def test_a_pod_it_cannot_inject_safely_is_allowed_unchanged_with_a_warning(
     obj: Any, needles: list[str]
@@ -251,8 +263,9 @@ def test_pods_not_selected_pass_without_a_patch_or_warning(obj: Any, kw: dict) -
          "admissionReviewVersions: [v1]"),
         (json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}).encode(),
          "no request with a uid"),
+        (b"[" * 100000 + b"]" * 100000, "nested too deeply"),
     ],
-    ids=["not-json", "not-object", "not-utf8", "v1beta1", "no-request"],
+    ids=["not-json", "not-object", "not-utf8", "v1beta1", "no-request", "deep"],
 )  # fmt: skip
 def test_a_body_that_is_not_an_admission_review_is_refused(body: bytes, needle: str) -> None:
     with pytest.raises(
@@ -300,3 +313,29 @@ def test_the_webhook_and_inject_give_a_pytorchjob_replica_the_same_pod() -> None
         assert decision.outcome == "injected"
         expected = injected["spec"]["pytorchReplicaSpecs"][replica]["template"]["spec"]
         assert result["spec"] == expected, replica
+
+
+def test_an_unknown_jitckpt_annotation_is_a_warning_not_a_silent_default() -> None:
+    p = job_pod(annotations={"jitckpt.io/grace-second": "300", "jitckpt.io/image": "evil:1"})
+    decision, response, result = run(p)
+    assert decision.outcome == "injected"
+    assert result["spec"]["terminationGracePeriodSeconds"] == 120
+    assert sidecar(result)["image"] == IMAGE
+    assert sorted(response["warnings"]) == [
+        "jitckpt: annotation jitckpt.io/grace-second is not one jitckpt reads; ignored",
+        "jitckpt: annotation jitckpt.io/image is not one jitckpt reads; ignored",
+    ]
+
+
+def test_a_grace_period_the_pod_chose_is_kept_and_30_becomes_injects_default() -> None:
+    """The API server writes 30 where a template sets nothing: like inject, the webhook gives
+    such pods --grace-seconds; another value is the pod's own; the annotation wins over both."""
+    chosen = job_pod()
+    chosen["spec"]["terminationGracePeriodSeconds"] = 600
+    assert run(chosen)[2]["spec"]["terminationGracePeriodSeconds"] == 600
+    policy = admission.Policy({"image": IMAGE, "grace_seconds": 240}, "s3://ckpt-bucket/jit")
+    assert run(job_pod(), policy)[2]["spec"]["terminationGracePeriodSeconds"] == 240
+    keep = job_pod(annotations={"jitckpt.io/grace-seconds": "30"})
+    result = run(keep)[2]
+    assert result["spec"]["terminationGracePeriodSeconds"] == 30
+    assert env(sidecar(result))["JITCKPT_GRACE_SECONDS"] == "30"

@@ -112,6 +112,7 @@ OPTIONS = (
         "python",
         TEXT,
         "python3 in the training image that runs the launcher",
+        check=rule(lambda v: v and not any(c.isspace() for c in v), "a name or path, no spaces"),
         flag_only=True,
         metavar="PYTHON",
     ),

@@ -21,6 +21,7 @@ from jitckpt_entrypoint import config as trainer
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.settings import Option, SettingError
 from jitckpt_sidecar import __version__
+from jitckpt_sidecar.errors import InjectError
 from jitckpt_sidecar.inject.options import OPTIONS, Options
 from jitckpt_sidecar.inject.rewrite import PYTORCHJOB_CONTAINER, Report, inject_pod
 
@@ -84,6 +85,8 @@ def parse(body: bytes) -> dict[str, Any]:
         review = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadReviewError(f"the body is not JSON ({exc})") from None
+    except RecursionError:
+        raise BadReviewError("the body is JSON nested too deeply") from None
     if not isinstance(review, dict):
         raise BadReviewError("the body is not a JSON object")
     if review.get("apiVersion") != API_VERSION or review.get("kind") != "AdmissionReview":
@@ -134,14 +137,17 @@ def decide(request: Mapping[str, Any], policy: Policy) -> Decision:
         return Decision("already_injected", reason=f"{INJECTED} is set")
     where = f"pod {pod_label(request)}"
     try:
+        _check_owner(meta)
         uri = _storage_uri(request, meta, labels, annotations, policy)
         opts, grace = _options(annotations, uri, policy.defaults)
         if not opts.containers and _from_pytorchjob(labels, pod):
             opts = dataclasses.replace(opts, containers=(PYTORCHJOB_CONTAINER,))
         patched = copy.deepcopy(pod)
         spec = patched.get("spec")
-        if grace is not None and isinstance(spec, dict):
-            spec["terminationGracePeriodSeconds"] = grace
+        if isinstance(spec, dict) and (
+            grace is not None or spec.get("terminationGracePeriodSeconds") == DEFAULT_GRACE
+        ):
+            spec["terminationGracePeriodSeconds"] = opts.grace_seconds
         report = Report()
         result, _ = inject_pod(spec, opts, where, report)  # type: ignore[arg-type]
     except JitckptError as exc:
@@ -156,15 +162,38 @@ def decide(request: Mapping[str, Any], policy: Policy) -> Decision:
         return Decision("already_injected", reason="its template was injected already")
     patched.setdefault("metadata", {}).setdefault("annotations", {})[INJECTED] = __version__
     warnings = [note.replace(f"{where}: ", "", 1) for note in report.notes]
-    if grace is None and spec.get("terminationGracePeriodSeconds") == 30:  # type: ignore[union-attr]
-        warnings.append(
-            "terminationGracePeriodSeconds is 30 (the Kubernetes default): the JIT save and its "
-            f"upload must fit; set it in the pod template or with {annotation(_GRACE)}"
-        )
+    warnings += [
+        f"annotation {key} is not one jitckpt reads; ignored"
+        for key in annotations
+        if key.startswith(ANNOTATION_PREFIX) and key not in KNOWN_ANNOTATIONS
+    ]
     return Decision("injected", diff(pod, patched), warnings, f"storage {opts.storage_uri}")
 
 
 _GRACE = next(o for o in ANNOTATED if o.field == "grace_seconds")
+DEFAULT_GRACE = 30
+"""What the API server fills in for a pod that sets no terminationGracePeriodSeconds: the
+webhook cannot tell it from a choice, so it gives such pods inject's default (--grace-seconds)
+as inject does; jitckpt.io/grace-seconds: "30" keeps 30."""
+KNOWN_ANNOTATIONS = frozenset({STORAGE_URI, INJECTED, *(annotation(o) for o in ANNOTATED)})
+WORKLOAD_OWNERS = frozenset(
+    {"ReplicaSet", "StatefulSet", "DaemonSet", "ReplicationController", "Deployment"}
+)
+"""Controllers of long-running replicas, which inject refuses: their pods would share one
+storage URI as unrelated runs."""
+
+
+def _check_owner(meta: Mapping[str, Any]) -> None:
+    for owner in meta.get("ownerReferences") or []:
+        if (
+            isinstance(owner, dict)
+            and owner.get("controller")
+            and owner.get("kind") in WORKLOAD_OWNERS
+        ):
+            raise InjectError(
+                f"a pod of the {owner['kind']} {owner.get('name')!r}: its replicas would share "
+                "one storage URI; run training in a Job, JobSet, TrainJob, PyTorchJob or Pod"
+            )
 
 
 def _is_pod_create(request: Mapping[str, Any]) -> bool:
@@ -193,7 +222,7 @@ def _storage_uri(
 ) -> str:
     """The annotation's URI, else <prefix>/<namespace>/<job name>; SettingError when neither."""
     own = annotations.get(STORAGE_URI)
-    if own:
+    if own is not None:
         problem = trainer.s3_uri_problem(str(own))
         if problem:
             raise _setting_error(STORAGE_URI, f"{own!r}{problem}")

@@ -1,7 +1,7 @@
 """`jitckpt-sidecar webhook --tls-cert-file F --tls-private-key-file F [OPTIONS]`.
 
-Exit 0 after SIGTERM or SIGINT (the requests in flight are answered first); 2 for a usage or
-configuration error (a certificate that does not load, a taken port).
+Exit 0 after SIGTERM or SIGINT (it answers for --drain-seconds more, then finishes the requests
+in flight); 2 for a usage or configuration error (a certificate that does not load, a taken port).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from jitckpt_entrypoint import config as trainer
 from jitckpt_entrypoint import log, settings
-from jitckpt_entrypoint.settings import INTEGER, OPTIONAL_TEXT, TEXT, Option, between
+from jitckpt_entrypoint.settings import INTEGER, NUMBER, OPTIONAL_TEXT, TEXT, Option, between
 from jitckpt_sidecar.errors import SidecarError
 from jitckpt_sidecar.inject.options import OPTIONS as INJECT_OPTIONS
 from jitckpt_sidecar.inject.options import Options
@@ -34,6 +34,8 @@ class WebhookConfig:
     address: str = "0.0.0.0"  # noqa: S104 - a webhook serves the API server from its pod IP
     storage_uri_prefix: Optional[str] = None
     """s3://bucket/prefix: pods without jitckpt.io/storage-uri use <prefix>/<namespace>/<job>."""
+    drain_seconds: float = 5.0
+    """After SIGTERM, how long it goes on answering while the Service drops it."""
 
     def __post_init__(self) -> None:
         settings.validate(self, OPTIONS)
@@ -47,6 +49,8 @@ OPTIONS = (
     Option("port", INTEGER, "HTTPS port", check=between(1, 65535, "a port number 1-65535"),
            flag_only=True, metavar="PORT"),
     Option("address", TEXT, "address to listen on", flag_only=True, metavar="ADDRESS"),
+    Option("drain_seconds", NUMBER, "seconds it keeps answering after SIGTERM",
+           check=between(0, 60, "0-60 seconds"), flag_only=True, metavar="SECONDS"),
     Option("storage_uri_prefix", OPTIONAL_TEXT,
            "pods without the jitckpt.io/storage-uri annotation use PREFIX/<namespace>/<job name>",
            check=trainer.s3_uri_problem, show=trainer.STORAGE_URI.show, flag_only=True,
@@ -98,8 +102,14 @@ def main(argv: list[str]) -> int:
         return exc.exit_code
 
     def stop(signum: int, _frame: Any) -> None:
-        logger.info("%s: stopping", signal.Signals(signum).name)
-        threading.Thread(target=server.shutdown, daemon=True).start()
+        if server.draining:
+            return
+        logger.info(
+            "%s: stopping in %g s (answering until then), after the requests in flight",
+            signal.Signals(signum).name,
+            cfg.drain_seconds,
+        )
+        threading.Thread(target=server.drain, args=(cfg.drain_seconds,), daemon=True).start()
 
     for signo in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signo, stop)

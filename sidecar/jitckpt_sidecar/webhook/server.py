@@ -13,6 +13,7 @@ import http.server
 import logging
 import socket
 import ssl
+import threading
 import time
 from typing import Any, Optional
 
@@ -28,8 +29,9 @@ MAX_BODY = 4 << 20
 """Bytes of a request body: an AdmissionReview carries one pod (etcd keeps objects <= 1.5 MiB)."""
 IO_TIMEOUT = 10.0
 """Seconds for a handshake or a read; the API server gives up after timeoutSeconds (5)."""
-IDLE_TIMEOUT = 90.0
-"""Seconds an idle keep-alive connection is held (the API server closes its own at 90 s)."""
+IDLE_TIMEOUT = 120.0
+"""Seconds an idle keep-alive connection is held: longer than the API server's own 90 s, so it
+is the client that closes (a server-side close races with the client's next request)."""
 
 ADMISSIONS = Metric(
     "jitckpt_webhook_admissions_total",
@@ -60,6 +62,9 @@ class WebhookServer(http.server.ThreadingHTTPServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 1024
+    """The listen backlog: the API server opens many connections at once when a controller
+    creates the pods of a large job (with the default 5, SYN retries cost a second each)."""
 
     def __init__(
         self,
@@ -79,6 +84,11 @@ class WebhookServer(http.server.ThreadingHTTPServer):
             logger,
             on_reload=lambda ok: reloads.labels("success" if ok else "failure").inc(),
         )
+        self.draining = False
+        """Set at SIGTERM: /healthz answers 503 (the Service drops this pod) while requests
+        are still answered; each answer then closes its connection."""
+        self._busy = 0
+        self._idle = threading.Condition()
         host, port = address
         self.address_family = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -112,6 +122,21 @@ class WebhookServer(http.server.ThreadingHTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:  # noqa: ARG002 - socketserver's signature
         self.log.debug("request from %s failed", client_address, exc_info=True)  # noqa: LOG014 - socketserver calls this inside its except block
 
+    def drain(self, seconds: float) -> None:
+        """Stop gracefully: keep answering for `seconds` (the endpoints' update reaches the API
+        servers meanwhile), then stop accepting and wait up to IO_TIMEOUT for the requests in
+        flight."""
+        self.draining = True
+        time.sleep(seconds)
+        self.shutdown()
+        with self._idle:
+            self._idle.wait_for(lambda: self._busy == 0, timeout=IO_TIMEOUT)
+
+    def busy(self, delta: int) -> None:
+        with self._idle:
+            self._busy += delta
+            self._idle.notify_all()
+
     def admit(self, body: bytes) -> tuple[int, bytes, str]:
         """(status, body, content type) for a /mutate body."""
         started = time.perf_counter()
@@ -144,6 +169,9 @@ class WebhookServer(http.server.ThreadingHTTPServer):
                 admission.pod_label(request),
                 f": {decision.reason}" if decision.reason else "",
             )
+        if decision.outcome == "injected":  # its creator (a controller) never reads warnings
+            for warning in decision.warnings:
+                self.log.warning("pod %s: %s", admission.pod_label(request), warning)
         return 200, admission.encode(answer), "application/json"
 
 
@@ -158,16 +186,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         if self.path.partition("?")[0] != "/mutate":
+            self.close_connection = True  # its body is not read
             self._reply(404, b"not found; POST /mutate\n")
             return
-        body = self._body()
-        if body is not None:
-            self._reply(*self.server.admit(body))
+        self.server.busy(1)
+        try:
+            body = self._body()
+            if body is not None:
+                self._reply(*self.server.admit(body))
+        finally:
+            self.server.busy(-1)
 
     def do_GET(self) -> None:
         path = self.path.partition("?")[0]
         if path == "/healthz":
-            self._reply(200, b"ok\n")
+            if self.server.draining:
+                self._reply(503, b"stopping\n")
+            else:
+                self._reply(200, b"ok\n")
         elif path == "/metrics":
             self._reply(200, generate_latest(self.server.registry), CONTENT_TYPE_LATEST)
         else:
@@ -177,6 +213,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None or not length.isdigit():
             self.server.bad_requests.inc()
+            self.close_connection = True
             self._reply(411, b"a Content-Length is required\n")
             return None
         if int(length) > MAX_BODY:
@@ -193,6 +230,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return body
 
     def _reply(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
+        if self.server.draining:
+            self.close_connection = True  # the client reconnects, to another replica
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
