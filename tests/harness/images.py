@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -102,7 +103,7 @@ def ensure_debian(pm: Podman) -> str:
     return DEBIAN
 
 
-def ensure_torch(pm: Podman) -> str:
+def ensure_torch(pm: Podman, weight: Sequence[str] = ()) -> str:
     """The stand-in for a PyTorch image: the Debian base plus the local CPU wheel in a venv."""
     if pm.image_exists(TORCH):
         return TORCH
@@ -116,7 +117,7 @@ def ensure_torch(pm: Podman) -> str:
         TORCH_CONTAINERFILE.format(debian=debian, wheel=TORCH_WHEEL)
     )
     took = pm.build(
-        [*host_pip_args(), "--volume", f"{WHEELS}:/wheels:ro", "-t", TORCH,
+        [*weight, *host_pip_args(), "--volume", f"{WHEELS}:/wheels:ro", "-t", TORCH,
          "-f", str(context / "Containerfile"), str(context)]
     )  # fmt: skip
     log(f"torch base {TORCH}: {took:.0f} s")
@@ -124,13 +125,13 @@ def ensure_torch(pm: Podman) -> str:
 
 
 def build_targets(
-    pm: Podman, base_image: str, sidecar_base: str, tag: str = "dev"
+    pm: Podman, base_image: str, sidecar_base: str, tag: str = "dev", weight: Sequence[str] = ()
 ) -> dict[str, float]:
     """Build both Containerfile targets; return seconds per target."""
     times = {}
     for target in ("sidecar", "base"):
         times[target] = pm.build(
-            ["--target", target, *host_pip_args(),
+            ["--target", target, *weight, *host_pip_args(),
              "--build-arg", f"BASE_IMAGE={base_image}",
              "--build-arg", f"SIDECAR_BASE={sidecar_base}",
              "-t", f"localhost/jitckpt-{target}:{tag}", "-f", str(REPO / "Containerfile"),
@@ -144,12 +145,20 @@ def main() -> int:
     parser.add_argument("--base-image", help="PyTorch image for the base target (default: local)")
     parser.add_argument("--sidecar-base", help="Python image for the sidecar (default: local)")
     parser.add_argument("--tag", default="dev")
+    parser.add_argument(
+        "--background",
+        action="store_true",
+        help="give the builds' RUN steps the lowest CPU weight (CI builds while tests run)",
+    )
     args = parser.parse_args()
     pm = Podman()
     log(f"podman storage driver: {pm.driver}, root {pm.root}")
-    base_image = args.base_image or ensure_torch(pm)
+    # A RUN step runs in a cgroup of its own, where neither nice nor the caller's autogroup
+    # reaches: without a low weight it takes as much CPU as a whole running test.
+    weight = ["--cpu-shares", "2"] if args.background else []
+    base_image = args.base_image or ensure_torch(pm, weight)
     sidecar_base = args.sidecar_base or ensure_debian(pm)
-    times = build_targets(pm, base_image, sidecar_base, args.tag)
+    times = build_targets(pm, base_image, sidecar_base, args.tag, weight)
     for target, took in times.items():
         ref = f"localhost/jitckpt-{target}:{args.tag}"
         print(f"{ref}: {pm.image_size(ref) / 1e6:.0f} MB, built in {took:.0f} s")

@@ -187,15 +187,15 @@ def test_two_sigterms_and_resumes_end_with_the_weights_of_an_uninterrupted_run(
 @pytest.mark.parametrize(
     ("label", "args", "stop_after", "total"),
     [
-        ("gradient accumulation", ("--grad-accum", "4", "--max-steps", "300"), 6, 300),
+        ("gradient accumulation", ("--grad-accum", "4", "--max-steps", "100"), 6, 100),
         (
             "epoch strategy",
             ("--epochs", "3", "--samples", "256", "--save-strategy", "epoch"),
             11,
             96,
         ),
-        ("TRL SFTTrainer", ("--trainer", "sft", "--max-steps", "300"), 6, 300),
-        ("DataLoader workers", ("--num-workers", "2", "--max-steps", "300"), 6, 300),
+        ("TRL SFTTrainer", ("--trainer", "sft", "--max-steps", "100"), 6, 100),
+        ("DataLoader workers", ("--num-workers", "2", "--max-steps", "100"), 6, 100),
     ],
 )
 def test_variant_jit_saves_and_resumes(spawn, base_env, jdir, label, args, stop_after, total):
