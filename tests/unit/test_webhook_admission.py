@@ -339,3 +339,13 @@ def test_a_grace_period_the_pod_chose_is_kept_and_30_becomes_injects_default() -
     result = run(keep)[2]
     assert result["spec"]["terminationGracePeriodSeconds"] == 30
     assert env(sidecar(result))["JITCKPT_GRACE_SECONDS"] == "30"
+
+
+def test_the_webhook_takes_injects_flags_but_those_that_have_no_use_for_pods() -> None:
+    from jitckpt_sidecar.webhook import cli
+
+    text = cli._parser().format_help()
+    for flag in ("--image", "--secret", "--capacity", "--grace-seconds", "--sidecar-mode"):
+        assert flag in text
+    for flag in ("--storage-uri ", "--container ", "--trainjob-runtime"):
+        assert flag not in text

@@ -22,8 +22,11 @@ from jitckpt_sidecar.webhook import admission
 from jitckpt_sidecar.webhook.server import WebhookServer
 
 PROG = "jitckpt-sidecar webhook"
-DEFAULTS = tuple(o for o in INJECT_OPTIONS if o.field not in ("storage_uri", "containers"))
-"""inject's flags, as the defaults of every pod (the pod's annotations win, but for the image)."""
+DEFAULTS = tuple(
+    o for o in INJECT_OPTIONS if o.field not in ("storage_uri", "containers", "trainjob_runtime")
+)
+"""inject's flags, as the defaults of every pod (the pod's annotations win, but for the image);
+a TrainJob's pods come to the webhook as pods, so its runtime flag has no use here."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -162,14 +162,15 @@ class WebhookServer(http.server.ThreadingHTTPServer):
         answer = admission.respond(review, decision)
         self.admissions.labels(decision.outcome).inc()
         self.latency.observe(time.perf_counter() - started)
-        if decision.outcome in ("injected", "not_injected"):
+        if decision.outcome in ("injected", "not_injected") and not request.get("dryRun"):
             self.log.info(
                 "%s pod %s%s",
                 decision.outcome.replace("_", " "),
                 admission.pod_label(request),
                 f": {decision.reason}" if decision.reason else "",
             )
-        if decision.outcome == "injected":  # its creator (a controller) never reads warnings
+        # Warnings go to the pod's creator, a controller that never reads them: log them too.
+        if decision.outcome == "injected" and not request.get("dryRun"):
             for warning in decision.warnings:
                 self.log.warning("pod %s: %s", admission.pod_label(request), warning)
         return 200, admission.encode(answer), "application/json"
