@@ -20,7 +20,9 @@ from jitckpt_entrypoint.protocol.layout import S3Uri
 from jitckpt_entrypoint.settings import (
     BOOLEAN,
     INTEGER,
+    OPTIONAL_DURATION,
     OPTIONAL_INTEGER,
+    OPTIONAL_PERCENT,
     OPTIONAL_TEXT,
     TEXT,
     Option,
@@ -151,6 +153,26 @@ OPTIONS = (
         doc="periodic save interval in optimizer steps; alone it implies `steps`",
     ),
     Option(
+        "save_interval",
+        OPTIONAL_DURATION,
+        "periodic save interval in time (600, 600s, 10m)",
+        check=between(1, 7 * 86400, "a duration from 1s to 7 days, e.g. 600, 600s or 10m"),
+        doc="periodic save interval in time (`600`, `600s`, `10m`): rank 0's clock decides, "
+        "every rank saves at the same step. With `save_steps` (or the script's own), whichever "
+        "comes first; either resets the clock. The Trainer saves by itself; a plain loop asks "
+        "`should_save()`",
+    ),
+    Option(
+        "save_overhead",
+        OPTIONAL_PERCENT,
+        "training time periodic saves may cost (1%); picks the interval",
+        check=between(0.0001, 0.5, "a percentage from 0.01% to 50%, e.g. 1%"),
+        doc="the share of training time periodic saves may cost (`1%`): the interval is "
+        "picked from each save's measured cost (time training was held plus slower steps while "
+        "it is written) and re-tuned after every save (logged when it changes); never longer "
+        "than `JITCKPT_SAVE_INTERVAL` (the first save comes at that, or after 60 s when unset)",
+    ),
+    Option(
         "save_total_limit",
         OPTIONAL_INTEGER,
         "local checkpoints to keep",
@@ -225,6 +247,10 @@ class Config:
     """Periodic save strategy forced on every Trainer; None keeps the script's own."""
     save_steps: Optional[int] = None
     """Periodic save interval (optimizer steps); implies save_strategy=steps when that is unset."""
+    save_interval: Optional[float] = None
+    """Periodic save interval in seconds (rank 0's clock); with save_steps, whichever first."""
+    save_overhead: Optional[float] = None
+    """Share of training time periodic saves may cost (0.01 = 1%): picks the interval."""
     save_total_limit: Optional[int] = None
     """Local checkpoints the Trainer keeps; None keeps the script's own."""
     jit: bool = True

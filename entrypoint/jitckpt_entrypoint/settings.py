@@ -87,6 +87,27 @@ def format_quantity(value: int) -> str:
     return str(value)
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|m|s)?")
+_SECONDS_PER = {"h": 3600.0, "m": 60.0, "s": 1.0, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from "600", "600s", "10m", "1.5h" or "1h30m" (a bare number is seconds)."""
+    parts = list(_DURATION.finditer(text))
+    if not parts or "".join(m.group(0) for m in parts) != text:
+        raise ValueError(f"not a duration: {text!r}")
+    if len(parts) > 1 and any(m.group(2) is None for m in parts):
+        raise ValueError(f"not a duration: {text!r}")  # "1h30": 30 what?
+    return sum(float(m.group(1)) * _SECONDS_PER[m.group(2)] for m in parts)
+
+
+def parse_percent(text: str) -> float:
+    """A fraction from "1%" or "0.5%" (the % is required: "1" would be ambiguous)."""
+    if not text.endswith("%"):
+        raise ValueError(f"not a percentage: {text!r}")
+    return float(text[:-1]) / 100
+
+
 def _quantity_text(text: str) -> str:
     parse_quantity(text)
     return text
@@ -122,6 +143,18 @@ QUANTITY = Kind(
     format=format_quantity,
 )
 OPTIONAL_QUANTITY = dataclasses.replace(QUANTITY, optional=True)
+OPTIONAL_DURATION = Kind(
+    parse_duration,
+    "is not a duration; use seconds or a unit, e.g. 600, 600s, 10m or 1h",
+    optional=True,
+    format=lambda v: format(v, "g"),
+)
+OPTIONAL_PERCENT = Kind(
+    parse_percent,
+    "is not a percentage; use e.g. 1% or 0.5%",
+    optional=True,
+    format=lambda v: format(v * 100, "g") + "%",
+)
 QUANTITY_TEXT = dataclasses.replace(QUANTITY, parse=_quantity_text, format=str)
 """A quantity kept as written (inject copies it into the YAML), refused as QUANTITY refuses."""
 

@@ -167,6 +167,10 @@ class CheckpointManager:
         self._skipped: set[int] = set()
         self._first_step_recorded = False
         """The first optimizer step of this process is in status/first-step.json."""
+        self._progress_at = 0.0
+        """When status/progress.json was last written (Unix time)."""
+        self._resumed_step = 0
+        """The step this training resumed from (0: from the start)."""
         self.blocking: list[tuple[int, float]] = []
         """(step, seconds the training thread was held) of every async save, in order."""
 
@@ -201,20 +205,29 @@ class CheckpointManager:
             self._announce()
         session.training_started()
 
-    def step_finished(self, step: int, began_at: int) -> None:
-        """After every optimizer step: the first of this process is recorded (local rank 0)
-        for the sidecar's recovery time. Never raises into training."""
-        if self._first_step_recorded:
-            return
-        self._first_step_recorded = True
+    def step_finished(self, step: int, began_at: Optional[int] = None) -> None:
+        """After every optimizer step (local rank 0 writes): the first of this process for the
+        sidecar's recovery time, then progress.json at most once every PROGRESS_SECONDS for the
+        work at risk. `began_at`: the step training began at (the resumed one's when None).
+        Never raises into training."""
         session = self.session
         if not session.topo.is_leader or not session.run_id:
             return
+        now = time.time()
         try:
-            record = status.FirstStep(session.run_id, began_at, time.time())
-            status.write_first_step(session.layout.status, record)
-        except Exception as exc:  # noqa: BLE001 - only a metric depends on it
-            session.log.debug("first-step record not written for step %d: %s", step, exc)
+            if not self._first_step_recorded:
+                self._first_step_recorded = True
+                start = self._resumed_step if began_at is None else began_at
+                status.write_first_step(
+                    session.layout.status, status.FirstStep(session.run_id, start, now)
+                )
+            if now - self._progress_at >= status.PROGRESS_SECONDS:
+                self._progress_at = now
+                status.write_progress(
+                    session.layout.status, status.Progress(session.run_id, step, now)
+                )
+        except Exception as exc:  # noqa: BLE001 - only metrics depend on them
+            session.log.debug("status records not written for step %d: %s", step, exc)
 
     def training_ended(self) -> None:
         """End of one `train()`: the next one (a second Trainer, a second stage) decides its
@@ -279,6 +292,7 @@ class CheckpointManager:
             return None
         with self._lock:
             self._committed.add(step)
+        self._resumed_step = step
         if session.topo.rank == 0:
             session.log.info("resuming from %s", self.checkpoint_dir(step))
         return step

@@ -26,6 +26,9 @@
   node's part and the trainer is another node, or the job's size changed, or a container
   restarted in place on a node that holds only its own part): the hook asks for every missing
   file of that save, the sidecar says it is fetching, then done or why not.
+- `progress.json` (hook, one per node): the newest optimizer step this node's training
+  finished and when, rewritten at most once every PROGRESS_SECONDS: the work at risk (steps and
+  seconds since the newest committed or uploaded checkpoint).
 - `sidecar-ready.json` (sidecar): its start-up restore finished (what it restored, how fast),
   for anything that waits on the volume rather than on /readyz, and for the entrypoint's
   grace-period estimate.
@@ -53,6 +56,9 @@ SAVING = "saving.json"
 NODE = "node.json"
 SIDECAR_READY = "sidecar-ready.json"
 FIRST_STEP = "first-step.json"
+PROGRESS = "progress.json"
+PROGRESS_SECONDS = 1.0
+"""The hook rewrites progress.json at most this often (a step's cost: one clock read)."""
 REFUSAL = "refusal.json"
 POD_RESTORE = "pod-restore.json"
 FETCH = "fetch.json"
@@ -195,6 +201,15 @@ class FirstStep:
     began_at_step: int
     """The step training began at: the resumed checkpoint's, 0 for a fresh start."""
     finished_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """The newest optimizer step this node's training finished (as of `at`)."""
+
+    run_id: str
+    step: int
+    at: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,6 +398,14 @@ def write_first_step(status_dir: str, record: FirstStep) -> None:
 
 def read_first_step(status_dir: str) -> Optional[FirstStep]:
     return read_record(os.path.join(status_dir, FIRST_STEP), FirstStep)
+
+
+def write_progress(status_dir: str, record: Progress) -> None:
+    write_record(os.path.join(status_dir, PROGRESS), record, durable=False)
+
+
+def read_progress(status_dir: str) -> Optional[Progress]:
+    return read_record(os.path.join(status_dir, PROGRESS), Progress)
 
 
 def write_sidecar_ready(status_dir: str, ready: SidecarReady) -> None:
