@@ -243,7 +243,7 @@ class CheckpointManager:
         self.drain()
         self.session.training_ended()
         self._skipped.clear()
-        self._last_step = None
+        self._last_step, self._save_due = None, False
         self._async, self._decided, self._fast_off = False, False, None
 
     def record_output(self, output_dir: str, step: int) -> None:
