@@ -157,6 +157,7 @@ OPTIONS = (
         OPTIONAL_DURATION,
         "periodic save interval in time (600, 600s, 10m)",
         check=between(1, 7 * 86400, "a duration from 1s to 7 days, e.g. 600, 600s or 10m"),
+        show=lambda value: value if isinstance(value, str) else f"{value:g}s",
         doc="periodic save interval in time (`600`, `600s`, `10m`): rank 0's clock decides, "
         "every rank saves at the same step. With `save_steps` (or the script's own), whichever "
         "comes first; either resets the clock. The Trainer saves by itself; a plain loop asks "
@@ -167,6 +168,7 @@ OPTIONS = (
         OPTIONAL_PERCENT,
         "training time periodic saves may cost (1%); picks the interval",
         check=between(0.0001, 0.5, "a percentage from 0.01% to 50%, e.g. 1%"),
+        show=lambda value: value if isinstance(value, str) else f"{value * 100:g}%",
         doc="the share of training time periodic saves may cost (`1%`): the interval is "
         "picked from each save's measured cost (time training was held plus slower steps while "
         "it is written) and re-tuned after every save (logged when it changes); never longer "

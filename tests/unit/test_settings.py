@@ -102,3 +102,39 @@ def test_a_variable_documented_differently_by_two_components_is_refused():
     other = dataclasses.replace(trainer.DIR, doc="something else")
     with pytest.raises(ValueError, match="JITCKPT_DIR is documented differently"):
         settings.doc_rows({"E": (trainer.Config, (trainer.DIR,)), "S": (sidecar.Config, (other,))})
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("600", 600.0), ("600s", 600.0), ("10m", 600.0), ("1.5h", 5400.0), ("1h30m", 5400.0)],
+)
+def test_save_interval_takes_seconds_or_a_unit(text, seconds):
+    cfg = trainer.Config.from_env({"JITCKPT_SAVE_INTERVAL": text})
+    assert cfg.save_interval == seconds
+    assert trainer.Config.from_env(cfg.to_env()).save_interval == seconds  # the child reads it
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"JITCKPT_SAVE_INTERVAL": "1h30"}, "JITCKPT_SAVE_INTERVAL='1h30' is not a duration"),
+        ({"JITCKPT_SAVE_INTERVAL": "0"}, "JITCKPT_SAVE_INTERVAL='0s' is invalid; use a duration"),
+        ({"JITCKPT_SAVE_OVERHEAD": "1"}, "JITCKPT_SAVE_OVERHEAD='1' is not a percentage; use"),
+        (
+            {"JITCKPT_SAVE_OVERHEAD": "80%"},
+            "OVERHEAD='80%' is invalid; use a percentage from 0.01%",
+        ),
+    ],
+)
+def test_a_bad_interval_or_budget_is_one_line_naming_the_variable(env, message):
+    with pytest.raises(SettingError) as raised:
+        trainer.Config.from_env(env)
+    assert message in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_the_budget_reaches_the_child_as_a_percentage():
+    cfg = trainer.Config.from_env({"JITCKPT_SAVE_OVERHEAD": "0.5%"})
+    assert cfg.save_overhead == 0.005
+    assert cfg.to_env()["JITCKPT_SAVE_OVERHEAD"] == "0.5%"
+    assert trainer.Config.from_env(cfg.to_env()).save_overhead == 0.005
