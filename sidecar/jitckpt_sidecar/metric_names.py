@@ -29,7 +29,7 @@ class Metric:
     help: str
     labels: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """(label name, the values the contract fixes), each value exported from the start (a
-    late gauge's one sample carries one of them)."""
+    late gauge's samples, once known, carry some of them)."""
     buckets: tuple[float, ...] = ()
     doc: str = ""
     """The README's meaning column (markdown); the HELP text when empty."""
@@ -218,6 +218,43 @@ RECOVERY_BYTES = _gauge(
     "Bytes downloaded from S3 for the last recovery (0 when the volume had the checkpoint).",
     late=True,
     doc="bytes downloaded for the last recovery (0 from the volume); absent before the first",
+)
+# Work at risk: the trainer's progress against the newest durable checkpoints (work_at_risk.py).
+DURABILITIES = ("s3", "volume")
+WORK_AT_RISK_STEPS = _define(
+    Metric(
+        "jitckpt_work_at_risk_steps",
+        "gauge",
+        "Optimizer steps since the newest checkpoint of this run committed in S3 (s3) or on "
+        "the shared volume (volume): what a failure without notice would lose.",
+        (("durability", DURABILITIES),),
+        late=True,
+        doc=(
+            "what a failure without notice (node loss, OOM kill) would lose now: the "
+            "trainer's newest finished step (`status/progress.json`, once a second) minus the "
+            "step of the newest checkpoint of its run (saved in it, or the one it resumed "
+            'from; with none, the step it began at) committed in S3 (`durability="s3"`: '
+            "uploaded or restored by this sidecar) or on the volume (`volume`). Absent until "
+            "the running trainer (`status/trainer.json`) wrote progress of its own run; after "
+            "it exited it stays at its exit value until the JIT or final checkpoint is durable"
+        ),
+    )
+)
+WORK_AT_RISK_SECONDS = _define(
+    Metric(
+        "jitckpt_work_at_risk_seconds",
+        "gauge",
+        "Seconds of this run's training since the step of the newest checkpoint committed in "
+        "S3 (s3) or on the shared volume (volume) was reached.",
+        (("durability", DURABILITIES),),
+        late=True,
+        doc=(
+            "the same in seconds of this run's training: now (the trainer's exit once it "
+            "exited) minus that checkpoint's save start (`status/save-<step>.json`), or minus "
+            "the run's first step when this run did not save it (it resumed from it, or there "
+            "is none: the time before was not its training); what `JitckptWorkAtRisk` alerts on"
+        ),
+    )
 )
 # The shared volume (read from the disk at scrape time).
 STORAGE_CAPACITY = _gauge(

@@ -3,7 +3,8 @@
 Every name, type, HELP text, label and bucket comes from metric_names.py (the contract that
 dashboards, alerts and the README use); this module only builds and feeds the collectors:
 checkpoints (from the trainer's status files and the restore), uploads and S3 retention, the
-restore and readiness, and the shared volume (read from the disk at scrape time).
+restore and readiness, the work at risk and the shared volume (both read from the disk at
+scrape time).
 
 Gauges whose value is not known yet (no checkpoint, no JIT save, no restore finished) have no
 sample rather than a 0 that reads as a value (Metric.late).
@@ -24,6 +25,7 @@ from jitckpt_entrypoint.protocol.status import JitRecord, SaveEvent
 from jitckpt_sidecar import metric_names as names
 from jitckpt_sidecar.metric_names import Metric
 from jitckpt_sidecar.pressure import Storage
+from jitckpt_sidecar.work_at_risk import WorkAtRisk
 
 Labelled = TypeVar("Labelled", bound=Union[Counter, Histogram])
 
@@ -89,7 +91,8 @@ class LateGauge(Collector):
 class CheckpointMetrics:
     """What the trainer saved, from status/save-<step>.json and status/jit.json."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, risk: WorkAtRisk) -> None:
+        self.risk = risk
         self.last_step = LateGauge(names.CHECKPOINT_LAST_STEP, registry)
         self.saves = counter(names.CHECKPOINT_SAVES, registry)
         self.save_seconds = histogram(names.CHECKPOINT_SAVE_SECONDS, registry)
@@ -99,11 +102,13 @@ class CheckpointMetrics:
         kind = event.kind if event.kind in KINDS else "periodic"
         self.saves.labels(kind).inc()
         self.save_seconds.labels(kind).observe(max(0.0, event.seconds))
+        self.risk.saved(event)
         self.on_volume(event.step)
 
     def on_volume(self, step: int) -> None:
         """checkpoint-<step> is committed on the volume (saved, or restored before training)."""
         self.last_step.set(max(step, self.last_step.value or 0))
+        self.risk.on_volume(step)
 
     def jit(self, record: JitRecord) -> None:
         if record.trigger_to_commit is not None:
@@ -119,7 +124,9 @@ class UploadMetrics:
         queue_length: Callable[[], float],
         lag_seconds: Callable[[], float],
         oldest_pending_seconds: Callable[[], float],
+        risk: WorkAtRisk,
     ) -> None:
+        self.risk = risk
         self.uploads = counter(names.UPLOADS, registry)
         self.bytes = counter(names.UPLOAD_BYTES, registry)
         self.seconds = histogram(names.UPLOAD_SECONDS, registry)
@@ -141,6 +148,7 @@ class UploadMetrics:
     def in_s3(self, step: int) -> None:
         """checkpoint-<step> is committed in S3 (uploaded by us, or the one we restored)."""
         self.last_uploaded_step.set(max(step, self.last_uploaded_step.value or 0))
+        self.risk.in_s3(step)
 
     def failed(self, sent: int) -> None:
         self.uploads.labels("failure").inc()
@@ -173,6 +181,31 @@ class RecoveryMetrics:
     def recovered(self, seconds: float, source: str, nbytes: int) -> None:
         self.seconds.set(max(0.0, seconds), source)
         self.bytes.set(nbytes)
+
+
+class WorkAtRiskCollector(Collector):
+    """Steps and seconds at risk per durability, measured at scrape time (status files read
+    then); a durability has no sample while the value is not known."""
+
+    def __init__(self, risk: WorkAtRisk) -> None:
+        self.risk = risk
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily(spec.name, spec.help, labels=spec.label_names)
+            for spec in (names.WORK_AT_RISK_STEPS, names.WORK_AT_RISK_SECONDS)
+        ]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        measured = self.risk.measure()
+        if not measured:
+            return
+        steps, seconds = self.describe()
+        for durability, risk in sorted(measured.items()):
+            steps.add_metric([durability], risk.steps)
+            seconds.add_metric([durability], risk.seconds)
+        yield steps
+        yield seconds
 
 
 class StorageCollector(Collector):
@@ -212,10 +245,15 @@ class Metrics:
         lag_seconds: Callable[[], float],
         oldest_pending_seconds: Callable[[], float],
         pressure_threshold: float,
+        risk: WorkAtRisk,
     ) -> None:
         self.registry = registry
-        self.checkpoints = CheckpointMetrics(registry)
-        self.uploads = UploadMetrics(registry, queue_length, lag_seconds, oldest_pending_seconds)
+        self.risk = risk
+        self.checkpoints = CheckpointMetrics(registry, risk)
+        self.uploads = UploadMetrics(
+            registry, queue_length, lag_seconds, oldest_pending_seconds, risk
+        )
         self.restore = RestoreMetrics(registry)
         self.recovery = RecoveryMetrics(registry)
+        registry.register(WorkAtRiskCollector(risk))
         self.storage = StorageMetrics(registry, storage, pressure_threshold)

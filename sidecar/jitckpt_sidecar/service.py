@@ -45,6 +45,7 @@ from jitckpt_sidecar.staging import Staged
 from jitckpt_sidecar.status_feed import StatusFeed
 from jitckpt_sidecar.uploader import StaleSaveError, Uploader, superseded
 from jitckpt_sidecar.watcher import Watcher
+from jitckpt_sidecar.work_at_risk import WorkAtRisk
 
 DRAIN_POLL = 0.5
 """Seconds between drain checks (trainer.json is also watched; this is the safety net)."""
@@ -83,6 +84,7 @@ class Service:
             lag_seconds=lambda: self.backlog.lag(self.clock()),
             oldest_pending_seconds=lambda: self.backlog.oldest_age(self.clock()),
             pressure_threshold=cfg.disk_pressure_threshold,
+            risk=WorkAtRisk(layout.status, clock),
         )
         s3.count_retries(client, self.metrics.uploads.retries.inc)
         self.save_peaks = sizing.SavePeaks(self.storage, layout.status, logger)

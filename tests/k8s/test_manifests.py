@@ -431,6 +431,7 @@ def test_alerts_cover_disk_pressure_upload_lag_upload_and_restore_failures():
     assert 'jitckpt_uploads_total{result="failure"}' in rules["JitckptUploadFailures"]
     assert 'jitckpt_restores_total{result="failure"}' in rules["JitckptRestoreFailed"]
     assert "jitckpt_sidecar_ready" in rules["JitckptSidecarNotReady"]
+    assert 'jitckpt_work_at_risk_seconds{durability="s3"}' in rules["JitckptWorkAtRisk"]
 
 
 def test_a_broken_expression_is_caught():

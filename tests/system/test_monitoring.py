@@ -7,7 +7,11 @@ fresh pod restores from S3 and trains on), an S3 outage while training keeps sav
 comes back), disk pressure (an emptyDir about one checkpoint big) and a restore that S3 refuses
 (its sidecar restarted once in the same pod, as the kubelet would). Each alert fires in its
 scenario and never in the others; every dashboard query returns data for the normal run. The
-alert and panel tables are printed (`-s`) for the record."""
+alert and panel tables are printed (`-s`) for the record.
+
+JitckptWorkAtRisk has a small test of its own (a sidecar and the trainer's status files, no
+torchrun): its threshold needs an outage longer than the outage scenario's; the normal run
+must not fire it."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import json
 import math
 import signal
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from harness.checkpoints import commit, hf_files, scrape, upload_directly
+from harness.checkpoints import commit, hf_files, scrape, upload_directly, write_trainer
 from harness.pod import Pod
 from harness.procs import wait_for
 from harness.prometheus import DASHBOARD, Prometheus, needs_prometheus, rule_file, rule_groups
@@ -48,6 +53,9 @@ EXPECTED = {
     "disk": {"JitckptDiskPressure"},
     "restore": {"JitckptRestoreFailed", "JitckptSidecarNotReady"},
 }
+OWN_TEST = {"JitckptWorkAtRisk"}
+"""Alerts with a test of their own (below); the scenarios here check only that the normal run
+does not fire them."""
 BOOT_PENDING = {"JitckptSidecarNotReady"}
 """Alerts whose condition is briefly true at every start (not ready until the restore is done):
 their `for:` keeps them from firing."""
@@ -198,7 +206,7 @@ def test_each_alert_fires_in_its_scenario_only_and_the_dashboard_shows_the_norma
 ) -> None:
     began = time.monotonic()
     alerts = {r["alert"] for g in rule_groups() for r in g["rules"]}
-    assert set().union(*EXPECTED.values()) == alerts
+    assert set().union(*EXPECTED.values()) == alerts - OWN_TEST
     rules = rule_file(tmp_path / "rules.yaml", speedup=SPEEDUP, replace=FAST)
     prom = Prometheus(tmp_path / "prometheus", rules).start()
     flaky = s3_bucket.server.proxy().start()
@@ -266,12 +274,14 @@ def test_each_alert_fires_in_its_scenario_only_and_the_dashboard_shows_the_norma
         print("\n".join(table))
         for name, run in runs.items():
             print(f"{name}: {run.ended - run.started:.0f} s, {run.notes}")
-        for alert in alerts:
+        for alert in alerts - OWN_TEST:
             for name in runs:
                 fired = (alert, name, "firing") in first
                 assert fired == (alert in EXPECTED[name]), f"{alert} in {name}: fired={fired}"
                 if alert not in EXPECTED[name] and alert not in BOOT_PENDING:
                     assert (alert, name, "pending") not in first, f"{alert} pending in {name}"
+        for alert in OWN_TEST:
+            assert (alert, "normal", "firing") not in first, f"{alert} in normal"
 
         # -- the restore alert stayed on across the sidecar's restart
         on = prom.query_range(
@@ -319,3 +329,79 @@ def dashboard_queries() -> list[tuple[str, str]]:
                 expr = expr.replace(var, text)
             out.append((panel["title"], expr))
     return out
+
+
+RISK_FAST = {"JitckptWorkAtRisk": ("> 1800", "> 8")}
+"""30 min of training not in S3 -> 8 s (its `for: 10m` is 10 s at 60x)."""
+RISK: Metric = ("jitckpt_work_at_risk_seconds", (("durability", "s3"),))
+RISK_VOLUME: Metric = ("jitckpt_work_at_risk_seconds", (("durability", "volume"),))
+RISK_STEPS: Metric = ("jitckpt_work_at_risk_steps", (("durability", "s3"),))
+
+
+def test_work_at_risk_fires_while_s3_fails_and_training_goes_on(
+    pods: Callable[..., Pod], s3_bucket: Bucket, tmp_path: Path
+) -> None:
+    """A trainer (its status files, written here as the entrypoint and the hook write them:
+    progress.json 4 times a second, a committed checkpoint every 12 steps) keeps training while
+    every S3 request fails: the volume's work at risk stays at a few seconds, the S3 one grows
+    from the last uploaded checkpoint's save, and JitckptWorkAtRisk fires; not before."""
+    began = time.monotonic()
+    rules = rule_file(tmp_path / "rules.yaml", speedup=SPEEDUP, replace=RISK_FAST)
+    prom = Prometheus(tmp_path / "prometheus", rules).start()
+    flaky = s3_bucket.server.proxy().start()
+    stop, failed = threading.Event(), []
+    try:
+        pod = pods(
+            [],
+            s3_env=s3_bucket.env({}, endpoint=flaky.url),
+            storage_uri=f"s3://{s3_bucket.name}/risk",
+            command=["true"],
+            env={"JITCKPT_S3_MAX_ATTEMPTS": "2"},
+        )
+        pod.start_sidecar()
+        pod.wait_ready()
+        prom.targets({pod.metrics_port: {"namespace": NS, "pod": "risk"}})
+        folder = str(pod.jdir / "status")
+        write_trainer(pod.jdir)  # run "run", as commit()'s save events
+        status.write_first_step(folder, status.FirstStep("run", 0, time.time()))
+
+        def train() -> None:
+            step = 0
+            try:
+                while not stop.wait(0.25):
+                    step += 1
+                    status.write_progress(folder, status.Progress("run", step, time.time()))
+                    if step % 12 == 0:
+                        commit([pod.jdir], step, [hf_files(step, big=64 * 1024)])
+            except Exception as exc:  # noqa: BLE001 - raised again in the test's thread
+                failed.append(exc)
+
+        trainer = threading.Thread(target=train, daemon=True)
+        trainer.start()
+        uploaded: Metric = ("jitckpt_last_uploaded_step", ())
+        wait_for(lambda: (value(pod.metrics_port, uploaded) or 0) >= 24, 60, "two uploads")
+        fault = time.time()
+        flaky.fail(lambda _m, _k, _q: True, 500, times=None)
+        fired = prom.wait_firing("JitckptWorkAtRisk", 60, pod="risk")
+        during = scrape(pod.metrics_port)
+        stop.set()
+        trainer.join(5)
+        assert not failed, failed
+        assert during[RISK] > 8, during
+        assert during[RISK_VOLUME] < during[RISK] / 2, during  # a checkpoint every 3 s
+        assert (
+            during[RISK_STEPS] > during[("jitckpt_work_at_risk_steps", (("durability", "volume"),))]
+        )
+        alerts = prom.query_range('ALERTS{alertname="JitckptWorkAtRisk"}', fault - 60, time.time())
+        starts = [float(s["values"][0][0]) for s in alerts]
+        assert min(starts) > fault, "pending or firing before the outage"
+        print(
+            f"work at risk: fired {fired - fault:.1f} s after the outage began, at "
+            f"{during[RISK]:.1f} s / {during[RISK_STEPS]:.0f} steps in S3, "
+            f"{during[RISK_VOLUME]:.1f} s on the volume; test {time.monotonic() - began:.0f} s"
+        )
+    finally:
+        stop.set()
+        flaky.stop()
+        prom.stop()
+        print(prom.output())

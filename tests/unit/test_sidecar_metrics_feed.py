@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -14,9 +15,12 @@ from jitckpt_sidecar.metric_names import ABSENT_UNTIL_KNOWN, METRICS, series_nam
 from jitckpt_sidecar.metrics import Metrics
 from jitckpt_sidecar.pressure import Storage
 from jitckpt_sidecar.status_feed import StatusFeed
+from jitckpt_sidecar.work_at_risk import WorkAtRisk
 
 
-def build(tmp_path, threshold: float = 0.85) -> tuple[CollectorRegistry, Metrics]:
+def build(
+    tmp_path, threshold: float = 0.85, clock: Callable[[], float] = time.time
+) -> tuple[CollectorRegistry, Metrics]:
     registry = CollectorRegistry()
     metrics = Metrics(
         registry,
@@ -25,8 +29,19 @@ def build(tmp_path, threshold: float = 0.85) -> tuple[CollectorRegistry, Metrics
         lag_seconds=lambda: 0.0,
         oldest_pending_seconds=lambda: 0.0,
         pressure_threshold=threshold,
+        risk=WorkAtRisk(str(tmp_path), clock),
     )
     return registry, metrics
+
+
+def training(
+    d: str, run: str, *, began_at: int, first_step_at: float, step: int, at: float
+) -> None:
+    """The status files of run `run` as the entrypoint and the hook write them while it trains:
+    trainer.json (running), first-step.json, progress.json."""
+    status.write_trainer(d, status.TrainerStatus(run, 1, ("torchrun",), first_step_at - 5))
+    status.write_first_step(d, status.FirstStep(run, began_at, first_step_at))
+    status.write_progress(d, status.Progress(run, step, at))
 
 
 def exposed(registry: CollectorRegistry) -> set[str]:
@@ -59,6 +74,7 @@ def test_unknown_gauges_appear_with_their_first_value(tmp_path):
     metrics.restore.finished("success", 2.5)
     metrics.checkpoints.jit(status.JitRecord("r", 7, "checkpoint-7", 10.0, 8.0, 1.0))
     metrics.recovery.recovered(12.5, "s3", 1000)
+    training(str(tmp_path), "r", began_at=120, first_step_at=time.time(), step=121, at=time.time())
     assert exposed(registry) == set(METRICS)
     value = registry.get_sample_value
     assert value("jitckpt_checkpoint_last_step") == 120
@@ -168,8 +184,95 @@ def test_promtool_finds_nothing_to_lint_in_a_full_scrape(tmp_path):
     metrics.restore.finished("success", 1.0)
     metrics.checkpoints.jit(status.JitRecord("r", 7, "checkpoint-7", 10.0, 8.0, 1.0))
     metrics.recovery.recovered(12.5, "s3", 1000)
+    training(str(tmp_path), "r", began_at=10, first_step_at=time.time(), step=12, at=time.time())
     text = generate_latest(registry)
     out = promtool("check", "metrics", stdin=text)
     assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
     samples = [line for line in text.decode().splitlines() if not line.startswith("#")]
     assert len(samples) < 150
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def at_risk(registry: CollectorRegistry) -> dict[str, tuple[float, float]]:
+    """durability -> (steps, seconds) at risk, as scraped."""
+    out = {}
+    for durability in ("s3", "volume"):
+        steps = registry.get_sample_value("jitckpt_work_at_risk_steps", {"durability": durability})
+        seconds = registry.get_sample_value(
+            "jitckpt_work_at_risk_seconds", {"durability": durability}
+        )
+        assert (steps is None) == (seconds is None)
+        if steps is not None and seconds is not None:
+            out[durability] = (steps, seconds)
+    return out
+
+
+def test_work_at_risk_counts_from_the_newest_checkpoint_on_the_volume_and_in_s3(tmp_path):
+    """Before any checkpoint the whole run is at risk; a save makes the volume's risk start
+    again from its step and save start, its upload the S3 one; a save newer than progress.json
+    (rewritten once a second) counts as reached."""
+    clock = Clock(135.0)
+    registry, metrics = build(tmp_path, clock=clock)
+    d = str(tmp_path)
+    feed = StatusFeed(d, metrics.checkpoints)
+    assert at_risk(registry) == {}  # no trainer yet: absent, not 0
+    training(d, "a", began_at=0, first_step_at=100.0, step=30, at=130.0)
+    assert at_risk(registry) == {"s3": (30, 35.0), "volume": (30, 35.0)}
+    status.write_save_event(d, status.SaveEvent("periodic", 20, 120.0, 121.0, 10, run_id="a"))
+    feed.poll()
+    assert at_risk(registry) == {"s3": (30, 35.0), "volume": (10, 15.0)}
+    metrics.uploads.uploaded(20, 3.0, 10)
+    assert at_risk(registry) == {"s3": (10, 15.0), "volume": (10, 15.0)}
+    status.write_save_event(d, status.SaveEvent("periodic", 40, 133.0, 134.0, 10, run_id="a"))
+    feed.poll()
+    assert at_risk(registry) == {"s3": (20, 15.0), "volume": (0, 2.0)}
+    metrics.uploads.failed(0)  # a failed upload changes nothing
+    clock.now = 300.0
+    assert at_risk(registry) == {"s3": (20, 180.0), "volume": (0, 167.0)}
+
+
+def test_work_at_risk_stops_at_the_trainers_exit_and_never_mixes_runs(tmp_path):
+    """After the trainer exited the seconds stay at its exit; a newer trainer hides the older
+    run's progress until its own; a resumed run counts from its first step (the time before
+    was not its training) against the newest S3 checkpoint at or before its start; a run that
+    started over ignores the checkpoints of the one before."""
+    clock = Clock(150.0)
+    registry, metrics = build(tmp_path, clock=clock)
+    d = str(tmp_path)
+    feed = StatusFeed(d, metrics.checkpoints)
+    training(d, "a", began_at=0, first_step_at=100.0, step=45, at=139.0)
+    for step, started in ((20, 120.0), (40, 135.0)):
+        status.write_save_event(d, status.SaveEvent("periodic", step, started, started, 1, "a"))
+    feed.poll()
+    metrics.uploads.uploaded(20, 1.0, 1)
+    exited = status.TrainerStatus("a", 1, ("torchrun",), 95.0, exited_at=140.0, exit_code=137)
+    status.write_trainer(d, exited)
+    clock.now = 400.0
+    assert at_risk(registry) == {"s3": (25, 20.0), "volume": (5, 5.0)}
+
+    status.write_trainer(d, status.TrainerStatus("b", 1, ("torchrun",), 395.0))
+    assert at_risk(registry) == {}  # progress.json is still run a's
+    training(d, "b", began_at=40, first_step_at=402.0, step=48, at=409.0)
+    clock.now = 410.0
+    assert at_risk(registry) == {"s3": (28, 8.0), "volume": (8, 8.0)}
+
+    training(d, "c", began_at=0, first_step_at=500.0, step=60, at=530.0)  # JITCKPT_RESUME=0
+    clock.now = 531.0
+    assert at_risk(registry) == {"s3": (60, 31.0), "volume": (60, 31.0)}
+
+
+def test_a_checkpoint_restored_at_start_is_at_no_risk_until_training_goes_on(tmp_path):
+    """The restored checkpoint is on the volume and in S3: the risk counts from it, from the
+    run's first step."""
+    registry, metrics = build(tmp_path, clock=Clock(1010.0))
+    metrics.checkpoints.on_volume(120)
+    metrics.uploads.in_s3(120)
+    training(str(tmp_path), "a", began_at=120, first_step_at=1000.0, step=125, at=1009.0)
+    assert at_risk(registry) == {"s3": (5, 10.0), "volume": (5, 10.0)}
