@@ -208,8 +208,8 @@ RECOVERY_SECONDS = _define(
             "the last recovery: the pod's start (this sidecar's) or the trainer container's "
             "restart, to its first optimizer step finished (`status/first-step.json`); one "
             "sample, `source`: `s3` (restored), `local` (the volume's), `none` (began at step "
-            "0); absent before the first step. HF Trainer runs only (the plain-loop API "
-            "records no first step)"
+            "0); absent before the first step. A plain loop records it when it passes the "
+            "step: `should_stop(step)`"
         ),
     )
 )
@@ -234,7 +234,8 @@ WORK_AT_RISK_STEPS = _define(
             "trainer's newest finished step (`status/progress.json`, once a second) minus the "
             "step of the newest checkpoint of its run (saved in it, or the one it resumed "
             'from; with none, the step it began at) committed in S3 (`durability="s3"`: '
-            "uploaded or restored by this sidecar) or on the volume (`volume`). Absent until "
+            "uploaded or restored by this sidecar) or on the volume (`volume`; a plain loop "
+            "writes progress with `should_stop(step)`). Absent until "
             "the running trainer (`status/trainer.json`) wrote progress of its own run; after "
             "it exited it stays at its exit value until the JIT or final checkpoint is durable"
         ),
