@@ -56,6 +56,10 @@ def test_the_interval_holds_when_steps_slow_down_and_every_rank_saves_the_same_s
     slow_steps = [b - a for a, b in zip(slow, slow[1:])]
     assert min(fast_steps) > 2 * max(slow_steps), (fast_steps, slow_steps)
     assert {f["path"] for f in manifest(jdir, timed[0][0])["files"]} >= {".metadata"}
+    # should_stop(step) feeds the sidecar's recovery time and work at risk
+    progress = json.loads((jdir / "status" / "progress.json").read_text())
+    assert 150 <= progress["step"] <= 190, progress
+    assert json.loads((jdir / "status" / "first-step.json").read_text())["began_at_step"] == 0
 
 
 def test_the_trainer_saves_at_whichever_comes_first_and_the_budget_picks_the_interval(
