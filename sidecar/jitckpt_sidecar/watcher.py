@@ -25,6 +25,7 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
+from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.layout import Layout
 
 # What changes readiness: links and manifests appearing (create, rename of an atomic write),
@@ -52,11 +53,20 @@ class _StopRace(logging.Filter):
 _STOP_RACE = _StopRace()
 
 
+_QUIET = (f"/{status.PROGRESS}", f"/.{status.PROGRESS}.")
+"""status/progress.json is rewritten every second and read at scrape time: it wakes nothing."""
+
+
 class _Wake(FileSystemEventHandler):
     def __init__(self, wake: Callable[[], None]) -> None:
         self.wake = wake
 
-    def on_any_event(self, event: FileSystemEvent) -> None:  # noqa: ARG002 - any event wakes
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        path = event.dest_path or event.src_path
+        if isinstance(path, bytes):
+            path = path.decode(errors="replace")
+        if path.endswith(_QUIET[0]) or _QUIET[1] in path:
+            return
         self.wake()
 
 

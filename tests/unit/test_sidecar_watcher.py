@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar.watcher import Watcher
 
@@ -22,6 +23,23 @@ def test_a_file_in_staging_wakes_the_loop(tmp_path):
     watcher.start()
     try:
         (tmp_path / "staging" / "x").write_bytes(b"1")
+        assert woken.wait(10)
+    finally:
+        watcher.stop()
+
+
+def test_the_trainers_progress_record_wakes_nothing_but_other_status_files_do(tmp_path):
+    """progress.json is rewritten every second (read at scrape time): no wake-up for it."""
+    layout = Layout(str(tmp_path))
+    layout.ensure()
+    woken = threading.Event()
+    watcher = Watcher(layout, woken.set, LOG)
+    watcher.start()
+    try:
+        for step in range(3):
+            status.write_progress(layout.status, status.Progress("run", step, time.time()))
+        assert not woken.wait(1)
+        status.write_save_start(layout.status, status.SaveStart("run", 3, time.time()))
         assert woken.wait(10)
     finally:
         watcher.stop()
