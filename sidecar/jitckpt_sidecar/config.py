@@ -189,6 +189,14 @@ OPTIONS = (
         doc="full rescan of `staging/` and `status/` (inotify is the fast path); 0.1–3600",
     ),
     Option(
+        "restore_retry_seconds",
+        NUMBER,
+        "wait after a failed start-up restore, doubling to 300 s",
+        check=between(0.1, 300, "seconds from 0.1 to 300"),
+        doc="the wait after the first failed start-up restore (the sidecar stays up, not "
+        "ready); it doubles after each failure, to at most 300 s",
+    ),
+    Option(
         "upload_concurrency",
         INTEGER,
         "parallel S3 requests of one upload",
@@ -284,6 +292,8 @@ class Config:
     """The pod's terminationGracePeriodSeconds: the drain ends a small margin before it."""
     rescan_seconds: float = 30.0
     """Full rescan interval; inotify events are the fast path, the rescan catches misses."""
+    restore_retry_seconds: float = 10.0
+    """The wait after the first failed start-up restore; doubles after each, to 300 s."""
     upload_concurrency: int = 8
     """Parallel S3 requests (parts and whole files) of one checkpoint upload (measured: see
     bench/bench_s3.py; 4 to 16 are within noise of each other, 8 leaves CPU for the rest)."""

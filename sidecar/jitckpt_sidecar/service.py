@@ -53,7 +53,9 @@ WORKER_POLL = 5.0
 """The idle worker's wake-up interval; new work and stopping wake it at once."""
 MAX_BACKOFF = 60.0
 DRAIN_MAX_BACKOFF = 1.0
-RESTORE_RETRY = (10.0, 300.0)
+RESTORE_RETRY_MAX = 300.0
+"""Seconds: the longest wait between start-up restore attempts (JITCKPT_RESTORE_RETRY_SECONDS
+is the first)."""
 """First and longest wait before a failed restore is tried again (doubling, with jitter)."""
 
 
@@ -226,7 +228,8 @@ class Service:
                 failures += 1
                 self.metrics.restore.finished("failure", self.monotonic() - started)
                 self.failure = f"restore failed: {self._describe(exc, 'the restore')}"
-                delay = min(RESTORE_RETRY[1], RESTORE_RETRY[0] * 2 ** (failures - 1))
+                first = self.cfg.restore_retry_seconds
+                delay = min(RESTORE_RETRY_MAX, first * 2 ** min(failures - 1, 30))
                 delay *= random.uniform(0.8, 1.0)  # noqa: S311 - jitter
                 self.log.error(
                     "%s (attempt %d); not ready, so the trainer waits; trying again in %.0f s "

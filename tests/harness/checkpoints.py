@@ -172,6 +172,7 @@ def sidecar_env(env: Mapping[str, str], **extra: str) -> dict[str, str]:
         JITCKPT_METRICS_HOST="127.0.0.1",
         JITCKPT_METRICS_PORT="0",
         JITCKPT_RESCAN_SECONDS="2",
+        JITCKPT_RESTORE_RETRY_SECONDS="1",
         JITCKPT_MULTIPART_CHUNK="5Mi",
         JITCKPT_DOWNLOAD_CHUNK="5Mi",
     )
