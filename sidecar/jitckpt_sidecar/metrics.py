@@ -197,7 +197,10 @@ class WorkAtRiskCollector(Collector):
         ]
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        measured = self.risk.measure()
+        try:
+            measured = self.risk.measure()
+        except OSError:  # a status file unreadable now (EIO, permissions): no sample, no 500
+            return
         if not measured:
             return
         steps, seconds = self.describe()

@@ -55,8 +55,7 @@ MAX_BACKOFF = 60.0
 DRAIN_MAX_BACKOFF = 1.0
 RESTORE_RETRY_MAX = 300.0
 """Seconds: the longest wait between start-up restore attempts (JITCKPT_RESTORE_RETRY_SECONDS
-is the first)."""
-"""First and longest wait before a failed restore is tried again (doubling, with jitter)."""
+is the first; it doubles after each failure, with jitter)."""
 
 
 class Service:

@@ -13,9 +13,10 @@ from its status files, all of one run:
   and when its training began.
 
 The base of a durability is the newest of its durable steps in the run's lineage (saved in this
-run, or at or before the step it began at); with none, the step it began at. Seconds count this
-run's training only: from the base's save start when this run saved it, else from the run's
-first step (the time before, down and restarting, was not training).
+run, or at or before the step it began at); with none, the step it began at. Seconds count from
+the base's save start when a save event of it was seen (this run's or, after a restart in
+place, an earlier run's: the time down and restarting is at risk too), else from this run's
+first step (a checkpoint restored from S3: the time before was not this pod's training).
 """
 
 from __future__ import annotations
@@ -51,9 +52,14 @@ class WorkAtRisk:
         """step -> (run id, save start) of the save events seen."""
 
     def saved(self, event: status.SaveEvent) -> None:
-        """checkpoint-<step> is committed on the volume by the trainer (its save event)."""
+        """checkpoint-<step> is committed on the volume by the trainer (its save event). A
+        new save of a step (a run that started over, a job that resumed from an older step)
+        is not in S3 until uploaded in its turn: the step number's earlier upload is not it."""
         with self._lock:
-            self._saves[event.step] = (event.run_id, event.started_at)
+            save = (event.run_id, event.started_at)
+            if self._saves.get(event.step) != save:
+                self._durable[S3].discard(event.step)
+            self._saves[event.step] = save
             _keep_newest(self._saves)
             self._add(VOLUME, event.step)
 
@@ -88,6 +94,9 @@ class WorkAtRisk:
         began, run_start = first.began_at_step, first.finished_at
         with self._lock:
             own = {step: at for step, (by, at) in self._saves.items() if by == run}
+            known = {
+                step: at for step, (_, at) in self._saves.items() if step in own or step <= began
+            }
             durable = {
                 d: [s for s in steps if s in own or s <= began]
                 for d, steps in self._durable.items()
@@ -97,7 +106,7 @@ class WorkAtRisk:
         out = {}
         for durability, steps in durable.items():
             base = max(steps, default=began)
-            since = max(run_start, own.get(base, run_start))
+            since = known.get(base, run_start)
             out[durability] = Risk(max(0, newest - base), max(0.0, now - since))
         return out
 

@@ -240,8 +240,8 @@ def test_work_at_risk_counts_from_the_newest_checkpoint_on_the_volume_and_in_s3(
 
 def test_work_at_risk_stops_at_the_trainers_exit_and_never_mixes_runs(tmp_path):
     """After the trainer exited the seconds stay at its exit; a newer trainer hides the older
-    run's progress until its own; a resumed run counts from its first step (the time before
-    was not its training) against the newest S3 checkpoint at or before its start; a run that
+    run's progress until its own; a run resumed in place counts against the newest checkpoint
+    at or before its start, from that save's start (the time down is at risk too); a run that
     started over ignores the checkpoints of the one before."""
     clock = Clock(150.0)
     registry, metrics = build(tmp_path, clock=clock)
@@ -261,7 +261,7 @@ def test_work_at_risk_stops_at_the_trainers_exit_and_never_mixes_runs(tmp_path):
     assert at_risk(registry) == {}  # progress.json is still run a's
     training(d, "b", began_at=40, first_step_at=402.0, step=48, at=409.0)
     clock.now = 410.0
-    assert at_risk(registry) == {"s3": (28, 8.0), "volume": (8, 8.0)}
+    assert at_risk(registry) == {"s3": (28, 290.0), "volume": (8, 275.0)}
 
     training(d, "c", began_at=0, first_step_at=500.0, step=60, at=530.0)  # JITCKPT_RESUME=0
     clock.now = 531.0
@@ -275,4 +275,25 @@ def test_a_checkpoint_restored_at_start_is_at_no_risk_until_training_goes_on(tmp
     metrics.checkpoints.on_volume(120)
     metrics.uploads.in_s3(120)
     training(str(tmp_path), "a", began_at=120, first_step_at=1000.0, step=125, at=1009.0)
+    assert at_risk(registry) == {"s3": (5, 10.0), "volume": (5, 10.0)}
+
+
+def test_a_step_saved_again_is_not_in_s3_until_its_own_upload(tmp_path):
+    """JITCKPT_RESUME=0 (or an older resume point) saves a step number again: the earlier
+    upload of that number is not this save."""
+    clock = Clock(230.0)
+    registry, metrics = build(tmp_path, clock=clock)
+    d = str(tmp_path)
+    feed = StatusFeed(d, metrics.checkpoints)
+    training(d, "a", began_at=0, first_step_at=100.0, step=25, at=129.0)
+    status.write_save_event(d, status.SaveEvent("periodic", 20, 120.0, 121.0, 1, run_id="a"))
+    feed.poll()
+    metrics.uploads.uploaded(20, 1.0, 1)
+    feed.poll()  # the same save event again: still in S3
+    assert at_risk(registry)["s3"][0] == 5
+    training(d, "b", began_at=0, first_step_at=200.0, step=25, at=229.0)
+    status.write_save_event(d, status.SaveEvent("periodic", 20, 220.0, 221.0, 1, run_id="b"))
+    feed.poll()
+    assert at_risk(registry) == {"s3": (25, 30.0), "volume": (5, 10.0)}
+    metrics.uploads.uploaded(20, 1.0, 1)
     assert at_risk(registry) == {"s3": (5, 10.0), "volume": (5, 10.0)}
