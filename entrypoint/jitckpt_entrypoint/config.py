@@ -171,9 +171,9 @@ OPTIONS = (
         show=lambda value: value if isinstance(value, str) else f"{value * 100:g}%",
         doc="the share of training time periodic saves may cost (`1%`): the interval is "
         "picked from each save's measured cost (time training was held plus slower steps while "
-        "it is written) and re-tuned after every save (logged when it changes); never longer "
-        "than `JITCKPT_SAVE_INTERVAL`; the first save, to measure, after 60 s (or the "
-        "interval, when shorter)",
+        "it is written) and re-tuned after every save (logged when it changes); at least 30 s "
+        "and the write time, never longer than `JITCKPT_SAVE_INTERVAL` (which wins over the "
+        "30 s); the first save, to measure, after 60 s (or the interval, when shorter)",
     ),
     Option(
         "save_total_limit",

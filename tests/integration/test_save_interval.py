@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -50,11 +51,12 @@ def test_the_interval_holds_when_steps_slow_down_and_every_rank_saves_the_same_s
     slow = [s for s in timed[0] if s > 155]
     assert len(fast) >= 2, timed
     assert len(slow) >= 2, timed
-    # The interval holds in time, while the steps between saves fall about five-fold.
-    assert all(0.95 <= gap <= 1.8 for gap in gaps(began)), gaps(began)
-    fast_steps = [b - a for a, b in zip(fast, fast[1:])]
-    slow_steps = [b - a for a, b in zip(slow, slow[1:])]
-    assert min(fast_steps) > 2 * max(slow_steps), (fast_steps, slow_steps)
+    # The interval holds in time (a request waits for the next agreement round: a few steps),
+    # while the steps between saves fall about four-fold.
+    assert all(0.95 <= gap <= 2.5 for gap in gaps(began)), gaps(began)
+    fast_steps = statistics.median(b - a for a, b in zip(fast, fast[1:]))
+    slow_steps = statistics.median(b - a for a, b in zip(slow, slow[1:]))
+    assert fast_steps > 2 * slow_steps, (fast, slow)
     assert {f["path"] for f in manifest(jdir, timed[0][0])["files"]} >= {".metadata"}
     # should_stop(step) feeds the sidecar's recovery time and work at risk
     progress = json.loads((jdir / "status" / "progress.json").read_text())
@@ -65,8 +67,9 @@ def test_the_interval_holds_when_steps_slow_down_and_every_rank_saves_the_same_s
 def test_the_trainer_saves_at_whichever_comes_first_and_the_budget_picks_the_interval(
     spawn, base_env, jdir
 ):
-    """The Trainer (async saves) with save_steps=40, a 2 s cap and a 10% budget: the budget's
-    measured interval (under the cap) between the step-based saves, all committed."""
+    """The Trainer (async saves) with save_steps=40, a 10% budget and a 2 s interval (which
+    wins over the budget's 30 s floor): time-based saves between the step-based ones, all
+    committed, each save measured and the choice logged."""
     env = {**base_env, "JITCKPT_SAVE_INTERVAL": "2", "JITCKPT_SAVE_OVERHEAD": "10%"}
     args = ["--max-steps", "120", "--save-steps", "40", "--step-sleep", "0.04"]
     proc = spawn(entrypoint(torchrun(TRAIN_HF, *args)), env=env)
@@ -75,10 +78,10 @@ def test_the_trainer_saves_at_whichever_comes_first_and_the_budget_picks_the_int
     began = saves_began(jdir)
     assert {40, 80} <= set(began), began  # save_steps' own
     assert len(began) >= 4, began  # and time-based ones between
-    assert all(gap <= 2.0 + 0.8 for gap in gaps(began)), gaps(began)
+    assert all(gap <= 2.0 + 1.0 for gap in gaps(began)), gaps(began)
     chosen = hook_lines(proc, "save interval ")
     assert chosen, proc.stderr
     assert all("budget 10%, at most 2 s" in line for line in chosen), chosen
     seconds = [float(re.search(r"save interval ([\d.]+) s", line).group(1)) for line in chosen]
-    assert all(1.0 <= s <= 2.0 for s in seconds), chosen
+    assert seconds == [2.0], chosen  # logged once: it does not change
     assert manifest(jdir, 120)["kind"] == "final"

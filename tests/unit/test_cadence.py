@@ -23,7 +23,7 @@ class Run:
         for _ in range(count):
             self.now += seconds
             if finish is not None and self.now >= finish:
-                self.cadence.save_finished(finish)
+                self.cadence.save_finished(finish, blocked)  # async: it held training `blocked`
                 finish = None
             self.cadence.step_ended(self.now)
             if self.cadence.due(self.now):
@@ -104,7 +104,9 @@ def test_the_budget_picks_cost_over_overhead_and_logs_its_choice(caplog):
 
 
 def test_the_budget_counts_slower_steps_while_an_async_save_is_written():
-    cadence = Cadence(None, 0.05)
+    """The save held training 0.1 s; the step it was called in (which may hold an evaluation)
+    is not compared; the 8 later steps that overlap its write ran 0.2 s slow."""
+    cadence = Cadence(None, 0.02)
     cadence.started(0.0)
     now = 0.0
     for _ in range(10):
@@ -114,10 +116,12 @@ def test_the_budget_counts_slower_steps_while_an_async_save_is_written():
     for _ in range(8):  # written in the background: meanwhile steps take 1.2 s, not 1 s
         now += 1.2
         cadence.step_ended(now)
-    cadence.save_finished(now)
+    now += 1.2
+    cadence.save_finished(now - 0.1, 0.1)
+    cadence.step_ended(now)  # overlapped the write's end: counted
     now += 1.0
     cadence.step_ended(now)  # after the commit: the measurement ends
-    assert cadence.choices == [(pytest.approx(1.6), pytest.approx(9.6), pytest.approx(32.0))]
+    assert cadence.choices == [(pytest.approx(1.7), pytest.approx(10.7), pytest.approx(85.0))]
 
 
 def test_the_budget_never_exceeds_the_interval_and_never_saves_faster_than_it_writes():
@@ -126,17 +130,36 @@ def test_the_budget_never_exceeds_the_interval_and_never_saves_faster_than_it_wr
     Run(capped).steps(200, 1.0, blocked=0.5)
     assert capped.interval == 30.0
     cheap = Cadence(None, 0.5)
-    Run(cheap).steps(100, 1.0, blocked=0.001, write=20.0)
-    assert cheap.interval == pytest.approx(20.0, rel=0.1)  # the write, not 0.002 s
+    Run(cheap).steps(300, 1.0, blocked=0.001, write=50.0)
+    assert cheap.interval == pytest.approx(50.0, rel=0.1)  # the write, not 0.002 s
     free = Cadence(None, 0.5)
-    Run(free).steps(100, 1.0)
-    assert free.interval == MIN_INTERVAL
+    Run(free).steps(300, 1.0, blocked=0.001, write=2.0)
+    assert free.interval == MIN_INTERVAL  # nearly free saves: not every 2 s
+    short = Cadence(5.0, 0.5)
+    Run(short).steps(100, 1.0, blocked=0.001, write=2.0)
+    assert short.interval == 5.0  # the interval set wins over the floor
 
 
 def test_the_budget_retunes_when_saves_get_cheaper():
     cadence = Cadence(None, 0.01)
     run = Run(cadence).steps(200, 1.0, blocked=1.0)
     assert cadence.interval == pytest.approx(100.0)
-    run.steps(2000, 1.0, blocked=0.2)
-    assert cadence.interval == pytest.approx(20.0, rel=0.05)
+    run.steps(2000, 1.0, blocked=0.4)
+    assert cadence.interval == pytest.approx(40.0, rel=0.05)
     assert [round(c[2]) for c in cadence.choices][:2] == [100, 100]
+
+
+def test_an_evaluation_in_the_step_of_the_save_is_not_its_cost():
+    """HF evaluates right before it saves (eval_steps == save_steps): that step's 120 s are
+    the evaluation's, not the save's."""
+    cadence = Cadence(None, 0.01)
+    cadence.started(0.0)
+    now = 0.0
+    for _ in range(10):
+        now += 1.0
+        cadence.step_ended(now)
+    cadence.save_began(now + 120.0)  # after the evaluation
+    cadence.save_finished(now + 120.5)  # a synchronous save of 0.5 s
+    now += 121.5
+    cadence.step_ended(now)
+    assert cadence.choices == [(pytest.approx(0.5), pytest.approx(0.5), pytest.approx(50.0))]

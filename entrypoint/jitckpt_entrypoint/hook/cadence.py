@@ -7,12 +7,15 @@ decides: its "due" rides in the next step agreement (control.py), so every rank 
 answer at the same step, and the adapter has that step saved.
 
 With an overhead budget (CheckFreq's idea: pick the interval from what a save costs), each
-periodic save is measured on this rank: its cost to training is how much longer the steps that
-overlap it took than the median of the steps that did not (the blocking part of the save is in
-the step after it; an async write's interference in the steps while it is written), at most the
-save's wall time. The interval is cost / budget, at least the time a save takes to be written
-(one save at a time) and at most JITCKPT_SAVE_INTERVAL; re-tuned after every save from a moving
-average, logged when it changes by more than a tenth. The first save comes after
+periodic save is measured on this rank: its cost to training is the time it held the training
+thread (measured by the manager: the save call and the waits for its host copy; a synchronous
+save, all of it) plus how much longer the later steps that overlap its write took than the
+median of the steps that overlapped no save (an async write's interference), at most the save's
+wall time. The step the save call is in is not compared: an evaluation runs there too. The
+interval is cost / budget, at least the time a save takes to be written (one save at a time)
+and MIN_INTERVAL (every save is uploaded: a small model's nearly free saves must not go every
+second), and at most JITCKPT_SAVE_INTERVAL, which wins over the floor; re-tuned after every save
+from a moving average, logged when it changes by more than a tenth. The first save comes after
 FIRST_SAVE_SECONDS (or the interval, when shorter): something has to be measured.
 
 No I/O, no collectives; every method runs on the training thread except `save_finished`
@@ -30,8 +33,8 @@ log = logging.getLogger("jitckpt.hook")
 
 FIRST_SAVE_SECONDS = 60.0
 """The budget's first save (no cost is known yet), unless JITCKPT_SAVE_INTERVAL is shorter."""
-MIN_INTERVAL = 1.0
-"""Seconds: the budget never picks a shorter interval."""
+MIN_INTERVAL = 30.0
+"""Seconds: the budget never picks a shorter interval (JITCKPT_SAVE_INTERVAL may)."""
 STEP_SAMPLES = 64
 """Recent steps that overlapped no save: their median is the uninterrupted step time."""
 SMOOTHING = 0.5
@@ -63,6 +66,10 @@ class Cadence:
         self._window: Optional[float] = None
         """When the periodic save being measured began."""
         self._excess = 0.0
+        self._skip = False
+        """The next step to end holds the save call (and maybe an evaluation): not compared."""
+        self._blocked: Optional[float] = None
+        """The time the measured save held the training thread (None: all of it)."""
         self._done: Optional[float] = None
         """When that save was committed or abandoned (set by the committing thread)."""
         self.cost: Optional[float] = None
@@ -101,11 +108,13 @@ class Cadence:
         """A periodic save of this step begins (whichever rule asked for it)."""
         self._last = now
         if self._window is None:
-            self._window, self._excess, self._done = now, 0.0, None
+            self._window, self._excess, self._done, self._skip = now, 0.0, None, True
 
-    def save_finished(self, now: float) -> None:
-        """The save being measured is committed or abandoned (any thread)."""
+    def save_finished(self, now: float, blocked: Optional[float] = None) -> None:
+        """The save being measured is committed or abandoned (any thread); `blocked`: the
+        seconds it held the training thread (None: a synchronous save, all of its time)."""
         if self._window is not None:
+            self._blocked = blocked
             self._done = now
 
     def step_ended(self, now: float) -> None:
@@ -119,9 +128,14 @@ class Cadence:
         if previous is not None and (done is None or previous < done):  # overlapped the save
             took = now - previous
             base = statistics.median(self._clean) if self._clean else took
-            self._excess += max(0.0, took - base)
+            if self._skip:
+                self._skip = False
+            else:
+                self._excess += max(0.0, took - base)
         if done is not None:
-            self._measured(min(self._excess, max(0.0, done - self._window)), done - self._window)
+            wall = max(0.0, done - self._window)
+            blocked = wall if self._blocked is None else self._blocked
+            self._measured(min(blocked + self._excess, wall), wall)
             self._window, self._done = None, None
 
     def _measured(self, cost: float, write: float) -> None:

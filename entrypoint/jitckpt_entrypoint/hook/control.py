@@ -6,7 +6,9 @@ the same methods in the same order. With one process (no torch.distributed) they
 
 The step agreement answers two questions at the same step on every rank: did any rank get
 SIGTERM (stop), and is a time-based periodic save due (save: rank 0's clock, cadence.py). Both
-ride in one MAX all-reduce of two flags, so a due save costs no extra collective.
+ride in one MAX all-reduce of two numbers, so a due save costs no extra collective. A save
+request is a token (a positive number the caller picks, 0 for none), sent once and answered
+once: the caller can tell a request that a save made since has answered already.
 
 The agreement is calibrated on the first CALIBRATION_CALLS steps (each with an async
 round). Then one blocking round carries every rank's median step time, and TIMED_ROUNDS more
@@ -58,10 +60,10 @@ class ControlGroup:
         """A blocking round after every step (long steps; decided by calibration)."""
         self._calibrated = False
         self._count = 0
-        self._carried = False
-        """A due save that a blocking round (`any_now`) received: returned by the next agree."""
-        self._wanted = False
-        """This rank's save flag, not yet sent (agree's steps between rounds)."""
+        self._carried = 0
+        """A save token that a blocking round (`any_now`) received: returned by the next agree."""
+        self._wanted = 0
+        """This rank's save token, not yet sent (agree's steps between rounds)."""
         self.world_size = 1
         try:
             import torch.distributed as dist
@@ -81,17 +83,18 @@ class ControlGroup:
         """The gloo process group (None with one process)."""
         return self._group
 
-    def agree(self, stop: bool, save: bool = False) -> tuple[bool, bool]:
+    def agree(self, stop: bool, save: int = 0) -> tuple[bool, int]:
         """The async agreement, called once per optimizer step on every rank: (stop, save).
 
-        Returns whether any rank had each flag set one round ago (so every rank gets the same
-        answer at the same step), then starts the next round without waiting for it. The
-        round started at step N has finished long before step N+1 ends, so `wait()` is free.
-        A save flag is sent once, with the next round (stop is asked again every step).
+        Returns whether any rank had its stop flag set one round ago, and the largest save
+        token sent then (0: none), so every rank gets the same answer at the same step; then
+        starts the next round without waiting for it. The round started at step N has
+        finished long before step N+1 ends, so `wait()` is free. A save token is sent once,
+        with the next round (stop is asked again every step).
         """
         if not self.distributed:
             return stop, save
-        self._wanted = self._wanted or save
+        self._wanted = max(self._wanted, save)
         self._count += 1
         if not self._calibrated:
             self._calls.append(time.monotonic())
@@ -113,7 +116,7 @@ class ControlGroup:
         """`agree` without a save flag: whether every rank stops at this step."""
         return self.agree(local)[0]
 
-    def _calibrate(self, stop: bool) -> tuple[bool, bool]:
+    def _calibrate(self, stop: bool) -> tuple[bool, int]:
         """Blocking rounds: the flags with every rank's median step time, then a few timed
         ones (every rank in step now), then the slowest rank's quickest. Decides `blocking`
         and `every`."""
@@ -124,7 +127,7 @@ class ControlGroup:
             return True, due
         times = self._calls
         step = statistics.median(b - a for a, b in zip(times, times[1:]))
-        flags = [1 if stop else 0, 1 if self._take_wanted() else 0, int(step * 1e6)]
+        flags = [1 if stop else 0, self._take_wanted(), int(step * 1e6)]
         both = torch.tensor(flags, dtype=torch.int64)
         self._dist.all_reduce(both, op=self._dist.ReduceOp.MAX, group=self._group)
         rounds = []
@@ -146,7 +149,7 @@ class ControlGroup:
                 step_us / 1e3,
                 round_us / 1e3,
             )
-        return bool(both[0].item()), due or bool(both[1].item())
+        return bool(both[0].item()), max(due, int(both[1].item()))
 
     def any_now(self, local: bool) -> bool:
         """Blocking agreement at a point where all ranks are in step anyway (after a save).
@@ -154,32 +157,32 @@ class ControlGroup:
         if not self.distributed:
             return local
         stop, due = self._now(local)
-        self._carried = self._carried or due
+        self._carried = max(self._carried, due)
         return stop
 
-    def _now(self, stop: bool) -> tuple[bool, bool]:
+    def _now(self, stop: bool) -> tuple[bool, int]:
         """One blocking round (with the result of the round in flight folded in)."""
         stopped, due = self._collect()
-        flags = self._flags(stop or stopped, due or self._take_wanted())
+        flags = self._flags(stop or stopped, max(due, self._take_wanted()))
         self._dist.all_reduce(flags, op=self._dist.ReduceOp.MAX, group=self._group)
-        return bool(flags[0].item()), bool(flags[1].item())
+        return bool(flags[0].item()), int(flags[1].item())
 
-    def _collect(self) -> tuple[bool, bool]:
-        """The result of the round in flight ((False, False) when none is), with a due save
+    def _collect(self) -> tuple[bool, int]:
+        """The result of the round in flight ((False, 0) when none is), with a save token
         carried over from an `any_now`."""
         carried = self._take_carried()
         if self._pending is None:
             return False, carried
         self._pending.wait()
         self._pending = None
-        return bool(self._buffer[0].item()), carried or bool(self._buffer[1].item())
+        return bool(self._buffer[0].item()), max(carried, int(self._buffer[1].item()))
 
-    def _take_carried(self) -> bool:
-        carried, self._carried = self._carried, False
+    def _take_carried(self) -> int:
+        carried, self._carried = self._carried, 0
         return carried
 
-    def _take_wanted(self) -> bool:
-        wanted, self._wanted = self._wanted, False
+    def _take_wanted(self) -> int:
+        wanted, self._wanted = self._wanted, 0
         return wanted
 
     @staticmethod
@@ -189,10 +192,10 @@ class ControlGroup:
         return torch.tensor([1 if value else 0], dtype=torch.int32)
 
     @staticmethod
-    def _flags(stop: bool, save: bool) -> Any:
+    def _flags(stop: bool, save: int) -> Any:
         import torch
 
-        return torch.tensor([1 if stop else 0, 1 if save else 0], dtype=torch.int32)
+        return torch.tensor([1 if stop else 0, save], dtype=torch.int64)
 
     def barrier(self) -> None:
         if self.distributed:

@@ -177,6 +177,9 @@ class CheckpointManager:
         """Time-based periodic saves (JITCKPT_SAVE_INTERVAL, JITCKPT_SAVE_OVERHEAD)."""
         self._save_due = False
         """The last step agreement said: save this step (a time-based periodic save)."""
+        self._periodic = 0
+        """Periodic saves begun in this process (the same on every rank): save requests'
+        tokens."""
         self.blocking: list[tuple[int, float]] = []
         """(step, seconds the training thread was held) of every async save, in order."""
 
@@ -314,14 +317,17 @@ class CheckpointManager:
         session, cadence = self.session, self.cadence
         now = time.monotonic()
         cadence.step_ended(now)
-        ask = session.topo.rank == 0 and cadence.due(now)
+        # A request is a token: one more than the periodic saves so far. A save that began
+        # since (save_steps' own, in the rounds a request travels) answered it already: every
+        # rank has the same count, so every rank drops it alike (no back-to-back saves).
+        token = self._periodic + 1 if session.topo.rank == 0 and cadence.due(now) else 0
         jit = session.cfg.jit
         if not (jit or cadence.active):
             return False
-        stop, save = session.control.agree(jit and session.flag.is_set, ask)
+        stop, save = session.control.agree(jit and session.flag.is_set, token)
         if save:
             cadence.agreed(now)
-        self._save_due = save and not stop
+        self._save_due = save > self._periodic and not stop
         return stop and jit
 
     def save_due(self) -> bool:
@@ -394,6 +400,7 @@ class CheckpointManager:
             start = status.SaveStart(session.run_id, step, save.started_at)
             self._advisory(status.write_save_start, session.layout.status, start)
         if save.kind == "periodic":
+            self._periodic += 1
             self.cadence.save_began(time.monotonic())
         self._pending = save
         return save
@@ -770,6 +777,16 @@ class CheckpointManager:
     def _commit(self, save: Save, control: Optional[ControlGroup] = None) -> float:
         """Collective (on `control`, the training's by default): commit `save`, or abandon it
         when any rank's outcome is not ok; returns the seconds from its start to the end."""
+        try:
+            self._commit_or_abandon(save, control)
+        finally:  # whatever raised (HF's rotation), the next time-based save is not held up
+            if save.kind == "periodic":
+                blocked = save.blocked if save.job is not None else None
+                self.cadence.save_finished(time.monotonic(), blocked)
+        return time.time() - save.started_at
+
+    def _commit_or_abandon(self, save: Save, control: Optional[ControlGroup]) -> None:
+        """The vote, then the commit (and its after_commit) or the abandon and its report."""
         session, step = self.session, save.step
         started = time.monotonic()
         vote = committer.commit(
@@ -796,9 +813,6 @@ class CheckpointManager:
         if save.job is not None:
             with self._lock:
                 self.blocking.append((step, save.blocked))
-        if save.kind == "periodic":
-            self.cadence.save_finished(time.monotonic())
-        return time.time() - save.started_at
 
     def _log_committed(self, save: Save, vote: committer.Vote, commit_seconds: float) -> None:
         event = vote.event
