@@ -170,7 +170,8 @@ OPTIONS = (
         doc="the share of training time periodic saves may cost (`1%`): the interval is "
         "picked from each save's measured cost (time training was held plus slower steps while "
         "it is written) and re-tuned after every save (logged when it changes); never longer "
-        "than `JITCKPT_SAVE_INTERVAL` (the first save comes at that, or after 60 s when unset)",
+        "than `JITCKPT_SAVE_INTERVAL`; the first save, to measure, after 60 s (or the "
+        "interval, when shorter)",
     ),
     Option(
         "save_total_limit",

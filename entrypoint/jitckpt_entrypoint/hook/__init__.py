@@ -9,15 +9,16 @@ Hugging Face Trainer needs none of this (the hook patches it). A hand-written lo
         jitckpt.load(state, path)               # torch.distributed.checkpoint, in place
     for step in range(start, total):
         train_one_step()
-        if jitckpt.should_stop():               # True on every rank at the same step
+        if jitckpt.should_stop(step):           # True on every rank at the same step
             jitckpt.save(state, step, kind="jit")   # saves, commits, exits JITCKPT_EXIT_CODE
-        if step % 100 == 0:
+        if step % 100 == 0 or jitckpt.should_save():  # should_save: JITCKPT_SAVE_INTERVAL
             jitckpt.save(state, step)           # async_=True: written in the background
     jitckpt.save(state, total, kind="final")
     jitckpt.done()
 
-Every function except `checkpoint_dir` is collective: call it on every rank. This module is
-imported at interpreter start in every process, so it imports nothing until called.
+Every function except `checkpoint_dir` and `should_save` is collective: call it on every rank.
+This module is imported at interpreter start in every process, so it imports nothing until
+called.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ if TYPE_CHECKING:
     from typing import Any, Optional
 
 
-def should_stop() -> bool:
-    """Call once per optimizer step on every rank.
+def should_stop(step: Optional[int] = None) -> bool:
+    """Call once per optimizer step on every rank, after the step; `step` (optional) feeds the
+    sidecar's work-at-risk metrics.
 
     The first call starts the SIGTERM flag. Returns True on all ranks at the same step once any
     rank got SIGTERM (an async all-reduce read one step later: no blocking collective per step).
@@ -37,7 +39,19 @@ def should_stop() -> bool:
 
     manager = current()
     manager.training_started()
+    if step is not None:
+        manager.step_finished(step)
     return manager.stop_agreed()
+
+
+def should_save() -> bool:
+    """After `should_stop()` in the same step: True on every rank at the same step when a
+    time-based periodic save is due (JITCKPT_SAVE_INTERVAL, or the interval the
+    JITCKPT_SAVE_OVERHEAD budget picked); always False when neither is set. Not collective.
+    """
+    from jitckpt_entrypoint.hook.manager import current
+
+    return current().save_due()
 
 
 def checkpoint_dir(step: int) -> str:

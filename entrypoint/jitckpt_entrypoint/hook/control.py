@@ -1,10 +1,14 @@
-"""jitckpt's own collectives on a dedicated CPU (gloo) group: stop agreement, commit barriers.
+"""jitckpt's own collectives on a dedicated CPU (gloo) group: step agreement, commit barriers.
 
 A separate group keeps our tiny messages off the training communicator (NCCL or gloo), so they
 never reorder or block gradient all-reduces. Every method is collective: all ranks must call
 the same methods in the same order. With one process (no torch.distributed) they are local.
 
-The stop agreement is calibrated on the first CALIBRATION_CALLS steps (each with an async
+The step agreement answers two questions at the same step on every rank: did any rank get
+SIGTERM (stop), and is a time-based periodic save due (save: rank 0's clock, cadence.py). Both
+ride in one MAX all-reduce of two flags, so a due save costs no extra collective.
+
+The agreement is calibrated on the first CALIBRATION_CALLS steps (each with an async
 round). Then one blocking round carries every rank's median step time, and TIMED_ROUNDS more
 measure what a blocking round costs (each rank's quickest; the slowest rank's counts):
 
@@ -54,6 +58,10 @@ class ControlGroup:
         """A blocking round after every step (long steps; decided by calibration)."""
         self._calibrated = False
         self._count = 0
+        self._carried = False
+        """A due save that a blocking round (`any_now`) received: returned by the next agree."""
+        self._wanted = False
+        """This rank's save flag, not yet sent (agree's steps between rounds)."""
         self.world_size = 1
         try:
             import torch.distributed as dist
@@ -73,43 +81,51 @@ class ControlGroup:
         """The gloo process group (None with one process)."""
         return self._group
 
-    def stop_requested(self, local: bool) -> bool:
-        """The async agreement, called once per optimizer step on every rank.
+    def agree(self, stop: bool, save: bool = False) -> tuple[bool, bool]:
+        """The async agreement, called once per optimizer step on every rank: (stop, save).
 
-        Returns whether any rank had its flag set one call ago (so every rank gets the same
+        Returns whether any rank had each flag set one round ago (so every rank gets the same
         answer at the same step), then starts the next round without waiting for it. The
         round started at step N has finished long before step N+1 ends, so `wait()` is free.
+        A save flag is sent once, with the next round (stop is asked again every step).
         """
         if not self.distributed:
-            return local
+            return stop, save
+        self._wanted = self._wanted or save
         self._count += 1
         if not self._calibrated:
             self._calls.append(time.monotonic())
             if len(self._calls) >= CALIBRATION_CALLS:
-                return self._calibrate(local)
+                return self._calibrate(stop)
         elif self.blocking:
-            return self.any_now(local)
+            return self._now(stop)
         elif self._count % self.every:
-            return False
-        agreed = self._collect()
-        if not agreed:
-            self._buffer = self._flag(local)
+            return False, self._take_carried()
+        stopped, due = self._collect()
+        if not stopped:
+            self._buffer = self._flags(stop, self._take_wanted())
             self._pending = self._dist.all_reduce(
                 self._buffer, op=self._dist.ReduceOp.MAX, group=self._group, async_op=True
             )
-        return agreed
+        return stopped, due
 
-    def _calibrate(self, local: bool) -> bool:
-        """Blocking rounds: the stop flag with every rank's median step time, then a few timed
+    def stop_requested(self, local: bool) -> bool:
+        """`agree` without a save flag: whether every rank stops at this step."""
+        return self.agree(local)[0]
+
+    def _calibrate(self, stop: bool) -> tuple[bool, bool]:
+        """Blocking rounds: the flags with every rank's median step time, then a few timed
         ones (every rank in step now), then the slowest rank's quickest. Decides `blocking`
         and `every`."""
         import torch
 
-        if self._collect():
-            return True
+        stopped, due = self._collect()
+        if stopped:
+            return True, due
         times = self._calls
         step = statistics.median(b - a for a, b in zip(times, times[1:]))
-        both = torch.tensor([1 if local else 0, int(step * 1e6)], dtype=torch.int64)
+        flags = [1 if stop else 0, 1 if self._take_wanted() else 0, int(step * 1e6)]
+        both = torch.tensor(flags, dtype=torch.int64)
         self._dist.all_reduce(both, op=self._dist.ReduceOp.MAX, group=self._group)
         rounds = []
         for _ in range(TIMED_ROUNDS):
@@ -119,7 +135,7 @@ class ControlGroup:
         cost = torch.tensor([int(min(rounds) * 1e6)], dtype=torch.int64)
         self._dist.all_reduce(cost, op=self._dist.ReduceOp.MAX, group=self._group)
         self._calibrated, self._calls = True, []
-        step_us, round_us = max(1, int(both[1].item())), max(1, int(cost[0].item()))
+        step_us, round_us = max(1, int(both[2].item())), max(1, int(cost[0].item()))
         self.blocking = round_us <= BLOCKING_COST * step_us
         self.every = 1 if self.blocking else max(1, math.ceil(ROUND_SECONDS * 1e6 / step_us))
         self._count = 0
@@ -130,29 +146,53 @@ class ControlGroup:
                 step_us / 1e3,
                 round_us / 1e3,
             )
-        return bool(both[0].item())
+        return bool(both[0].item()), due or bool(both[1].item())
 
     def any_now(self, local: bool) -> bool:
-        """Blocking agreement at a point where all ranks are in step anyway (after a save)."""
+        """Blocking agreement at a point where all ranks are in step anyway (after a save).
+        A due save of the round in flight is kept for the next `agree`."""
         if not self.distributed:
             return local
-        flag = self._flag(local or self._collect())
-        self._dist.all_reduce(flag, op=self._dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
+        stop, due = self._now(local)
+        self._carried = self._carried or due
+        return stop
 
-    def _collect(self) -> bool:
-        """The result of the round in flight (False when none is)."""
+    def _now(self, stop: bool) -> tuple[bool, bool]:
+        """One blocking round (with the result of the round in flight folded in)."""
+        stopped, due = self._collect()
+        flags = self._flags(stop or stopped, due or self._take_wanted())
+        self._dist.all_reduce(flags, op=self._dist.ReduceOp.MAX, group=self._group)
+        return bool(flags[0].item()), bool(flags[1].item())
+
+    def _collect(self) -> tuple[bool, bool]:
+        """The result of the round in flight ((False, False) when none is), with a due save
+        carried over from an `any_now`."""
+        carried = self._take_carried()
         if self._pending is None:
-            return False
+            return False, carried
         self._pending.wait()
         self._pending = None
-        return bool(self._buffer.item())
+        return bool(self._buffer[0].item()), carried or bool(self._buffer[1].item())
+
+    def _take_carried(self) -> bool:
+        carried, self._carried = self._carried, False
+        return carried
+
+    def _take_wanted(self) -> bool:
+        wanted, self._wanted = self._wanted, False
+        return wanted
 
     @staticmethod
     def _flag(value: bool) -> Any:
         import torch
 
         return torch.tensor([1 if value else 0], dtype=torch.int32)
+
+    @staticmethod
+    def _flags(stop: bool, save: bool) -> Any:
+        import torch
+
+        return torch.tensor([1 if stop else 0, 1 if save else 0], dtype=torch.int32)
 
     def barrier(self) -> None:
         if self.distributed:

@@ -59,6 +59,7 @@ import time
 from typing import Any, Callable, NoReturn, Optional
 
 from jitckpt_entrypoint.hook import committer, fastpath, memory, resume
+from jitckpt_entrypoint.hook.cadence import Cadence
 from jitckpt_entrypoint.hook.committer import CANCELLED, DISK_FULL, FAILED, OK
 from jitckpt_entrypoint.hook.control import ControlGroup
 from jitckpt_entrypoint.hook.session import Session
@@ -171,6 +172,11 @@ class CheckpointManager:
         """When status/progress.json was last written (Unix time)."""
         self._resumed_step = 0
         """The step this training resumed from (0: from the start)."""
+        cfg = session.cfg
+        self.cadence = Cadence(cfg.save_interval, cfg.save_overhead, rank0=session.topo.rank == 0)
+        """Time-based periodic saves (JITCKPT_SAVE_INTERVAL, JITCKPT_SAVE_OVERHEAD)."""
+        self._save_due = False
+        """The last step agreement said: save this step (a time-based periodic save)."""
         self.blocking: list[tuple[int, float]] = []
         """(step, seconds the training thread was held) of every async save, in order."""
 
@@ -203,6 +209,8 @@ class CheckpointManager:
         session.control  # noqa: B018 - collective: create the group while every rank is here
         with self._lock:
             self._announce()
+        if not session.training:
+            self.cadence.started(time.monotonic())
         session.training_started()
 
     def step_finished(self, step: int, began_at: Optional[int] = None) -> None:
@@ -235,7 +243,7 @@ class CheckpointManager:
         self.drain()
         self.session.training_ended()
         self._skipped.clear()
-        self._last_step = None
+        self._last_step, self._save_due = None, False
         self._async, self._decided, self._fast_off = False, False, None
 
     def record_output(self, output_dir: str, step: int) -> None:
@@ -301,9 +309,26 @@ class CheckpointManager:
 
     def stop_agreed(self) -> bool:
         """Once per optimizer step on every rank: True on all ranks at the same step once any
-        rank got SIGTERM (hook/control.py)."""
-        session = self.session
-        return bool(session.cfg.jit and session.control.stop_requested(session.flag.is_set))
+        rank got SIGTERM (hook/control.py). The same round says whether a time-based save is
+        due at this step (`save_due`)."""
+        session, cadence = self.session, self.cadence
+        now = time.monotonic()
+        cadence.step_ended(now)
+        ask = session.topo.rank == 0 and cadence.due(now)
+        jit = session.cfg.jit
+        if not (jit or cadence.active):
+            return False
+        stop, save = session.control.agree(jit and session.flag.is_set, ask)
+        if save:
+            cadence.agreed(now)
+        self._save_due = save and not stop
+        return stop and jit
+
+    def save_due(self) -> bool:
+        """After `stop_agreed`, on every rank: the same answer, whether this step is saved
+        because JITCKPT_SAVE_INTERVAL (or the overhead budget's interval) has passed."""
+        due, self._save_due = self._save_due, False
+        return due
 
     def stop_now(self) -> bool:
         """Blocking agreement where every rank is in step anyway (after a save, an evaluation)."""
@@ -368,6 +393,8 @@ class CheckpointManager:
         if session.topo.is_leader:  # the sidecar samples the volume until the commit
             start = status.SaveStart(session.run_id, step, save.started_at)
             self._advisory(status.write_save_start, session.layout.status, start)
+        if save.kind == "periodic":
+            self.cadence.save_began(time.monotonic())
         self._pending = save
         return save
 
@@ -769,6 +796,8 @@ class CheckpointManager:
         if save.job is not None:
             with self._lock:
                 self.blocking.append((step, save.blocked))
+        if save.kind == "periodic":
+            self.cadence.save_finished(time.monotonic())
         return time.time() - save.started_at
 
     def _log_committed(self, save: Save, vote: committer.Vote, commit_seconds: float) -> None:

@@ -6,7 +6,9 @@ Every Trainer (TRL's trainers subclass it) gets, with no change to the training 
   the script's for everything else (save_model, model card, metrics, logs): transformers derives
   every checkpoint path (save, rotation, best model, end-of-training clean-up) from
   `Trainer._get_output_dir`, the one method patched for it;
-- the JITCKPT_SAVE_* overrides (logged once);
+- the JITCKPT_SAVE_* overrides (logged once), and time-based periodic saves
+  (JITCKPT_SAVE_INTERVAL, JITCKPT_SAVE_OVERHEAD: the callback sets `should_save` at the step
+  every rank agreed on);
 - resume from the newest checkpoint committed on every node, unless the script passed
   resume_from_checkpoint itself (HF's get_last_checkpoint ignores commit markers);
 - a callback that hands the Trainer's events to the checkpoint manager (manager.py), which
@@ -352,10 +354,13 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
             )
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self.manager.step_finished(state.global_step, self._began_at)
-        if self.manager.stop_agreed():
+        manager, step = self.manager, state.global_step
+        manager.step_finished(step, self._began_at)
+        if manager.stop_agreed():
             self._stop(state, control)
-        elif 0 < state.max_steps <= state.global_step and self.manager.last_step(state.global_step):
+            return control
+        last = 0 < state.max_steps <= step and manager.last_step(step)  # its save is final
+        if manager.save_due() or last:  # save_due: JITCKPT_SAVE_INTERVAL, on every rank
             control.should_save = True
         return control
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--async-save", action="store_true", help="jitckpt.save(async_=True)")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds added to steps")
+    parser.add_argument("--slow-from", type=int, default=0, help="--slow-sleep from this step")
+    parser.add_argument("--slow-sleep", type=float, default=0.0)
     opts = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -64,11 +68,16 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        slow = opts.slow_from and step >= opts.slow_from
+        time.sleep(opts.slow_sleep if slow else opts.step_sleep)
         app.step = step
         say(f"step {step} rank={rank}")
-        if jitckpt.should_stop():
+        if jitckpt.should_stop(step):
             jitckpt.save(state, step, kind="jit")  # commits, then exits with JITCKPT_EXIT_CODE
-        if step % opts.save_every == 0 and step < opts.steps:
+        timed = jitckpt.should_save()  # JITCKPT_SAVE_INTERVAL: every rank at the same step
+        if timed:
+            say(f"timed save at step {step} rank={rank}")
+        if (timed or step % opts.save_every == 0) and step < opts.steps:
             jitckpt.save(state, step, async_=opts.async_save)
     jitckpt.save(state, opts.steps, kind="final")
     jitckpt.done()

@@ -1,0 +1,70 @@
+"""The step agreement (hook/control.py) between two real gloo processes: every rank gets the
+same (stop, save) answers at the same calls, whatever step a rank-0 save request comes at."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness.procs import free_port
+
+pytestmark = pytest.mark.integration
+
+CHILD = r"""
+import json, os, sys, time
+import torch.distributed as dist
+from jitckpt_entrypoint.hook import control
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+group = control.ControlGroup()
+answers = []
+for call in range(60):
+    if call < control.CALIBRATION_CALLS:
+        time.sleep(float(sys.argv[1]))  # the step time calibration measures
+    ask = rank == 0 and call in (13, 31)  # 13: between rounds; 31's round is any_now'd at 32
+    stop, save = group.agree(rank == 1 and call >= 45, ask)  # SIGTERM on rank 1 at 45
+    answers.append([call, stop, save])
+    if call == 32:
+        answers.append([call, "any_now", group.any_now(False)])
+    if stop:
+        break
+answers.append(["every", group.every, group.blocking])
+group.close()
+print(json.dumps(answers))
+"""
+
+
+@pytest.mark.parametrize("step", [0.01, 0.12], ids=["short steps, async", "long, blocking"])
+def test_every_rank_gets_each_save_request_once_at_the_same_call(step: float):
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env["WORLD_SIZE"] = "2"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(step)],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    answers = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert answers[0] == answers[1]  # the same answers at the same calls
+    *calls, (_, every, blocking) = answers[0]
+    saves = [call for call, kind, save in calls if kind != "any_now" and save]
+    stops = [call for call, stop, _ in calls if stop is True]
+    if blocking:  # a round after every step: answered at the very step
+        assert (saves, stops) == ([13, 31], [45]), calls
+        return
+    assert every > 1, answers[0]  # async rounds: a request waits for the next
+    assert len(saves) == 2, calls  # each request once, none lost between rounds
+    assert 13 < saves[0] <= 13 + 2 * every
+    assert 31 < saves[1] <= 31 + 2 * every
+    assert len(stops) == 1, calls
+    assert 45 <= stops[0] <= 45 + 2 * every

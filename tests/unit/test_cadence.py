@@ -1,0 +1,142 @@
+"""Time-based periodic saves (hook/cadence.py) on a scripted clock: the interval, the budget."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from jitckpt_entrypoint.hook.cadence import FIRST_SAVE_SECONDS, MIN_INTERVAL, Cadence
+
+
+class Run:
+    """Steps of a given length on a fake clock; saves that hold training and take time."""
+
+    def __init__(self, cadence: Cadence) -> None:
+        self.cadence, self.now, self.saves = cadence, 0.0, []
+        cadence.started(self.now)
+
+    def steps(self, count: int, seconds: float, *, blocked: float = 0.0, write: float = 0.0):
+        """`count` steps; a due save is agreed at once, holds the next step `blocked` seconds
+        and is committed `write` seconds after it began (async) or at once (write=0)."""
+        finish = None
+        for _ in range(count):
+            self.now += seconds
+            if finish is not None and self.now >= finish:
+                self.cadence.save_finished(finish)
+                finish = None
+            self.cadence.step_ended(self.now)
+            if self.cadence.due(self.now):
+                self.cadence.agreed(self.now)
+                self.cadence.save_began(self.now)
+                self.saves.append(self.now)
+                finish = self.now + max(write, blocked)
+                if not write:
+                    self.now += blocked
+                    self.cadence.save_finished(self.now)
+                    finish = None
+                else:
+                    self.now += blocked  # the next step ends later by what the save held
+        return self
+
+    def gaps(self) -> list[float]:
+        return [round(b - a, 3) for a, b in zip(self.saves, self.saves[1:])]
+
+
+def test_no_setting_no_time_based_saves():
+    cadence = Cadence(None, None)
+    assert not cadence.active
+    assert Run(cadence).steps(1000, 1.0).saves == []
+
+
+def test_the_interval_holds_when_step_time_changes():
+    run = Run(Cadence(10.0, None)).steps(100, 0.5).steps(20, 2.0)
+    assert run.saves[0] == pytest.approx(10.0)
+    assert all(10.0 <= gap <= 12.0 for gap in run.gaps()), run.gaps()
+    assert len(run.saves) == 9  # 90 s of training
+
+
+def test_a_step_based_save_resets_the_clock():
+    cadence = Cadence(10.0, None)
+    run = Run(cadence).steps(12, 0.5)  # 6 s
+    cadence.save_began(run.now)  # save_steps asked for this one
+    cadence.save_finished(run.now)
+    run.steps(12, 0.5)  # 6 s more: 12 s in all, but only 6 s since that save
+    assert run.saves == []
+    run.steps(10, 0.5)
+    assert run.saves == [pytest.approx(16.0)]
+
+
+def test_rank0_asks_once_until_the_agreement_answers():
+    cadence = Cadence(1.0, None)
+    cadence.started(0.0)
+    assert cadence.due(1.5)
+    assert not cadence.due(1.6)  # the answer is one round away: no second save
+    cadence.agreed(1.7)
+    assert not cadence.due(2.5)
+    assert cadence.due(2.8)
+
+
+def test_no_save_is_asked_for_while_one_is_being_written():
+    cadence = Cadence(1.0, None)
+    cadence.started(0.0)
+    cadence.save_began(0.5)
+    assert not cadence.due(3.0)
+    cadence.save_finished(3.1)
+    cadence.step_ended(3.2)
+    assert cadence.due(3.2)
+
+
+def test_the_budget_picks_cost_over_overhead_and_logs_its_choice(caplog):
+    caplog.set_level(logging.INFO, "jitckpt.hook")
+    cadence = Cadence(None, 0.01)
+    assert cadence.interval == FIRST_SAVE_SECONDS
+    # steps of 1 s, a save holds training 0.5 s: 0.5 s / 1% = 50 s
+    run = Run(cadence).steps(200, 1.0, blocked=0.5)
+    assert cadence.cost == pytest.approx(0.5)
+    assert cadence.interval == pytest.approx(50.0)
+    assert run.saves[0] == pytest.approx(60.0)
+    assert 50.0 <= run.gaps()[-1] <= 52.0
+    lines = [r.getMessage() for r in caplog.records if "save interval" in r.getMessage()]
+    assert lines == [
+        "save interval 50.0 s: a save costs training 0.500 s (written in 0.5 s); budget 1%"
+    ]
+
+
+def test_the_budget_counts_slower_steps_while_an_async_save_is_written():
+    cadence = Cadence(None, 0.05)
+    cadence.started(0.0)
+    now = 0.0
+    for _ in range(10):
+        now += 1.0
+        cadence.step_ended(now)
+    cadence.save_began(now)
+    for _ in range(8):  # written in the background: meanwhile steps take 1.2 s, not 1 s
+        now += 1.2
+        cadence.step_ended(now)
+    cadence.save_finished(now)
+    now += 1.0
+    cadence.step_ended(now)  # after the commit: the measurement ends
+    assert cadence.choices == [(pytest.approx(1.6), pytest.approx(9.6), pytest.approx(32.0))]
+
+
+def test_the_budget_never_exceeds_the_interval_and_never_saves_faster_than_it_writes():
+    capped = Cadence(30.0, 0.01)
+    assert capped.interval == 30.0  # the first save comes at the cap when it is shorter
+    Run(capped).steps(200, 1.0, blocked=0.5)
+    assert capped.interval == 30.0
+    cheap = Cadence(None, 0.5)
+    Run(cheap).steps(100, 1.0, blocked=0.001, write=20.0)
+    assert cheap.interval == pytest.approx(20.0, rel=0.1)  # the write, not 0.002 s
+    free = Cadence(None, 0.5)
+    Run(free).steps(100, 1.0)
+    assert free.interval == MIN_INTERVAL
+
+
+def test_the_budget_retunes_when_saves_get_cheaper():
+    cadence = Cadence(None, 0.01)
+    run = Run(cadence).steps(200, 1.0, blocked=1.0)
+    assert cadence.interval == pytest.approx(100.0)
+    run.steps(2000, 1.0, blocked=0.2)
+    assert cadence.interval == pytest.approx(20.0, rel=0.05)
+    assert [round(c[2]) for c in cadence.choices][:2] == [100, 100]
