@@ -47,12 +47,13 @@ Per variant:
 - S3 MB written: the bytes of every PUT (objects and multipart parts) the pods sent, counted in
   RGW's access log (as bench_recovery.py counts them).
 
-    .venv/bin/python bench/bench_goodput.py [--minutes 4] [--repeat 1] [--seed 1]
-        [--sigterms 2] [--save-steps 250] [--step-sleep 0.1] [--interval 10s]
-        [--overhead 5%] [--overhead-cap 60s] [--variants NAME ...]
+    .venv/bin/python bench/bench_goodput.py [--minutes 3] [--repeat 1] [--seed 1]
+        [--sigterms 2] [--save-steps 150] [--step-sleep 0.1] [--interval 10s]
+        [--overhead 5%] [--overhead-cap 30s] [--variants NAME ...] [--logs DIR]
 
-Needs Ceph's binaries (tests/harness/rgw.py names the packages). One repeat of 4 minutes takes
-about 30 minutes on a 2-core VM. Temporary data lives under /tmp (or $TMPDIR).
+Needs Ceph's binaries (tests/harness/rgw.py names the packages). One repeat of the default
+3 minutes of training takes about 30 minutes on a 2-core VM. Temporary data lives under /tmp
+(or $TMPDIR); --logs keeps every pod's output (trainer and sidecar).
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ class Failure:
     """The last step rank 0 finished before the failure."""
     resumed: int
     recovery: float
+    down: float
+    """From the failure to the old pod (or container) gone: the grace period's share."""
 
 
 @dataclasses.dataclass
@@ -213,15 +216,18 @@ class Runner:
                 return t
         return None
 
-    def fail(self, kind: str) -> int:
-        """Inflict `kind`; returns the last step rank 0 finished before it (its output is
-        complete once the pod or container is gone) after starting the replacement."""
+    def fail(self, kind: str) -> tuple[int, float]:
+        """Inflict `kind` and start the replacement; returns the last step rank 0 finished
+        before it (its output is complete once the pod or container is gone) and when the
+        failed pod or container was gone."""
         pod, proc = self.pods[-1], self.trainers[-1]
         if kind == "sigterm":
             pod.terminate()
+            gone = time.monotonic()
             self.new_pod()
         elif kind == "pod-kill":
             pod.kill()
+            gone = time.monotonic()
             self.new_pod()
         else:
             worker = next(
@@ -231,12 +237,16 @@ class Runner:
             )
             os.kill(worker, signal.SIGKILL)
             proc.wait(timeout=self.grace + 60)  # torchrun fails the container
+            gone = time.monotonic()
             self.start_trainer(pod)
-        return _last_step(proc)
+        return _last_step(proc), gone
 
-    def close(self) -> None:
+    def close(self, logs: Optional[Path] = None) -> None:
         for pod in self.pods:
             pod.close()
+            if logs is not None:
+                logs.mkdir(parents=True, exist_ok=True)
+                (logs / f"{pod.name}.log").write_text(pod.output())
 
     def output(self) -> str:
         return "\n".join(pod.output()[-6000:] for pod in self.pods)
@@ -254,7 +264,9 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def run_variant(runner: Runner, trace: list[Event], max_steps: int, log: AccessLog) -> Result:
+def run_variant(
+    runner: Runner, trace: list[Event], max_steps: int, log: AccessLog, logs: Optional[Path]
+) -> Result:
     mark = log.mark()
     try:
         wall, failures = through(runner, trace, max_steps)
@@ -262,7 +274,7 @@ def run_variant(runner: Runner, trace: list[Event], max_steps: int, log: AccessL
         print(runner.output(), file=sys.stderr)
         raise
     finally:
-        runner.close()
+        runner.close(logs)
     written = sum(r.bytes for r in log.since(mark) if r.method == "PUT")
     uploads = sum(
         "uploaded checkpoint-" in line
@@ -286,9 +298,9 @@ def through(runner: Runner, trace: list[Event], max_steps: int) -> tuple[float, 
                 raise RuntimeError(f"{runner.variant.name}: the trainer exited by itself")
             time.sleep(0.05)
         at = time.monotonic()
-        last = runner.fail(event.kind)
+        last, gone = runner.fail(event.kind)
         resumed, segment = runner.began()
-        failures.append(Failure(event.kind, last, resumed, segment - at))
+        failures.append(Failure(event.kind, last, resumed, segment - at, gone - at))
         print(
             f"  {runner.variant.name}: {event.kind} at step {last}, resumed at {resumed}, "
             f"training again {segment - at:.1f} s later",
@@ -343,10 +355,10 @@ def report(results: dict[str, list[Result]], step_times: list[float]) -> None:
     )
     print(
         "| variant | goodput | vs hf-periodic | goodput excl. start-ups | steps lost: sigterm "
-        "| pod-kill | worker-crash | recovery s (median) | start-ups s | wall s "
+        "| pod-kill | worker-crash | recovery s (median) | sigterm: pod gone s | start-ups s | wall s "
         "| S3 MB written | vs hf-periodic | uploads |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base_good = _median([r.goodput(s) for r, s in zip(anchor, step_times)]) if anchor else None
     base_mb = _median([r.s3_bytes / MB for r in anchor]) if anchor else None
     for name, runs in results.items():
@@ -357,18 +369,20 @@ def report(results: dict[str, list[Result]], step_times: list[float]) -> None:
             values = [v for r in runs if (v := r.lost(kind)) is not None]
             lost.append(f"{_median(values):.0f}" if values else "-")
         recovery = _median([f.recovery for r in runs for f in r.failures])
+        down = _median([f.down for r in runs for f in r.failures if f.kind == "sigterm"])
         mb = _median([r.s3_bytes / MB for r in runs])
         versus = f"{good / base_good:.2f}x" if base_good else "-"
         print(
             f"| {name} | {good:.3f} | {versus} | {excl:.3f} | {' | '.join(lost)} "
-            f"| {recovery:.1f} | {_median([sum(r.startups) for r in runs]):.0f} "
+            f"| {recovery:.1f} | {down:.1f} | {_median([sum(r.startups) for r in runs]):.0f} "
             f"| {_median([r.wall for r in runs]):.0f} | {mb:.0f} "
             f"| {(f'{mb / base_mb:.2f}x' if base_mb else '-')} "
             f"| {_median([float(r.saves) for r in runs]):.0f} |"
         )
     print(
         "\nsteps lost: summed over the failures of that kind (median over repeats); recovery:"
-        " failure to the first step after the restart; start-ups: trainer process start to"
+        " failure to the first step after the restart; pod gone: SIGTERM to both containers"
+        " exited (the JIT save, the sidecar's drain); start-ups: trainer process start to"
         " the Trainer's on_train_begin, summed over every start (the first included);"
         " goodput excl. start-ups takes them out of the wall time; uploads: checkpoints the"
         " sidecars uploaded."
@@ -376,7 +390,8 @@ def report(results: dict[str, list[Result]], step_times: list[float]) -> None:
     for name, runs in results.items():
         for i, r in enumerate(runs):
             detail = ", ".join(
-                f"{f.kind} {f.last}->{f.resumed} ({f.recovery:.1f} s)" for f in r.failures
+                f"{f.kind} {f.last}->{f.resumed} (gone {f.down:.1f} s, training {f.recovery:.1f} s)"
+                for f in r.failures
             )
             print(f"  {name} #{i + 1}: {detail}; {r.steps} steps in {r.wall:.0f} s")
 
@@ -386,22 +401,23 @@ def report(results: dict[str, list[Result]], step_times: list[float]) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=4.0, help="training time in the trace")
+    parser.add_argument("--minutes", type=float, default=3.0, help="training time in the trace")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--sigterms", type=int, default=2)
-    parser.add_argument("--save-steps", type=int, default=250)
+    parser.add_argument("--save-steps", type=int, default=150)
     parser.add_argument("--step-sleep", type=float, default=0.1)
     parser.add_argument(
         "--interval", default="10s", help="jitckpt-interval's JITCKPT_SAVE_INTERVAL"
     )
     parser.add_argument("--overhead", default="5%", help="jitckpt-overhead's JITCKPT_SAVE_OVERHEAD")
-    parser.add_argument("--overhead-cap", default="60s", help="and its JITCKPT_SAVE_INTERVAL")
+    parser.add_argument("--overhead-cap", default="30s", help="and its JITCKPT_SAVE_INTERVAL")
     parser.add_argument("--baseline-steps", type=int, default=150)
     parser.add_argument("--grace", type=int, default=30, help="terminationGracePeriodSeconds")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--logs", type=Path, default=None, help="keep every pod's output here")
     parser.add_argument("--variants", nargs="+", default=None, help="a subset, by name")
     return parser.parse_args()
 
@@ -466,7 +482,8 @@ def main() -> None:
                     runner = Runner(
                         tmp / f"r{rep}", bucket(f"{variant.name}-{rep}"), variant, args, opts.grace
                     )
-                    result = run_variant(runner, trace, max_steps, log)
+                    logs = opts.logs / f"r{rep}" if opts.logs else None
+                    result = run_variant(runner, trace, max_steps, log, logs)
                     results[variant.name].append(result)
                     print(
                         f"== {variant.name}: goodput {result.goodput(step):.3f}"
