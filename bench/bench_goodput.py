@@ -326,7 +326,8 @@ def _wait(predicate: Callable[[], Optional[float]], timeout: float, what: str) -
 def baseline(root: Path, bucket: Bucket, args: list[str], steps: int) -> float:
     """The uninterrupted step time: the mean step of a run without failures or checkpoints,
     after its first 10 steps."""
-    runner = Runner(root, bucket, Variant("baseline", {"JITCKPT_SAVE_STRATEGY": "no"}), args, 30)
+    no_saves = Variant("baseline", {"JITCKPT_SAVE_STRATEGY": "no"})
+    runner = Runner(root, bucket, no_saves, [*args, "--max-steps", str(steps)], 30)
     try:
         runner.new_pod()
         proc = runner.trainers[-1]
