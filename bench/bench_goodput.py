@@ -22,9 +22,14 @@ the uninterrupted step time), so a variant that loses work runs longer.
 Variants (the same script and flags; periodic saves every --save-steps steps, save_total_limit 2):
 - hf-periodic: the Trainer's periodic saves alone: JITCKPT_JIT=0 JITCKPT_ASYNC_SAVE=0 (the
   sidecar still uploads and restores them).
-- hf-jit: the same plus HF's TrainingArguments(enable_jit_checkpoint=True) (on SIGTERM it waits
-  3 s, then saves at the next step boundary through the Trainer's _save_checkpoint, which the
-  hook routes into JITCKPT_DIR/checkpoints and commits like a periodic save).
+- hf-jit: the same plus HF's TrainingArguments(enable_jit_checkpoint=True). On SIGTERM each rank
+  waits 3 s, then saves at its next step callback through the Trainer's _save_checkpoint, which
+  the hook routes into JITCKPT_DIR/checkpoints and commits like a periodic save: a JIT
+  checkpoint that is written is committed, uploaded by the draining sidecar and resumed from.
+  The ranks do not agree on the step: when one rank starts the save's collectives while the
+  other is still in a training step's all-reduce, gloo fails on the mismatch, no checkpoint is
+  written and that preemption loses the steps since the last periodic save (seen in some
+  preemptions of this bench, not all).
 - jitckpt: the defaults (JIT checkpoint on SIGTERM, async periodic saves).
 - jitckpt-interval: plus JITCKPT_SAVE_INTERVAL (--interval).
 - jitckpt-overhead: plus JITCKPT_SAVE_OVERHEAD (--overhead), capped by --overhead-cap.
