@@ -1,0 +1,504 @@
+"""Goodput through a scripted failure trace: HF's own checkpointing against jitckpt's, one pod
+on Ceph RGW.
+
+One pod of the tests' harness (tests/harness/pod.py: jitckpt-sidecar beside jitckpt-entrypoint
+running `torchrun --standalone --nproc-per-node 2` on CPU/gloo, each pod with its own emptyDir)
+trains tests/integration/children/train_hf.py (a Llama built from a config, random tokens,
+`--step-sleep` added to every step so a step takes about as long as a real one relative to the
+start-up of a process) against Ceph RGW 16 over HTTPS on loopback (tests/harness/rgw.py).
+
+The trace. A seeded list of failures, the same for every variant: --sigterms preemptions, one
+node loss and one worker crash, in a seeded order. Each fires a seeded number of seconds of
+training after the previous (re)start's first step (together --minutes of training), so every
+variant meets every failure after the same training time whatever its restarts cost:
+- sigterm: a preemption. SIGTERM to both containers, SIGKILL at the end of the grace period;
+  the Job's replacement is a new pod on another node: an empty emptyDir, restored from S3.
+- pod-kill: a node loss. SIGKILL to the whole pod; a new pod restores from S3.
+- worker-crash: SIGKILL to rank 1's worker. torchrun fails the container, which restarts in
+  place at once (no CrashLoopBackOff delay) with the same emptyDir and the same sidecar.
+The run ends when training reaches its last step (max_steps = the trace's training seconds /
+the uninterrupted step time), so a variant that loses work runs longer.
+
+Variants (the same script and flags; periodic saves every --save-steps steps, save_total_limit 2):
+- hf-periodic: the Trainer's periodic saves alone: JITCKPT_JIT=0 JITCKPT_ASYNC_SAVE=0 (the
+  sidecar still uploads and restores them).
+- hf-jit: the same plus HF's TrainingArguments(enable_jit_checkpoint=True). On SIGTERM each rank
+  waits 3 s, then saves at its next step callback through the Trainer's _save_checkpoint, which
+  the hook routes into JITCKPT_DIR/checkpoints and commits like a periodic save: a JIT
+  checkpoint that is written is committed, uploaded by the draining sidecar and resumed from.
+  The ranks do not agree on the step: when one rank starts the save's collectives while the
+  other is still in a training step's all-reduce, gloo fails on the mismatch, no checkpoint is
+  written and that preemption loses the steps since the last periodic save (seen in some
+  preemptions of this bench, not all).
+- jitckpt: the defaults (JIT checkpoint on SIGTERM, async periodic saves).
+- jitckpt-interval: plus JITCKPT_SAVE_INTERVAL (--interval).
+- jitckpt-overhead: plus JITCKPT_SAVE_OVERHEAD (--overhead), capped by --overhead-cap.
+Each repeat runs a failure-free baseline (no checkpoints) and then every variant through the
+same trace, the variants in a rotated order per repeat.
+
+Per variant:
+- goodput: steps of progress x uninterrupted step time / wall time. The wall time runs from the
+  first pod's start to training's last step; the uninterrupted step time is the baseline's mean
+  step (after its first 10).
+- goodput excl. start-ups: the same with every trainer start-up taken out of the wall time
+  (trainer process start to the Trainer's on_train_begin: Python, torch and transformers
+  imports, torchrun, the Trainer's set-up and checkpoint load). It costs every variant the same
+  seconds per restart on this machine and no checkpoint tool controls it; a real job pays
+  it too, but how long it is depends on its image and nodes.
+- steps lost per failure kind (summed over the failures of that kind): the last step rank 0
+  finished before the failure minus the step training resumed from after it.
+- recovery s (median over failures): from the failure to the first step after the restart
+  (the old pod's grace period, the new pod's restore, its start-up and one step).
+- S3 MB written: the bytes of every PUT (objects and multipart parts) the pods sent, counted in
+  RGW's access log (as bench_recovery.py counts them).
+
+    .venv/bin/python bench/bench_goodput.py [--minutes 3] [--repeat 1] [--seed 1]
+        [--sigterms 2] [--save-steps 150] [--step-sleep 0.1] [--interval 10s]
+        [--overhead 5%] [--overhead-cap 30s] [--variants NAME ...] [--logs DIR]
+
+Needs Ceph's binaries (tests/harness/rgw.py names the packages). One repeat of the default
+3 minutes of training takes about 30 minutes on a 2-core VM. Temporary data lives under /tmp
+(or $TMPDIR); --logs keeps every pod's output (trainer and sidecar).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+CODE = [str(REPO / "entrypoint"), str(REPO / "sidecar")]
+"""This checkout's packages, first on every path: the venv's editable install may point at
+another checkout."""
+sys.path[:0] = [*CODE, str(REPO / "tests"), str(REPO / "bench")]
+
+from bench_recovery import AccessLog  # noqa: E402
+from harness import rgw  # noqa: E402
+from harness.pod import Pod  # noqa: E402
+from harness.procs import Proc, descendants, environ_of  # noqa: E402
+from harness.s3 import FAKE_CREDENTIALS, Bucket, RgwStore  # noqa: E402
+
+MB = 1e6
+KINDS = ("sigterm", "pod-kill", "worker-crash")
+STEP = re.compile(r"^step (\d+) rank=0$")
+BEGIN = re.compile(r"^begin rank=0 pid=\d+ step=(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    env: dict[str, str]
+    args: tuple[str, ...] = ()
+
+
+def variants(opts: argparse.Namespace) -> list[Variant]:
+    hf = {"JITCKPT_JIT": "0", "JITCKPT_ASYNC_SAVE": "0"}
+    return [
+        Variant("hf-periodic", hf),
+        Variant("hf-jit", hf, ("--hf-jit",)),
+        Variant("jitckpt", {}),
+        Variant("jitckpt-interval", {"JITCKPT_SAVE_INTERVAL": opts.interval}),
+        Variant(
+            "jitckpt-overhead",
+            {"JITCKPT_SAVE_OVERHEAD": opts.overhead, "JITCKPT_SAVE_INTERVAL": opts.overhead_cap},
+        ),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    after: float
+    """Seconds of training after the previous (re)start's first step."""
+    kind: str
+
+
+def make_trace(seed: int, minutes: float, sigterms: int) -> tuple[list[Event], float]:
+    """The failures in a seeded order and spacing, and the training seconds after the last."""
+    rng = random.Random(seed)
+    kinds = ["sigterm"] * sigterms + ["pod-kill", "worker-crash"]
+    rng.shuffle(kinds)
+    weights = [rng.uniform(0.5, 1.5) for _ in range(len(kinds) + 1)]
+    seconds = [minutes * 60 * w / sum(weights) for w in weights]
+    return [Event(round(s, 1), k) for s, k in zip(seconds, kinds)], round(seconds[-1], 1)
+
+
+@dataclasses.dataclass
+class Failure:
+    kind: str
+    last: int
+    """The last step rank 0 finished before the failure."""
+    resumed: int
+    recovery: float
+    down: float
+    """From the failure to the old pod (or container) gone: the grace period's share."""
+
+
+@dataclasses.dataclass
+class Result:
+    variant: str
+    steps: int
+    wall: float
+    startups: list[float]
+    failures: list[Failure]
+    s3_bytes: int
+    saves: int
+    """Checkpoints the sidecars uploaded (their `uploaded checkpoint-N` lines)."""
+
+    def goodput(self, step_time: float, exclude_startups: bool = False) -> float:
+        wall = self.wall - (sum(self.startups) if exclude_startups else 0.0)
+        return self.steps * step_time / wall
+
+    def lost(self, kind: str) -> Optional[int]:
+        mine = [f.last - f.resumed for f in self.failures if f.kind == kind]
+        return sum(mine) if mine else None
+
+
+# -- one run ---------------------------------------------------------------------------------
+
+
+class Runner:
+    """Pods of one variant on its own bucket, through the trace."""
+
+    def __init__(
+        self, root: Path, bucket: Bucket, variant: Variant, args: list[str], grace: int
+    ) -> None:
+        self.root, self.bucket, self.variant = root, bucket, variant
+        self.args, self.grace = [*args, *variant.args], grace
+        self.pods: list[Pod] = []
+        self.trainers: list[Proc] = []
+        self.startups: list[float] = []
+
+    def new_pod(self) -> Pod:
+        env = {
+            **self.variant.env,
+            "AWS_SDK_UA_APP_ID": "goodput",
+            "PYTHONPATH": os.pathsep.join(CODE),
+        }
+        pod = Pod(
+            self.root,
+            f"{self.variant.name}-{len(self.pods)}",
+            self.args,
+            self.bucket.env({}),
+            self.bucket.uri,
+            grace=self.grace,
+            env=env,
+        )
+        self.pods.append(pod)
+        pod.start_sidecar()
+        pod.wait_ready(timeout=600)
+        self.start_trainer(pod)
+        return pod
+
+    def start_trainer(self, pod: Pod) -> None:
+        self.trainers.append(pod.start_trainer())
+
+    def began(self, timeout: float = 600) -> tuple[int, float]:
+        """(resumed step, seconds from the trainer's start to train()'s first step)."""
+        proc, pod = self.trainers[-1], self.pods[-1]
+        resumed = int(proc.expect(BEGIN.pattern, timeout=timeout).group(1))
+        begin_at = next(t for t, line in proc.stamped if BEGIN.match(line))
+        self.startups.append(begin_at - pod.started_at)
+        proc.expect(rf"^step {resumed + 1} rank=0$", timeout=timeout)
+        first = next(t for t, line in proc.stamped if STEP.match(line))
+        return resumed, first
+
+    def finished(self, max_steps: int) -> Optional[float]:
+        """When rank 0 finished the last step, if it has."""
+        for t, line in self.trainers[-1].stamped:
+            if line == f"step {max_steps} rank=0":
+                return t
+        return None
+
+    def fail(self, kind: str) -> tuple[int, float]:
+        """Inflict `kind` and start the replacement; returns the last step rank 0 finished
+        before it (its output is complete once the pod or container is gone) and when the
+        failed pod or container was gone."""
+        pod, proc = self.pods[-1], self.trainers[-1]
+        if kind == "sigterm":
+            pod.terminate()
+            gone = time.monotonic()
+            self.new_pod()
+        elif kind == "pod-kill":
+            pod.kill()
+            gone = time.monotonic()
+            self.new_pod()
+        else:
+            worker = next(
+                pid
+                for pid in descendants(proc.pid)
+                if "train_hf.py" in _cmdline(pid) and environ_of(pid).get("RANK") == "1"
+            )
+            os.kill(worker, signal.SIGKILL)
+            proc.wait(timeout=self.grace + 60)  # torchrun fails the container
+            gone = time.monotonic()
+            self.start_trainer(pod)
+        return _last_step(proc), gone
+
+    def close(self, logs: Optional[Path] = None) -> None:
+        for pod in self.pods:
+            pod.close()
+            if logs is not None:
+                logs.mkdir(parents=True, exist_ok=True)
+                (logs / f"{pod.name}.log").write_text(pod.output())
+
+    def output(self) -> str:
+        return "\n".join(pod.output()[-6000:] for pod in self.pods)
+
+
+def _last_step(proc: Proc) -> int:
+    steps = [int(m.group(1)) for line in proc.stdout if (m := STEP.match(line))]
+    return steps[-1] if steps else 0
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def run_variant(
+    runner: Runner, trace: list[Event], max_steps: int, log: AccessLog, logs: Optional[Path]
+) -> Result:
+    mark = log.mark()
+    try:
+        wall, failures = through(runner, trace, max_steps)
+    except BaseException:
+        print(runner.output(), file=sys.stderr)
+        raise
+    finally:
+        runner.close(logs)
+    written = sum(r.bytes for r in log.since(mark) if r.method == "PUT")
+    uploads = sum(
+        "uploaded checkpoint-" in line
+        for p in runner.pods
+        if p.sidecar is not None
+        for line in p.sidecar.stderr
+    )
+    return Result(runner.variant.name, max_steps, wall, runner.startups, failures, written, uploads)
+
+
+def through(runner: Runner, trace: list[Event], max_steps: int) -> tuple[float, list[Failure]]:
+    """Train through `trace` to `max_steps`, the last pod finishing (its sidecar uploads the
+    final checkpoint); returns the wall time to the last step and the failures."""
+    started = time.monotonic()
+    failures: list[Failure] = []
+    runner.new_pod()
+    _, segment = runner.began()
+    for event in trace:
+        while time.monotonic() < segment + event.after:
+            if runner.trainers[-1].popen.poll() is not None:
+                raise RuntimeError(f"{runner.variant.name}: the trainer exited by itself")
+            time.sleep(0.05)
+        at = time.monotonic()
+        last, gone = runner.fail(event.kind)
+        resumed, segment = runner.began()
+        failures.append(Failure(event.kind, last, resumed, segment - at, gone - at))
+        print(
+            f"  {runner.variant.name}: {event.kind} at step {last}, resumed at {resumed}, "
+            f"training again {segment - at:.1f} s later",
+            file=sys.stderr,
+            flush=True,
+        )
+    ended = _wait(lambda: runner.finished(max_steps), 3600, "the last step")
+    out = runner.pods[-1].finish(timeout=600)
+    if out.trainer != 0:
+        raise RuntimeError(f"{runner.variant.name}: trainer exit {out}")
+    return ended - started, failures
+
+
+def _wait(predicate: Callable[[], Optional[float]], timeout: float, what: str) -> float:
+    deadline = time.monotonic() + timeout
+    while (value := predicate()) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+def baseline(root: Path, bucket: Bucket, args: list[str], steps: int) -> float:
+    """The uninterrupted step time: the mean step of a run without failures or checkpoints,
+    after its first 10 steps."""
+    no_saves = Variant("baseline", {"JITCKPT_SAVE_STRATEGY": "no"})
+    runner = Runner(root, bucket, no_saves, [*args, "--max-steps", str(steps)], 30)
+    try:
+        runner.new_pod()
+        proc = runner.trainers[-1]
+        proc.expect(rf"^step {steps} rank=0$", timeout=900)
+        times = {int(m.group(1)): t for t, line in proc.stamped if (m := STEP.match(line))}
+        return (times[steps] - times[10]) / (steps - 10)
+    finally:
+        runner.close()
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def report(results: dict[str, list[Result]], step_times: list[float]) -> None:
+    step = statistics.median(step_times)
+    repeats = len(step_times)
+    anchor = results.get("hf-periodic")
+    print(
+        f"\n### Goodput through the trace, {repeats} repeat(s)"
+        f"{' (medians)' if repeats > 1 else ''}; uninterrupted step {step * 1e3:.0f} ms"
+        f" ({', '.join(f'{s * 1e3:.0f}' for s in step_times)} ms per repeat)\n"
+    )
+    print(
+        "| variant | goodput | vs hf-periodic | goodput excl. start-ups | steps lost: sigterm "
+        "| pod-kill | worker-crash | recovery s (median) | sigterm: pod gone s | start-ups s | wall s "
+        "| S3 MB written | vs hf-periodic | uploads |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    base_good = _median([r.goodput(s) for r, s in zip(anchor, step_times)]) if anchor else None
+    base_mb = _median([r.s3_bytes / MB for r in anchor]) if anchor else None
+    for name, runs in results.items():
+        good = _median([r.goodput(s) for r, s in zip(runs, step_times)])
+        excl = _median([r.goodput(s, exclude_startups=True) for r, s in zip(runs, step_times)])
+        lost = []
+        for kind in KINDS:
+            values = [v for r in runs if (v := r.lost(kind)) is not None]
+            lost.append(f"{_median(values):.0f}" if values else "-")
+        recovery = _median([f.recovery for r in runs for f in r.failures])
+        down = _median([f.down for r in runs for f in r.failures if f.kind == "sigterm"])
+        mb = _median([r.s3_bytes / MB for r in runs])
+        versus = f"{good / base_good:.2f}x" if base_good else "-"
+        print(
+            f"| {name} | {good:.3f} | {versus} | {excl:.3f} | {' | '.join(lost)} "
+            f"| {recovery:.1f} | {down:.1f} | {_median([sum(r.startups) for r in runs]):.0f} "
+            f"| {_median([r.wall for r in runs]):.0f} | {mb:.0f} "
+            f"| {(f'{mb / base_mb:.2f}x' if base_mb else '-')} "
+            f"| {_median([float(r.saves) for r in runs]):.0f} |"
+        )
+    print(
+        "\nsteps lost: summed over the failures of that kind (median over repeats); recovery:"
+        " failure to the first step after the restart; pod gone: SIGTERM to both containers"
+        " exited (the JIT save, the sidecar's drain); start-ups: trainer process start to"
+        " the Trainer's on_train_begin, summed over every start (the first included);"
+        " goodput excl. start-ups takes them out of the wall time; uploads: checkpoints the"
+        " sidecars uploaded."
+    )
+    for name, runs in results.items():
+        for i, r in enumerate(runs):
+            detail = ", ".join(
+                f"{f.kind} {f.last}->{f.resumed} (gone {f.down:.1f} s, training {f.recovery:.1f} s)"
+                for f in r.failures
+            )
+            print(f"  {name} #{i + 1}: {detail}; {r.steps} steps in {r.wall:.0f} s")
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=3.0, help="training time in the trace")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--sigterms", type=int, default=2)
+    parser.add_argument("--save-steps", type=int, default=150)
+    parser.add_argument("--step-sleep", type=float, default=0.1)
+    parser.add_argument(
+        "--interval", default="10s", help="jitckpt-interval's JITCKPT_SAVE_INTERVAL"
+    )
+    parser.add_argument("--overhead", default="5%", help="jitckpt-overhead's JITCKPT_SAVE_OVERHEAD")
+    parser.add_argument("--overhead-cap", default="30s", help="and its JITCKPT_SAVE_INTERVAL")
+    parser.add_argument("--baseline-steps", type=int, default=150)
+    parser.add_argument("--grace", type=int, default=30, help="terminationGracePeriodSeconds")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--logs", type=Path, default=None, help="keep every pod's output here")
+    parser.add_argument("--variants", nargs="+", default=None, help="a subset, by name")
+    return parser.parse_args()
+
+
+def main() -> None:
+    opts = parse_args()
+    if rgw.missing_binaries():
+        raise SystemExit(f"needs Ceph: {rgw.INSTALL_HINT}")
+    chosen = [v for v in variants(opts) if opts.variants is None or v.name in opts.variants]
+    trace, tail = make_trace(opts.seed, opts.minutes, opts.sigterms)
+    model = ["--hidden", str(opts.hidden), "--layers", str(opts.layers), "--vocab", str(opts.vocab)]
+    common = [*model, "--step-sleep", str(opts.step_sleep), "--save-total-limit", "2"]
+    revision = subprocess.run(
+        ["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    print(
+        f"code: {REPO} at {revision}; model {' '.join(model)}, --step-sleep {opts.step_sleep},"
+        f" save_steps {opts.save_steps}, 2 CPU ranks (gloo), grace {opts.grace} s"
+    )
+    print(f"trace (seed {opts.seed}), seconds of training after the previous restart:")
+    for i, event in enumerate(trace):
+        print(f"  {i + 1}. after {event.after:5.1f} s: {event.kind}")
+    print(f"  then {tail:.1f} s of training to the last step")
+    keys = FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"], FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
+    results: dict[str, list[Result]] = {v.name: [] for v in chosen}
+    step_times: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp_name:
+        tmp = Path(tmp_name)
+        with rgw.running(tmp / "ceph", *keys) as cluster:
+            print(f"Ceph RGW up in {cluster.start_seconds:.1f} s", file=sys.stderr, flush=True)
+            store = RgwStore(cluster)
+            log = AccessLog(cluster.root / "log" / "client.rgw.a.log", "")
+
+            def bucket(name: str) -> Bucket:
+                client = store.client()
+                client.create_bucket(Bucket=name)
+                log.bucket = name
+                return Bucket(store, name, client, prefix="job")
+
+            for rep in range(opts.repeat):
+                step = baseline(
+                    tmp / f"r{rep}", bucket(f"baseline-{rep}"), common, opts.baseline_steps
+                )
+                step_times.append(step)
+                max_steps = round(opts.minutes * 60 / step)
+                print(
+                    f"== repeat {rep + 1}: uninterrupted step {step * 1e3:.1f} ms,"
+                    f" max_steps {max_steps}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                args = [
+                    *common,
+                    *("--max-steps", str(max_steps), "--save-steps", str(opts.save_steps)),
+                ]
+                order = chosen[rep % len(chosen) :] + chosen[: rep % len(chosen)]
+                for variant in order:
+                    started = time.monotonic()
+                    runner = Runner(
+                        tmp / f"r{rep}", bucket(f"{variant.name}-{rep}"), variant, args, opts.grace
+                    )
+                    logs = opts.logs / f"r{rep}" if opts.logs else None
+                    result = run_variant(runner, trace, max_steps, log, logs)
+                    results[variant.name].append(result)
+                    print(
+                        f"== {variant.name}: goodput {result.goodput(step):.3f}"
+                        f" ({time.monotonic() - started:.0f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    report(results, step_times)
+
+
+if __name__ == "__main__":
+    main()
