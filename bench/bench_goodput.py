@@ -54,7 +54,7 @@ Per variant:
 
     .venv/bin/python bench/bench_goodput.py [--minutes 3] [--repeat 1] [--seed 1]
         [--sigterms 2] [--save-steps 150] [--step-sleep 0.1] [--interval 10s]
-        [--overhead 5%] [--overhead-cap 30s] [--variants NAME ...] [--logs DIR]
+        [--overhead 5%] [--overhead-cap 45s] [--variants NAME ...] [--logs DIR]
 
 Needs Ceph's binaries (tests/harness/rgw.py names the packages). One repeat of the default
 3 minutes of training takes about 30 minutes on a 2-core VM. Temporary data lives under /tmp
@@ -155,6 +155,8 @@ class Result:
     s3_bytes: int
     saves: int
     """Checkpoints the sidecars uploaded (their `uploaded checkpoint-N` lines)."""
+    intervals: list[str] = dataclasses.field(default_factory=list)
+    """The overhead budget's choices, in order (rank 0's `save interval ...` lines)."""
 
     def goodput(self, step_time: float, exclude_startups: bool = False) -> float:
         wall = self.wall - (sum(self.startups) if exclude_startups else 0.0)
@@ -287,7 +289,15 @@ def run_variant(
         if p.sidecar is not None
         for line in p.sidecar.stderr
     )
-    return Result(runner.variant.name, max_steps, wall, runner.startups, failures, written, uploads)
+    intervals = [
+        line.split("INFO ", 1)[-1]
+        for proc in runner.trainers
+        for line in proc.stderr
+        if "jitckpt-hook[rank 0]" in line and "save interval " in line
+    ]
+    return Result(
+        runner.variant.name, max_steps, wall, runner.startups, failures, written, uploads, intervals
+    )
 
 
 def through(runner: Runner, trace: list[Event], max_steps: int) -> tuple[float, list[Failure]]:
@@ -400,6 +410,8 @@ def report(results: dict[str, list[Result]], step_times: list[float]) -> None:
                 for f in r.failures
             )
             print(f"  {name} #{i + 1}: {detail}; {r.steps} steps in {r.wall:.0f} s")
+            for line in r.intervals:
+                print(f"    {line}")
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -417,7 +429,7 @@ def parse_args() -> argparse.Namespace:
         "--interval", default="10s", help="jitckpt-interval's JITCKPT_SAVE_INTERVAL"
     )
     parser.add_argument("--overhead", default="5%", help="jitckpt-overhead's JITCKPT_SAVE_OVERHEAD")
-    parser.add_argument("--overhead-cap", default="30s", help="and its JITCKPT_SAVE_INTERVAL")
+    parser.add_argument("--overhead-cap", default="45s", help="and its JITCKPT_SAVE_INTERVAL")
     parser.add_argument("--baseline-steps", type=int, default=150)
     parser.add_argument("--grace", type=int, default=30, help="terminationGracePeriodSeconds")
     parser.add_argument("--hidden", type=int, default=128)
