@@ -175,7 +175,9 @@ class Shutdown:
         trainers = [e for e in entries if e.role == registry.TRAINER]
         agents = [e for e in entries if e.role == registry.TORCHRUN]
         child = f"the training command (pid {self.child_pid})"
-        if not trainers:
+        if not self.cfg.jit:  # training processes register for the JIT checkpoint only
+            line = f"SIGTERM: forwarded to {child}; JITCKPT_JIT=0: no JIT checkpoint"
+        elif not trainers:
             line = (
                 f"SIGTERM: forwarded to {child}; no process is training yet, so there is no "
                 "JIT checkpoint to save"

@@ -117,6 +117,10 @@ def test_the_sigterm_line_names_the_real_shutdown_path(status_dir, sleeper):
         "Kubernetes SIGKILLs the pod 30 s after SIGTERM (JITCKPT_GRACE_SECONDS)"
     )
 
+    off = Shutdown(Config(jit=False), status_dir, "run", logging.getLogger("test"))
+    off.started(os.getpid())
+    assert "; JITCKPT_JIT=0: no JIT checkpoint; Kubernetes SIGKILLs" in off.describe()
+
     under = watch(status_dir, sleeper.pid)
     agent = registry.Entry(sleeper.pid, registry.start_time(sleeper.pid) or 0, "torchrun", None, 22)
     path = Path(registry.run_dir(status_dir, "run")) / f"proc-{sleeper.pid}.json"
