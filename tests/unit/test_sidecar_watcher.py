@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.layout import Layout
@@ -14,35 +17,35 @@ from jitckpt_sidecar.watcher import Watcher
 LOG = logging.getLogger("test")
 
 
-def test_a_file_in_staging_wakes_the_loop(tmp_path):
-    """Creating a file under staging/ calls wake()."""
-    layout = Layout(str(tmp_path))
+@contextlib.contextmanager
+def watching(root: Path) -> Iterator[tuple[Layout, threading.Event]]:
+    """A started watcher of a fresh layout under `root`, and the event its wake() sets."""
+    layout = Layout(str(root))
     layout.ensure()
     woken = threading.Event()
     watcher = Watcher(layout, woken.set, LOG)
     watcher.start()
     try:
-        (tmp_path / "staging" / "x").write_bytes(b"1")
-        assert woken.wait(10)
+        yield layout, woken
     finally:
         watcher.stop()
 
 
+def test_a_file_in_staging_wakes_the_loop(tmp_path):
+    """Creating a file under staging/ calls wake()."""
+    with watching(tmp_path) as (_, woken):
+        (tmp_path / "staging" / "x").write_bytes(b"1")
+        assert woken.wait(10)
+
+
 def test_the_trainers_progress_record_wakes_nothing_but_other_status_files_do(tmp_path):
     """progress.json is rewritten every second (read at scrape time): no wake-up for it."""
-    layout = Layout(str(tmp_path))
-    layout.ensure()
-    woken = threading.Event()
-    watcher = Watcher(layout, woken.set, LOG)
-    watcher.start()
-    try:
+    with watching(tmp_path) as (layout, woken):
         for step in range(3):
             status.write_progress(layout.status, status.Progress("run", step, time.time()))
         assert not woken.wait(1)
         status.write_save_start(layout.status, status.SaveStart("run", 3, time.time()))
         assert woken.wait(10)
-    finally:
-        watcher.stop()
 
 
 def test_a_watch_that_fails_partway_leaves_no_thread_running(tmp_path, caplog):
