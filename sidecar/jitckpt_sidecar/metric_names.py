@@ -234,9 +234,10 @@ WORK_AT_RISK_STEPS = _define(
             "trainer's newest finished step (`status/progress.json`, once a second) minus the "
             "step of the newest checkpoint of its run (saved in it, or the one it resumed "
             'from; with none, the step it began at) committed in S3 (`durability="s3"`: '
-            "uploaded or restored by this sidecar) or on the volume (`volume`; a plain loop "
-            "writes progress with `should_stop(step)`). Absent until "
-            "the running trainer (`status/trainer.json`) wrote progress of its own run; after "
+            "uploaded or restored by this sidecar; on several nodes, this node's part) or on "
+            "the volume (`volume`; a plain loop writes progress with `should_stop(step)`). "
+            "Absent until the running trainer (`status/trainer.json`) wrote progress of its "
+            "own run; after "
             "it exited it stays at its exit value until the JIT or final checkpoint is durable"
         ),
     )

@@ -168,8 +168,8 @@ class CheckpointManager:
         self._skipped: set[int] = set()
         self._first_step_recorded = False
         """The first optimizer step of this process is in status/first-step.json."""
-        self._progress_at = 0.0
-        """When status/progress.json was last written (Unix time)."""
+        self._progress_at = -status.PROGRESS_SECONDS
+        """When status/progress.json was last written (monotonic)."""
         self._resumed_step = 0
         """The step this training resumed from (0: from the start)."""
         cfg = session.cfg
@@ -232,8 +232,9 @@ class CheckpointManager:
                 status.write_first_step(
                     session.layout.status, status.FirstStep(session.run_id, start, now)
                 )
-            if now - self._progress_at >= status.PROGRESS_SECONDS:
-                self._progress_at = now
+            tick = time.monotonic()  # a wall clock set back must not stop the records
+            if tick - self._progress_at >= status.PROGRESS_SECONDS:
+                self._progress_at = tick
                 status.write_progress(
                     session.layout.status, status.Progress(session.run_id, step, now)
                 )
