@@ -53,11 +53,11 @@ Per variant:
   RGW's access log (as bench_recovery.py counts them).
 
     .venv/bin/python bench/bench_goodput.py [--minutes 3] [--repeat 1] [--seed 1]
-        [--sigterms 2] [--save-steps 150] [--step-sleep 0.1] [--interval 10s]
-        [--overhead 5%] [--overhead-cap 45s] [--variants NAME ...] [--logs DIR]
+        [--sigterms 2] [--save-steps 500] [--step-sleep 0.1] [--interval 10s]
+        [--overhead 5%] [--overhead-cap 30s] [--variants NAME ...] [--logs DIR]
 
 Needs Ceph's binaries (tests/harness/rgw.py names the packages). One repeat of the default
-3 minutes of training takes about 30 minutes on a 2-core VM. Temporary data lives under /tmp
+3 minutes of training takes about 25 minutes on a 2-core VM. Temporary data lives under /tmp
 (or $TMPDIR); --logs keeps every pod's output (trainer and sidecar).
 """
 
@@ -423,13 +423,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--sigterms", type=int, default=2)
-    parser.add_argument("--save-steps", type=int, default=150)
+    parser.add_argument("--save-steps", type=int, default=500)
     parser.add_argument("--step-sleep", type=float, default=0.1)
     parser.add_argument(
         "--interval", default="10s", help="jitckpt-interval's JITCKPT_SAVE_INTERVAL"
     )
     parser.add_argument("--overhead", default="5%", help="jitckpt-overhead's JITCKPT_SAVE_OVERHEAD")
-    parser.add_argument("--overhead-cap", default="45s", help="and its JITCKPT_SAVE_INTERVAL")
+    parser.add_argument("--overhead-cap", default="30s", help="and its JITCKPT_SAVE_INTERVAL")
     parser.add_argument("--baseline-steps", type=int, default=150)
     parser.add_argument("--grace", type=int, default=30, help="terminationGracePeriodSeconds")
     parser.add_argument("--hidden", type=int, default=128)
