@@ -163,3 +163,11 @@ def test_an_evaluation_in_the_step_of_the_save_is_not_its_cost():
     now += 121.5
     cadence.step_ended(now)
     assert cadence.choices == [(pytest.approx(0.5), pytest.approx(0.5), pytest.approx(50.0))]
+
+
+def test_the_start_of_training_says_what_the_settings_do():
+    assert Cadence(600.0, None).describe() == "every 600 s (JITCKPT_SAVE_INTERVAL)"
+    assert Cadence(120.0, 0.01).describe() == (
+        "the interval picked from each save's cost for a 1% budget (JITCKPT_SAVE_OVERHEAD), "
+        "at most 120 s (JITCKPT_SAVE_INTERVAL); the first after 60 s"
+    )

@@ -84,6 +84,16 @@ class Cadence:
     def active(self) -> bool:
         return self.interval is not None
 
+    def describe(self) -> str:
+        """The settings in one phrase, for the log line at the start of training."""
+        if self.overhead is None:
+            return f"every {self.cap:g} s (JITCKPT_SAVE_INTERVAL)"
+        cap = "" if self.cap is None else f", at most {self.cap:g} s (JITCKPT_SAVE_INTERVAL)"
+        return (
+            f"the interval picked from each save's cost for a {self.overhead * 100:g}% budget "
+            f"(JITCKPT_SAVE_OVERHEAD){cap}; the first after {self.interval:g} s"
+        )
+
     def started(self, now: float) -> None:
         """Training (a `train()` call) started: the interval counts from here."""
         self._last, self._previous, self._asked = now, None, False

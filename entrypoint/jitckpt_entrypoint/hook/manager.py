@@ -214,6 +214,8 @@ class CheckpointManager:
             self._announce()
         if not session.training:
             self.cadence.started(time.monotonic())
+            if self.cadence.active and session.topo.rank == 0:
+                session.log.info("time-based periodic saves: %s", self.cadence.describe())
         session.training_started()
 
     def step_finished(self, step: int, began_at: Optional[int] = None) -> None:
