@@ -196,6 +196,9 @@ def test_two_sigterms_and_resumes_end_with_the_weights_of_an_uninterrupted_run(
         ),
         ("TRL SFTTrainer", ("--trainer", "sft", "--max-steps", "100"), 6, 100),
         ("DataLoader workers", ("--num-workers", "2", "--max-steps", "100"), 6, 100),
+        # HF's own JIT handler is installed in Trainer.__init__; the hook's, at train(),
+        # replaces it: one JIT save, at the step the ranks agreed on, not HF's 3 s later.
+        ("HF enable_jit_checkpoint on too", ("--hf-jit", "--max-steps", "100"), 6, 100),
     ],
 )
 def test_variant_jit_saves_and_resumes(spawn, base_env, jdir, label, args, stop_after, total):
@@ -204,7 +207,9 @@ def test_variant_jit_saves_and_resumes(spawn, base_env, jdir, label, args, stop_
     assert code == JIT_EXIT, proc.output()
     step = jit_record(jdir)["step"]  # type: ignore[index]
     assert step >= stop_after
+    assert step == max(steps_seen(proc, 0)) == max(steps_seen(proc, 1))
     assert manifest(jdir, step)["kind"] in ("jit", "periodic")
+    assert not list(jdir.rglob("checkpoint-is-incomplete.txt"))  # HF's JIT save never began
 
     rerun = finish(spawn, base_env, hf(*args))
     assert resumed_from(rerun) == step

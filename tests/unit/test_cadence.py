@@ -14,26 +14,27 @@ class Run:
 
     def __init__(self, cadence: Cadence) -> None:
         self.cadence, self.now, self.saves = cadence, 0.0, []
-        cadence.started(self.now)
+        cadence.started()
 
     def steps(self, count: int, seconds: float, *, blocked: float = 0.0, write: float = 0.0):
         """`count` steps; a due save is agreed at once, holds the next step `blocked` seconds
         and is committed `write` seconds after it began (async) or at once (write=0)."""
-        finish = None
+        finish, measured = None, 0
         for _ in range(count):
             self.now += seconds
             if finish is not None and self.now >= finish:
-                self.cadence.save_finished(finish, blocked)  # async: it held training `blocked`
+                # async: it held training `blocked`
+                self.cadence.save_finished(measured, finish, blocked)
                 finish = None
             self.cadence.step_ended(self.now)
             if self.cadence.due(self.now):
                 self.cadence.agreed(self.now)
-                self.cadence.save_began(self.now)
+                measured = self.cadence.save_began(self.now)
                 self.saves.append(self.now)
                 finish = self.now + max(write, blocked)
                 if not write:
                     self.now += blocked
-                    self.cadence.save_finished(self.now)
+                    self.cadence.save_finished(measured, self.now)
                     finish = None
                 else:
                     self.now += blocked  # the next step ends later by what the save held
@@ -41,6 +42,16 @@ class Run:
 
     def gaps(self) -> list[float]:
         return [round(b - a, 3) for a, b in zip(self.saves, self.saves[1:])]
+
+
+def steady(cadence: Cadence, steps: int = 10) -> float:
+    """Training starts and runs `steps` steps of 1 s that overlap no save; returns the clock."""
+    cadence.started()
+    now = 0.0
+    for _ in range(steps):
+        now += 1.0
+        cadence.step_ended(now)
+    return now
 
 
 def test_no_setting_no_time_based_saves():
@@ -51,16 +62,15 @@ def test_no_setting_no_time_based_saves():
 
 def test_the_interval_holds_when_step_time_changes():
     run = Run(Cadence(10.0, None)).steps(100, 0.5).steps(20, 2.0)
-    assert run.saves[0] == pytest.approx(10.0)
+    assert run.saves[0] == pytest.approx(10.5)  # counted from the first step's end
     assert all(10.0 <= gap <= 12.0 for gap in run.gaps()), run.gaps()
-    assert len(run.saves) == 9  # 90 s of training
+    assert len(run.saves) == 8  # 89.5 s of training after the first step
 
 
 def test_a_step_based_save_resets_the_clock():
     cadence = Cadence(10.0, None)
     run = Run(cadence).steps(12, 0.5)  # 6 s
-    cadence.save_began(run.now)  # save_steps asked for this one
-    cadence.save_finished(run.now)
+    cadence.save_finished(cadence.save_began(run.now), run.now)  # save_steps asked for this one
     run.steps(12, 0.5)  # 6 s more: 12 s in all, but only 6 s since that save
     assert run.saves == []
     run.steps(10, 0.5)
@@ -69,7 +79,8 @@ def test_a_step_based_save_resets_the_clock():
 
 def test_rank0_asks_once_until_the_agreement_answers():
     cadence = Cadence(1.0, None)
-    cadence.started(0.0)
+    cadence.started()
+    assert not cadence.due(0.0)  # the first step ended: the clock starts
     assert cadence.due(1.5)
     assert not cadence.due(1.6)  # the answer is one round away: no second save
     cadence.agreed(1.7)
@@ -79,10 +90,10 @@ def test_rank0_asks_once_until_the_agreement_answers():
 
 def test_no_save_is_asked_for_while_one_is_being_written():
     cadence = Cadence(1.0, None)
-    cadence.started(0.0)
-    cadence.save_began(0.5)
+    cadence.started()
+    measured = cadence.save_began(0.5)
     assert not cadence.due(3.0)
-    cadence.save_finished(3.1)
+    cadence.save_finished(measured, 3.1)
     cadence.step_ended(3.2)
     assert cadence.due(3.2)
 
@@ -95,7 +106,7 @@ def test_the_budget_picks_cost_over_overhead_and_logs_its_choice(caplog):
     run = Run(cadence).steps(200, 1.0, blocked=0.5)
     assert cadence.cost == pytest.approx(0.5)
     assert cadence.interval == pytest.approx(50.0)
-    assert run.saves[0] == pytest.approx(60.0)
+    assert run.saves[0] == pytest.approx(61.0)
     assert 50.0 <= run.gaps()[-1] <= 52.0
     lines = [r.getMessage() for r in caplog.records if "save interval" in r.getMessage()]
     assert lines == [
@@ -107,17 +118,13 @@ def test_the_budget_counts_slower_steps_while_an_async_save_is_written():
     """The save held training 0.1 s; the step it was called in (which may hold an evaluation)
     is not compared; the 8 later steps that overlap its write ran 0.2 s slow."""
     cadence = Cadence(None, 0.02)
-    cadence.started(0.0)
-    now = 0.0
-    for _ in range(10):
-        now += 1.0
-        cadence.step_ended(now)
-    cadence.save_began(now)
+    now = steady(cadence)
+    measured = cadence.save_began(now)
     for _ in range(8):  # written in the background: meanwhile steps take 1.2 s, not 1 s
         now += 1.2
         cadence.step_ended(now)
     now += 1.2
-    cadence.save_finished(now - 0.1, 0.1)
+    cadence.save_finished(measured, now - 0.1, 0.1)
     cadence.step_ended(now)  # overlapped the write's end: counted
     now += 1.0
     cadence.step_ended(now)  # after the commit: the measurement ends
@@ -153,16 +160,47 @@ def test_an_evaluation_in_the_step_of_the_save_is_not_its_cost():
     """HF evaluates right before it saves (eval_steps == save_steps): that step's 120 s are
     the evaluation's, not the save's."""
     cadence = Cadence(None, 0.01)
-    cadence.started(0.0)
-    now = 0.0
-    for _ in range(10):
-        now += 1.0
-        cadence.step_ended(now)
-    cadence.save_began(now + 120.0)  # after the evaluation
-    cadence.save_finished(now + 120.5)  # a synchronous save of 0.5 s
+    now = steady(cadence)
+    measured = cadence.save_began(now + 120.0)  # after the evaluation
+    cadence.save_finished(measured, now + 120.5)  # a synchronous save of 0.5 s
     now += 121.5
     cadence.step_ended(now)
     assert cadence.choices == [(pytest.approx(0.5), pytest.approx(0.5), pytest.approx(50.0))]
+
+
+def test_a_later_evaluation_while_an_async_save_is_written_is_not_its_cost():
+    cadence = Cadence(None, 0.01)
+    now = steady(cadence)
+    measured = cadence.save_began(now)
+    now += 1.0
+    cadence.step_ended(now)  # the step of the save call
+    cadence.not_compared()  # HF evaluates after this step: 60 s
+    now += 61.0
+    cadence.step_ended(now)
+    now += 1.0
+    cadence.save_finished(measured, now - 0.5, 0.2)
+    cadence.step_ended(now)
+    assert cadence.choices == [(pytest.approx(0.2), pytest.approx(62.5), pytest.approx(62.5))]
+
+
+def test_a_save_that_drains_the_last_one_in_its_step_measures_both_apart():
+    """save_steps' save B begins in the step where A, still being written, was drained: A is
+    measured up to there, and B's commit (on the writer thread) is not taken for A's."""
+    cadence = Cadence(None, 0.01)
+    now = steady(cadence)
+    a = cadence.save_began(now)
+    now += 1.0
+    cadence.step_ended(now)
+    now += 2.0  # B's begin_save waits for A's write to end, then B begins
+    cadence.save_finished(a, now, 0.1)
+    b = cadence.save_began(now)
+    assert b not in (0, a)
+    assert cadence.choices == [(pytest.approx(0.1), pytest.approx(3.0), pytest.approx(30.0))]
+    cadence.save_finished(a, now + 0.5, 9.0)  # a late report of A changes nothing
+    cadence.save_finished(b, now + 0.4, 0.3)
+    now += 1.0
+    cadence.step_ended(now)
+    assert cadence.choices[1][:2] == (pytest.approx(0.3), pytest.approx(0.4))
 
 
 def test_the_start_of_training_says_what_the_settings_do():

@@ -11,7 +11,7 @@ periodic save is measured on this rank: its cost to training is the time it held
 thread (measured by the manager: the save call and the waits for its host copy; a synchronous
 save, all of it) plus how much longer the later steps that overlap its write took than the
 median of the steps that overlapped no save (an async write's interference), at most the save's
-wall time. The step the save call is in is not compared: an evaluation runs there too. The
+wall time. The step the save call is in, and any with an evaluation, are not compared. The
 interval is cost / budget, at least the time a save takes to be written (one save at a time)
 and MIN_INTERVAL (every save is uploaded: a small model's nearly free saves must not go every
 second), and at most JITCKPT_SAVE_INTERVAL, which wins over the floor; re-tuned after every save
@@ -19,7 +19,7 @@ from a moving average, logged when it changes by more than a tenth. The first sa
 FIRST_SAVE_SECONDS (or the interval, when shorter): something has to be measured.
 
 No I/O, no collectives; every method runs on the training thread except `save_finished`
-(the background writer's commit), which only records a time.
+(the background writer's commit), which only records a time for the save it names.
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ class Cadence:
         """When the periodic save being measured began."""
         self._excess = 0.0
         self._skip = False
-        """The next step to end holds the save call (and maybe an evaluation): not compared."""
+        """The next step to end holds a save call or an evaluation: not compared."""
+        self._measuring = 0
+        """The number of the save being measured (`save_began`, `save_finished`)."""
         self._blocked: Optional[float] = None
         """The time the measured save held the training thread (None: all of it)."""
         self._done: Optional[float] = None
@@ -94,10 +96,11 @@ class Cadence:
             f"(JITCKPT_SAVE_OVERHEAD){cap}; the first after {self.interval:g} s"
         )
 
-    def started(self, now: float) -> None:
-        """Training (a `train()` call) started: the interval counts from here."""
-        self._last, self._previous, self._asked = now, None, False
-        self._window, self._done = None, None
+    def started(self) -> None:
+        """Training (a `train()` call) starts: the interval counts from its first step's end
+        (a resume may first skip through the data for longer than the interval)."""
+        self._last, self._previous, self._asked = None, None, False
+        self._window, self._done, self._skip = None, None, False
 
     def due(self, now: float) -> bool:
         """Rank 0, once per step: True once when a save is due (until `agreed`)."""
@@ -114,39 +117,53 @@ class Cadence:
         """Every rank agreed that this step is saved: the interval counts again from now."""
         self._asked, self._last = False, now
 
-    def save_began(self, now: float) -> None:
-        """A periodic save of this step begins (whichever rule asked for it)."""
+    def save_began(self, now: float) -> int:
+        """A periodic save of this step begins (whichever rule asked for it); returns the
+        number `save_finished` takes (0: this save is not measured, another one is)."""
         self._last = now
-        if self._window is None:
-            self._window, self._excess, self._done, self._skip = now, 0.0, None, True
-
-    def save_finished(self, now: float, blocked: Optional[float] = None) -> None:
-        """The save being measured is committed or abandoned (any thread); `blocked`: the
-        seconds it held the training thread (None: a synchronous save, all of its time)."""
+        if self._window is not None and self._done is not None:
+            self._close()  # the last one was drained by this one, within this step
         if self._window is not None:
+            return 0
+        self._window, self._excess, self._done, self._skip = now, 0.0, None, True
+        self._measuring += 1
+        return self._measuring
+
+    def save_finished(self, measured: int, now: float, blocked: Optional[float] = None) -> None:
+        """Save `measured` is committed or abandoned (any thread); `blocked`: the seconds it
+        held the training thread (None: a synchronous save, all of its time)."""
+        if measured and measured == self._measuring and self._window is not None:
             self._blocked = blocked
             self._done = now
+
+    def not_compared(self) -> None:
+        """The step now running also evaluates (or the like): its time says nothing of a save."""
+        self._skip = True
 
     def step_ended(self, now: float) -> None:
         """After every optimizer step, on the training thread."""
         previous, self._previous = self._previous, now
+        skip, self._skip = self._skip, False
         if self._window is None:
-            if previous is not None:
+            if previous is not None and not skip:
                 self._clean.append(now - previous)
             return
         done = self._done
-        if previous is not None and (done is None or previous < done):  # overlapped the save
-            took = now - previous
+        if previous is not None and (done is None or previous < done) and not skip:
+            took = now - previous  # a step that overlapped the save's write
             base = statistics.median(self._clean) if self._clean else took
-            if self._skip:
-                self._skip = False
-            else:
-                self._excess += max(0.0, took - base)
+            self._excess += max(0.0, took - base)
         if done is not None:
-            wall = max(0.0, done - self._window)
-            blocked = wall if self._blocked is None else self._blocked
-            self._measured(min(blocked + self._excess, wall), wall)
-            self._window, self._done = None, None
+            self._close()
+
+    def _close(self) -> None:
+        """The measured save is done: its cost, at most its wall time."""
+        began, done, self._window, self._done = self._window, self._done, None, None
+        if began is None or done is None:
+            return
+        wall = max(0.0, done - began)
+        blocked = wall if self._blocked is None else self._blocked
+        self._measured(min(blocked + self._excess, wall), wall)
 
     def _measured(self, cost: float, write: float) -> None:
         def average(old: Optional[float], new: float) -> float:

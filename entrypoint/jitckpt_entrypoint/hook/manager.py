@@ -120,6 +120,8 @@ class Save:
     """The host copy still being made (Trainer saves; DCP stages before it returns)."""
     blocked: float = 0.0
     """Seconds the training thread spent on it (save call, then waits for the copy)."""
+    measured: int = 0
+    """The overhead budget's number for it (cadence.py; 0: not measured)."""
     retry: Optional[Callable[[], object]] = None
     """Saves written now by the fast path (JIT, final): the Trainer's own save, should this
     one fail."""
@@ -213,7 +215,7 @@ class CheckpointManager:
         with self._lock:
             self._announce()
         if not session.training:
-            self.cadence.started(time.monotonic())
+            self.cadence.started()
             if self.cadence.active and session.topo.rank == 0:
                 session.log.info("time-based periodic saves: %s", self.cadence.describe())
         session.training_started()
@@ -404,7 +406,7 @@ class CheckpointManager:
             self._advisory(status.write_save_start, session.layout.status, start)
         if save.kind == "periodic":
             self._periodic += 1
-            self.cadence.save_began(time.monotonic())
+            save.measured = self.cadence.save_began(time.monotonic())
         self._pending = save
         return save
 
@@ -785,7 +787,7 @@ class CheckpointManager:
         finally:  # whatever raised (HF's rotation), the next time-based save is not held up
             if save.kind == "periodic":
                 blocked = save.blocked if save.job is not None else None
-                self.cadence.save_finished(time.monotonic(), blocked)
+                self.cadence.save_finished(save.measured, time.monotonic(), blocked)
         return time.time() - save.started_at
 
     def _commit_or_abandon(self, save: Save, control: Optional[ControlGroup]) -> None:

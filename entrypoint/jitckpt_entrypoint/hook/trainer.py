@@ -371,6 +371,7 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         # Evaluation can take minutes; all ranks are in step here, so ask now. Only inside
         # train(): a script may call trainer.evaluate() afterwards, even on one rank.
+        self.manager.cadence.not_compared()  # not a save's cost (the overhead budget)
         if self.manager.stop_now():
             self._stop(state, control)
         return control
