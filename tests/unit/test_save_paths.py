@@ -280,10 +280,12 @@ def test_a_serializers_own_error_on_a_full_disk_counts_as_a_full_disk(tmp_path, 
     assert not m.async_on
 
 
-def test_the_best_model_is_loaded_only_once_the_last_async_save_is_committed(tmp_path, monkeypatch):
-    """HF loads the best checkpoint after the training loop, before on_train_end: the save in
-    flight is drained first, so its copy never sees the best model's weights (and a best
-    checkpoint that is that very save is read whole)."""
+def test_the_last_step_is_saved_and_committed_before_the_best_model_is_loaded(
+    tmp_path, monkeypatch
+):
+    """HF loads the best checkpoint after the training loop, before on_train_end: the last
+    step is saved there first, unless committed (training_ending drains the save in flight
+    and saves what is not), so no copy of it ever sees the best model's weights."""
     import types
 
     import transformers
@@ -294,15 +296,35 @@ def test_the_best_model_is_loaded_only_once_the_last_async_save_is_committed(tmp
     m = manager(tmp_path)
     monkeypatch.setattr(manager_module, "_current", m)
     order: list[str] = []
-    monkeypatch.setattr(m, "drain", lambda _cancel_before=None: order.append("drain"))
+    monkeypatch.setattr(m, "training_ending", lambda step, _save: order.append(f"end {step}"))
 
     class Trainer(transformers.Trainer):  # a subclass: the real class stays unpatched
         def _load_best_model(self) -> None:
             order.append("load best")
 
     trainer_hook.patch(types.SimpleNamespace(Trainer=Trainer, TrainingArguments=None))
-    Trainer._load_best_model(object.__new__(Trainer))
-    assert order == ["drain", "load best"]
+    trainer = object.__new__(Trainer)
+    trainer.state = types.SimpleNamespace(global_step=7, best_model_checkpoint=None)
+    Trainer._load_best_model(trainer)
+    assert order == ["end 7", "load best"]
+
+
+def test_training_ends_once_per_train_on_each_rank(tmp_path):
+    """HF calls `_load_best_model` (which ends training first) only on ranks that hold the
+    best checkpoint: the rest end at on_train_end, so each rank must end once (the rounds
+    match); and a final save that failed there is not tried again once the best model's
+    weights replaced the step's own."""
+    m = manager(tmp_path)
+    m.training_started()
+    tries: list[int] = []
+    m.training_ending(24, lambda: tries.append(24))  # the save fails: nothing committed
+    m.training_ending(24, lambda: tries.append(24))  # on_train_end, after the best is loaded
+    assert tries == [24]
+    assert not m.is_committed(24)
+    m.training_ended()
+    m.training_started()  # a second train(): it ends afresh
+    m.training_ending(30, lambda: tries.append(30))
+    assert tries == [24, 30]
 
 
 def test_parameters_an_optimizer_swaps_outside_its_step_are_copied_before_the_next_forward():

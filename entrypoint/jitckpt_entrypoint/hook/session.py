@@ -8,12 +8,14 @@ manager's (manager.py), not this object's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
 from collections.abc import Mapping
-from typing import NoReturn, Optional
+from typing import Any, NoReturn, Optional
 
+from jitckpt_entrypoint import postimport
 from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.hook.control import ControlGroup
 from jitckpt_entrypoint.hook.signals import SigtermFlag
@@ -87,28 +89,60 @@ class Session:
         os._exit(code)
 
 
-_forks_shielded = False
+_workers_shielded = False
+_WORKER_LOOPS = (
+    "torch.utils.data._utils.worker",
+    "torchdata.stateful_dataloader.stateful_dataloader",
+)
+"""Modules whose `_worker_loop` is what a DataLoader worker runs: torch's, and torchdata's
+StatefulDataLoader (accelerate's use_stateful_dataloader), which binds its own copy."""
 
 
 def _shield_forked_children(session: Session) -> None:
-    """Move children forked during training (DataLoader workers) into their own process group.
+    """Move DataLoader workers started during training into their own process group.
 
     torchrun stops a worker with killpg(): SIGTERM to the worker's whole process group. A
     DataLoader worker dying of it makes the trainer raise before it can finish the step and
     save. In their own group they keep serving batches until the trainer shuts them down, and
     they exit on their own when the trainer is gone.
-    """
-    global _forks_shielded  # noqa: PLW0603 - os.register_at_fork cannot be undone; register once
-    if _forks_shielded or not hasattr(os, "register_at_fork"):
-        return
-    _forks_shielded = True
 
-    def after_fork_in_child() -> None:
+    Only the workers move: the worker loop (`_worker_loop` in _WORKER_LOOPS' modules, looked
+    up each time a worker starts) is wrapped to call setpgid first. Moving every child forked
+    during training (os.register_at_fork, before) broke any child that then calls setsid(): a
+    process group leader may not, so `subprocess.Popen(..., preexec_fn=os.setsid)`, or
+    `start_new_session=True` with a preexec_fn, or a daemon's fork-and-setsid in a callback
+    failed with EPERM under jitckpt only. Workers of the spawn and forkserver start methods
+    stay in the trainer's group, as before; other process pools forked during training now
+    stay there too (the at-fork hook moved them).
+    """
+    global _workers_shielded  # noqa: PLW0603 - one wrapper per process, over its first session
+    if _workers_shielded:
+        return
+    _workers_shielded = True
+    for name in _WORKER_LOOPS:
+        postimport.when_imported(name, functools.partial(_wrap_worker_loop, session))
+
+
+def _wrap_worker_loop(session: Session, module: Any) -> None:
+    loop = getattr(module, "_worker_loop", None)
+    if not callable(loop):
+        session.log.info("%s has no _worker_loop: its workers stay in the trainer's process "
+                         "group", module.__name__)  # fmt: skip
+        return
+    if getattr(loop, "_jitckpt_session", None) is not None:
+        return
+
+    def _worker_loop(*args: Any, **kwargs: Any) -> Any:
         if session.training:
             with contextlib.suppress(OSError):
                 os.setpgid(0, 0)
+        return loop(*args, **kwargs)
 
-    os.register_at_fork(after_in_child=after_fork_in_child)
+    functools.update_wrapper(_worker_loop, loop)
+    # pickled by reference (spawn, forkserver): the name must lead back to this function
+    _worker_loop.__module__, _worker_loop.__qualname__ = module.__name__, "_worker_loop"
+    _worker_loop._jitckpt_session = session  # type: ignore[attr-defined]
+    module._worker_loop = _worker_loop
 
 
 def _logger(topo: Topology) -> logging.Logger:
