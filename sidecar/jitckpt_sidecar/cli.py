@@ -192,7 +192,8 @@ def _connect(cfg: Config, logger: logging.Logger, *, announce: bool = True) -> _
     refused = s3.probe(probe_client, cfg, fallback=fallback)
     if refused and announce:
         logger.info("%s", s3.checksum_note(cfg, refused))
-    pool = max(cfg.upload_concurrency, cfg.download_concurrency) + 4
+    # An upload and a fetch for the trainer can run at once, each with its full concurrency.
+    pool = cfg.upload_concurrency + cfg.download_concurrency + 4
     checksums = s3.WHEN_REQUIRED if refused else None
     client = s3.make_client(cfg, session, pool=pool, checksums=checksums)
     notes = s3.retention_notes(client, cfg)

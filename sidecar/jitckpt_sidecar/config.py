@@ -297,17 +297,18 @@ class Config:
     upload_concurrency: int = 8
     """Parallel S3 requests (parts and whole files) of one checkpoint upload (measured: see
     bench/bench_s3.py; 4 to 16 are within noise of each other, 8 leaves CPU for the rest)."""
-    download_concurrency: int = 4
-    """Parallel S3 requests of a restore. Measured on a 2-core node: 4 was steadier than 8 or
-    16 (fewer large responses in flight at once); raise it on big nodes with fast networks."""
+    download_concurrency: int = 8
+    """Parallel S3 requests of a restore. Measured on a 2-core node, 1 GiB in 13 files, Ceph
+    RGW: 8 requests of 64-256 MiB in 2.2 s, 4 of 512 MiB in 2.6 s, 12 or 16 no faster than 8
+    (docs/benchmarks.md); raise it on big nodes with fast networks."""
     multipart_chunk: int = 16 * 1024**2
     """Upload part size; files above it go multipart. Measured fastest of 8 to 256 MiB; 16 MiB
     keeps a 5 GB shard at ~300 parts (s3transfer raises it past S3's 10,000-part limit)."""
-    download_chunk: int = 512 * 1024**2
-    """Ranged-GET size of a restore; a file above it is fetched in parallel ranges. Fewer,
-    larger GETs cost less per byte on both ends: measured on 1 GiB in 13 files, 512 MiB (one GET
-    per file) against 256 MiB ranges: moto ~2x faster (it reads the whole object for each
-    range), Ceph RGW the same within noise; a multi-GB shard still goes in parallel ranges."""
+    download_chunk: int = 256 * 1024**2
+    """Ranged-GET size of a restore; a file above it is fetched in parallel ranges. Measured on
+    1 GiB in 13 files (shards of 286 to 429 MB) with 8 requests: on Ceph RGW 64, 128 and 256 MiB
+    ranges restore within noise of each other; on moto, which reads the whole object for every
+    range, 256 MiB takes 0.65x the time of 128 and 0.45x that of 64."""
     node_rank: Optional[int] = None
     """This pod's node rank in the job (torchrun's static --node-rank); None = unknown."""
     nnodes: Optional[int] = None

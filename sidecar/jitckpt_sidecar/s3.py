@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
-from jitckpt_sidecar import __version__
+from jitckpt_sidecar import __version__, quickack
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.errors import StorageAccessError
 
@@ -96,6 +96,7 @@ def make_client(
     (WHEN_REQUIRED) overrides botocore's flexible-checksum settings for this client."""
     from botocore.config import Config as BotoConfig
 
+    quickack.install()
     addressing = cfg.s3_addressing
     if addressing == "auto":
         # MinIO, Ceph RGW and ODF endpoints rarely have wildcard DNS for virtual-host buckets.
@@ -261,10 +262,19 @@ def translate(
         raise error from None
 
 
+_BROKEN_OFF = (
+    "ConnectionClosedError",
+    "ReadTimeoutError",
+    "ResponseStreamingError",
+    "IncompleteReadError",
+)
+"""A request or a response body cut short (a reset, a timeout): the next try may go through."""
+
+
 def is_transient(exc: BaseException) -> bool:
     """A failure that retrying later may cure: 5xx, throttling, a reset or timed-out request.
     A refused connection is not: that is a wrong endpoint, reported at once."""
-    if type(exc).__name__ in ("ConnectionClosedError", "ReadTimeoutError"):
+    if type(exc).__name__ in _BROKEN_OFF:
         return True
     code = error_code(exc)
     return code in _TRANSIENT_CODES or (code.isdigit() and code.startswith("5"))

@@ -1,14 +1,15 @@
-"""Bulk transfers through boto3's TransferManager: tuning, progress logs, waiting, cancelling.
+"""Bulk transfers: uploads through boto3's TransferManager (its tuning), and for uploads and
+the restore's downloads (downloads.py) progress logs, waiting, cancelling.
 
-One TransferManager per checkpoint (upload or restore): its thread pool bounds the requests in
-flight, leaving the context cancels whatever is still running (s3transfer aborts the
-multipart uploads it started), and a `Batch` waits for every file with a progress line every
-10 s and a cancellation check (a newer checkpoint during the drain, the drain deadline).
+One TransferManager per checkpoint upload: its thread pool bounds the requests in flight,
+leaving the context cancels whatever is still running (s3transfer aborts the multipart uploads
+it started), and a `Batch` waits for every file with a progress line every 10 s and a
+cancellation check (a newer checkpoint during the drain, the drain deadline).
 
 What runs once a download is done (the restore's checksum verification, then an fsync of the
-file) runs on the Batch's own threads: s3transfer calls it on its single IO thread, which writes
-every download's bytes, and would stall them all meanwhile. The fsync there starts each file's
-writeback while the others still download, instead of all of it at the commit's sync.
+file) runs on the Batch's own threads, not on the thread that downloads the next file. The
+fsync there starts each file's writeback while the others still download, instead of all of
+it at the commit's sync.
 """
 
 from __future__ import annotations
@@ -41,19 +42,6 @@ def upload_config(cfg: Config) -> Any:
         multipart_threshold=cfg.multipart_chunk,
         multipart_chunksize=cfg.multipart_chunk,
         max_concurrency=cfg.upload_concurrency,
-        use_threads=True,
-        preferred_transfer_client="classic",
-    )
-
-
-def download_config(cfg: Config) -> Any:
-    from boto3.s3.transfer import TransferConfig
-
-    return TransferConfig(
-        multipart_threshold=cfg.download_chunk,
-        multipart_chunksize=cfg.download_chunk,
-        max_concurrency=cfg.download_concurrency,
-        io_chunksize=1024 * 1024,  # fewer, larger writes than the 256 KiB default
         use_threads=True,
         preferred_transfer_client="classic",
     )
@@ -127,22 +115,17 @@ class Batch:
         self._pending = 0
         self._errors: list[BaseException] = []
         self._after: Optional[ThreadPoolExecutor] = None
-        self._waited = False
+        self._closed = False
 
     def subscriber(
-        self,
-        size: Optional[int] = None,
-        after: Optional[Callable[[], None]] = None,
-        etag: Optional[str] = None,
-        fsync: Optional[str] = None,
+        self, after: Optional[Callable[[Any], None]] = None, fsync: Optional[str] = None
     ) -> _Subscriber:
-        """A subscriber for one transfer; once it is done, `after` runs (on the Batch's
-        threads), then the file at `fsync` is fsynced. A download given the object's `size` and
-        `etag` (from the listing) sends no HeadObject, and its ranged GETs ask for exactly that
-        object (If-Match)."""
+        """A subscriber for one transfer; once it is done, `after(result)` runs on the Batch's
+        threads (the transfer future's result: downloads.py's checksum), then the file at
+        `fsync` is fsynced."""
         with self._cond:
             self._pending += 1
-        return _Subscriber(self, size, after, etag, fsync)
+        return _Subscriber(self, after, fsync)
 
     def fail(self, exc: BaseException) -> None:
         with self._cond:
@@ -159,29 +142,27 @@ class Batch:
     def _then(self, job: Callable[[], None]) -> None:
         """Run `job` on the Batch's threads; it ends the transfer (`_finished`) when done."""
         with self._cond:
-            if self._after is None and not self._waited:
-                self._after = ThreadPoolExecutor(AFTER_THREADS, thread_name_prefix="after")
+            if self._closed:  # the job is over (failed or cancelled): nobody waits for this
+                return
+            if self._after is None:
+                self._after = ThreadPoolExecutor(AFTER_THREADS, thread_name_prefix="jitckpt-after")
             pool = self._after
-        if pool is None:  # the wait already ended (failed or cancelled): as s3transfer would
-            job()
-            return
         try:
             pool.submit(job)
-        except RuntimeError:  # shut down in between
-            job()
+        except RuntimeError:  # closed in between
+            return
+
+    def close(self) -> None:
+        """After the transfers have stopped (their context left): what still runs on the
+        Batch's threads finishes (it touches the files), what has not started never does."""
+        with self._cond:
+            pool, self._after, self._closed = self._after, None, True
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def wait(self, cancel: Callable[[], Optional[str]], poll: float = 0.2) -> None:
         """Until every transfer is done; raise the first error, or TransferCancelledError when
-        `cancel` returns a reason (leaving the TransferManager's context cancels the rest)."""
-        try:
-            self._wait(cancel, poll)
-        finally:
-            with self._cond:
-                pool, self._after, self._waited = self._after, None, True
-            if pool is not None:  # what runs still touches the files: finish it, drop the rest
-                pool.shutdown(wait=True, cancel_futures=True)
-
-    def _wait(self, cancel: Callable[[], Optional[str]], poll: float) -> None:
+        `cancel` returns a reason (leaving the transfers' context cancels the rest)."""
         while True:
             with self._cond:
                 if self._errors:
@@ -196,31 +177,21 @@ class Batch:
 
 
 class _Subscriber:
-    """s3transfer calls on_queued / on_progress / on_done (duck-typed, like BaseSubscriber)."""
+    """s3transfer (and downloads.py) call on_progress / on_done (duck-typed, like
+    s3transfer's BaseSubscriber)."""
 
     def __init__(
-        self,
-        batch: Batch,
-        size: Optional[int],
-        after: Optional[Callable[[], None]],
-        etag: Optional[str] = None,
-        fsync: Optional[str] = None,
+        self, batch: Batch, after: Optional[Callable[[Any], None]], fsync: Optional[str]
     ) -> None:
-        self.batch, self.size, self.after, self.etag, self.fsync = batch, size, after, etag, fsync
-
-    def on_queued(self, future: Any, **_: Any) -> None:
-        # A download sends a HeadObject unless it knows both (s3transfer >= 0.11 wants the ETag).
-        if self.size is not None:
-            future.meta.provide_transfer_size(self.size)
-        if self.etag and hasattr(future.meta, "provide_object_etag"):  # s3transfer >= 0.11
-            future.meta.provide_object_etag(self.etag)
+        self.batch, self.after, self.fsync = batch, after, fsync
+        self._result: Any = None
 
     def on_progress(self, bytes_transferred: int, **_: Any) -> None:
         self.batch.progress.add(bytes_transferred)
 
     def on_done(self, future: Any, **_: Any) -> None:
         try:
-            future.result()
+            self._result = future.result()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, re-raised there
             self.batch._finished(exc)
             return
@@ -233,7 +204,7 @@ class _Subscriber:
         error: Optional[BaseException] = None
         try:
             if self.after is not None:
-                self.after()
+                self.after(self._result)
             if self.fsync is not None:
                 _fsync(self.fsync)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, re-raised there

@@ -237,13 +237,15 @@ class S3Proxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = _read_chunked(self.rfile) if chunked else self.rfile.read(length)
                 method = self.command
-                hold = proxy._pick_hold(method, key, query)
+                ranged = self.headers.get("Range")  # matchers see it as a query parameter
+                match_query = {**query, "Range": ranged} if ranged else query
+                hold = proxy._pick_hold(method, key, match_query)
                 if hold is not None:
                     hold.gate.wait(timeout=120)
                     if not hold.forward:
                         self.close_connection = True
                         return
-                fault = proxy._pick_fault(method, key, query)
+                fault = proxy._pick_fault(method, key, match_query)
                 if fault is not None and fault.delay:
                     time.sleep(fault.delay)
                     fault = None

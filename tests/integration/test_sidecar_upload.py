@@ -188,7 +188,8 @@ def test_killed_mid_upload_and_restarted_finishes_without_resending_finished_obj
             SIDECAR, env=env_for(base_env, s3_bucket, proxy, root, JITCKPT_EXIT_WITH_TRAINER="1")
         )
         assert second.wait(60) == 0, second.output()
-        wait_for(lambda: watch.polls > 5, what="a few polls after the commit")
+        after = watch.polls
+        wait_for(lambda: watch.polls > after + 2, what="a few polls after the commit")
 
     again = proxy.log()[mark:]
     sent = {

@@ -18,8 +18,8 @@ def test_defaults_match_the_documented_table():
     assert (cfg.s3_keep, cfg.storage_capacity, cfg.disk_pressure_threshold) == (0, None, 0.85)
     assert (cfg.grace_seconds, cfg.rescan_seconds, cfg.exit_with_trainer) == (30, 30.0, False)
     assert (cfg.s3_verify_tls, cfg.s3_addressing, cfg.s3_endpoint) == (True, "auto", "")
-    assert (cfg.upload_concurrency, cfg.download_concurrency) == (8, 4)
-    assert (cfg.multipart_chunk, cfg.download_chunk) == (16 * 1024**2, 512 * 1024**2)
+    assert (cfg.upload_concurrency, cfg.download_concurrency) == (8, 8)
+    assert (cfg.multipart_chunk, cfg.download_chunk) == (16 * 1024**2, 256 * 1024**2)
     assert cfg.uri.bucket == "bucket-1"
     assert cfg.uri.prefix == "run"
 

@@ -1,5 +1,5 @@
 """transfers.Batch: what follows a finished download (verification, fsync) runs on the batch's
-own threads, not on the s3transfer thread that reports it, and the wait covers it."""
+own threads, not on the download thread that reports it, and the wait covers it."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_after_and_fsync_run_off_the_reporting_thread_and_the_wait_covers_them(
     release = threading.Event()
     ran_on: list[int] = []
 
-    def after() -> None:
+    def after(_result: Any) -> None:
         ran_on.append(threading.get_ident())
         release.wait(5)
 
@@ -70,7 +70,7 @@ def test_an_error_of_after_is_raised_by_the_wait_and_skips_the_fsync(
     synced: list[int] = []
     monkeypatch.setattr(transfers.os, "fsync", synced.append)
 
-    def after() -> None:
+    def after(_result: Any) -> None:
         raise ValueError("checksum mismatch")
 
     batch = _batch()
@@ -84,19 +84,23 @@ def test_a_failed_transfer_is_raised_without_running_after() -> None:
     """A transfer that failed is reported as it is; its `after` never runs."""
     ran: list[bool] = []
     batch = _batch()
-    batch.subscriber(after=lambda: ran.append(True)).on_done(_Future(OSError("reset")))
+    batch.subscriber(after=lambda _: ran.append(True)).on_done(_Future(OSError("reset")))
     with pytest.raises(OSError, match="reset"):
         batch.wait(lambda: None, 0.01)
     assert ran == []
 
 
-def test_after_that_finishes_once_the_wait_ended_runs_on_the_reporting_thread() -> None:
-    """Once the wait has ended (cancelled), a late transfer's `after` runs where it is reported,
-    as s3transfer would run it, instead of starting threads nobody waits for."""
+def test_after_the_batch_is_closed_a_late_transfer_starts_nothing() -> None:
+    """Once the job is over (cancelled, its transfers stopped, the batch closed), a late
+    transfer's `after` never runs: nobody waits for it (a later restore verifies the file
+    again), and no thread is started for it."""
     batch = _batch()
-    late = batch.subscriber(after=lambda: ran_on.append(threading.get_ident()))
-    ran_on: list[int] = []
+    late = batch.subscriber(after=lambda _: ran.append(True))
+    ran: list[bool] = []
     with pytest.raises(transfers.TransferCancelledError):
         batch.wait(lambda: "newer checkpoint", 0.01)
+    batch.close()
+    threads = threading.active_count()
     late.on_done(_Future())
-    assert ran_on == [threading.get_ident()]
+    assert ran == []
+    assert threading.active_count() == threads
