@@ -7,21 +7,27 @@ prefix with JITCKPT_RESUME=0 wins over the earlier run's higher steps), its high
 first. The first one committed in S3 (one save on every node: validity.s3_problems) is chosen.
 
 One round, one step. The nodes of a job restore at different moments, while a node of the
-previous round may still be uploading or pruning. The first restore of a round writes a pin
-(`jitckpt-restore-pin.json` at the top of the prefix: step, save id, lineage, time). A restore
-that finds a pin younger than PIN_HOLD, with no save made after it, takes the pinned checkpoint
-instead of choosing, and retention leaves a pinned checkpoint alone. A save made after the pin
-means training resumed from it: that round is over, and the restore chooses afresh. If the
-pinned checkpoint is gone, the restore never falls back below it (another node restored it):
-it lists again until RESTORE_PATIENCE runs out, then fails.
+previous round may still be uploading or pruning. The first restore of a round that downloads
+writes a pin (`jitckpt-restore-pin.json` at the top of the prefix: step, save id, lineage,
+time), just before its download. A restore that finds a pin younger than PIN_HOLD, with no save
+made after it, takes the pinned checkpoint instead of choosing, and retention leaves a pinned
+checkpoint alone. A restore whose volume already holds its choice, or a newer checkpoint, pins
+nothing: that is a sidecar restarted beside a running trainer, whose newer saves may not be in
+S3 yet; a pin would predate them and send the next pod back to the older checkpoint for
+PIN_HOLD. A save made after the pin means training resumed from it: that round is over, and
+the restore chooses afresh. If the pinned checkpoint is gone, the restore never falls back below
+it (another node restored it): it lists again until RESTORE_PATIENCE runs out, then fails.
 
 An object that vanished or changed (404, or 412 for the ETag the listing gave) makes the
 restore list again: retention or a re-save changed S3 under it, and an older checkpoint is not
 the answer. A file that fails its checksum does too; a checkpoint whose file fails it twice is
 corrupt and passed over. Transport errors are not a reason to fall back either: transient ones
 (5xx, throttling, resets, timeouts that outlast botocore's own retries) restart the restore
-after a backoff with jitter, until RESTORE_PATIENCE seconds pass without progress. Files already
-downloaded and verified are kept and not fetched again. Other errors fail it.
+after a backoff with jitter, until RESTORE_PATIENCE seconds pass without bytes moving, or
+MAX_FRUITLESS attempts since a file last landed move bytes but land none (a range that fails
+every time keeps its file's other ranges moving: that restore must end, and a file bigger than
+the patience's worth of transfer must still get its retries). Files already downloaded and
+verified are kept and not fetched again. Other errors fail it.
 
 Files are downloaded into `checkpoints/.jitckpt-restore-<step>-<save id>/` (a name the
 trainer's resume never considers) and each is checked against its owner's entry; then the
@@ -36,6 +42,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -43,7 +50,7 @@ from jitckpt_entrypoint.protocol import atomic, durable, validity
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name, checkpoint_steps
-from jitckpt_sidecar import checksum, transfers
+from jitckpt_sidecar import checksum, downloads, transfers
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.errors import SidecarError
 from jitckpt_sidecar.remote import Pin, Remote
@@ -53,6 +60,8 @@ TEMP_PREFIX = ".jitckpt-restore-"
 RESTORE_PATIENCE = 120.0
 """Seconds without progress a restore rides out (transient S3 failures, a pin gone) before it
 fails."""
+MAX_FRUITLESS = 5
+"""Attempts since a file last landed that move bytes but land none: then the restore gives up."""
 MAX_RELISTS = 20
 """Listings in a row that S3 changed under (vanished objects) before the restore gives up."""
 _CHANGED = ("404", "NoSuchKey", "412", "PreconditionFailed")
@@ -108,9 +117,11 @@ class Restorer:
         self.partial = partial
         """Restore a sharded checkpoint in part (_node_part): only where a long-running sidecar
         stays to fetch the rest when the trainer asks (the one-shot `restore` restores whole)."""
-        self._config = transfers.download_config(cfg)
         self._moved = 0
-        """Bytes downloaded by every attempt so far (progress resets the patience)."""
+        """Bytes downloaded by every attempt so far."""
+        self._landed = 0
+        """Bytes of the files landed whole and verified, by every attempt so far."""
+        self._landed_lock = threading.Lock()
         self._verified: dict[str, set[tuple[str, Optional[str]]]] = {}
         """Temp directory -> (path, checksum) of the files in it already verified (kept across
         attempts)."""
@@ -119,7 +130,8 @@ class Restorer:
 
     def run(self, cancel: Callable[[], Optional[str]] = lambda: None) -> RestoreResult:
         deadline = self.monotonic() + RESTORE_PATIENCE
-        delay, moved, relists = 1.0, 0, 0
+        delay, fruitless, relists = 1.0, 0, 0
+        moved, landed = self._moved, self._landed  # the service's retries reuse the restorer
         while True:
             try:
                 return self._run_once(cancel)
@@ -135,11 +147,13 @@ class Restorer:
                 )
                 if not transient:
                     raise
-                if self._moved > moved:  # patience counts from the last progress
-                    moved, delay = self._moved, 1.0
-                    deadline = self.monotonic() + RESTORE_PATIENCE
+                if self._landed > landed:  # patience counts from the last progress
+                    deadline, delay, fruitless = self.monotonic() + RESTORE_PATIENCE, 1.0, 0
+                elif self._moved > moved:  # bytes moved, no file landed
+                    deadline, fruitless = self.monotonic() + RESTORE_PATIENCE, fruitless + 1
+                moved, landed = self._moved, self._landed
                 wait = delay * random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not secrecy
-                if self.monotonic() + wait > deadline:
+                if fruitless >= MAX_FRUITLESS or self.monotonic() + wait > deadline:
                     raise
                 reason = (
                     str(exc)
@@ -147,10 +161,10 @@ class Restorer:
                     else describe(exc, self.cfg, "the restore", str(self.remote.uri))
                 )
                 self.log.warning(
-                    "restore interrupted: %s; trying again in %.1f s (%s of it kept)",
+                    "restore interrupted: %s; trying again in %.1f s (%s verified so far)",
                     reason,
                     wait,
-                    f"{self._moved / transfers.MB:.0f} MB",
+                    f"{self._landed / transfers.MB:.0f} MB",
                 )
                 self._pause(wait, cancel)
                 self.on_retry()
@@ -168,16 +182,12 @@ class Restorer:
         started = self.monotonic()
         self.layout.ensure()
         local = self._newest_local()
-        chosen = self._choose()
+        chosen, pinned = self._choose()
+        if chosen is not None and not pinned and _replaces(chosen, local):
+            # Only now: a restore that keeps the volume's own checkpoint must not pin (above).
+            chosen = self._pin(chosen)
         self._remove_leftovers(keep=None if chosen is None else self._temp_dir(chosen))
-        if chosen is not None and (
-            local is None
-            or validity.newness(local) < (chosen.lineage or "", chosen.step)
-            or (
-                validity.newness(local) == (chosen.lineage or "", chosen.step)
-                and local.save_id != chosen.save_id
-            )
-        ):  # a local copy of another save of the chosen step is replaced: nodes load one save
+        if chosen is not None and _replaces(chosen, local):
             return self._download(chosen, cancel)
         self._remove_leftovers(keep=None)
         seconds = self.monotonic() - started
@@ -255,8 +265,9 @@ class Restorer:
             return None
         return node
 
-    def _choose(self) -> Optional[validity.RemoteCheckpoint]:
-        """The checkpoint this round restores (pinned, or chosen and pinned), or None."""
+    def _choose(self) -> tuple[Optional[validity.RemoteCheckpoint], bool]:
+        """The checkpoint this round restores, or None; and whether a pin chose it (else the
+        caller pins it with _pin, once it knows it downloads it)."""
         steps = self.remote.steps()
         heads = self.remote.heads(steps)
         pin = self.remote.pinned(self.clock())
@@ -274,7 +285,7 @@ class Restorer:
                     checkpoint_name(pin.step),
                     self.clock() - pin.pinned_at,
                 )
-                return ckpt
+                return ckpt, True
         best = self._best(heads, floor=None if pin is None else (pin.lineage, pin.step))
         if best is None:
             if pin is not None:
@@ -282,7 +293,7 @@ class Restorer:
                     f"{checkpoint_name(pin.step)}, which another node restored, is no longer "
                     "committed in S3 and nothing newer is; not falling back below it"
                 )
-            return None
+            return None, False
         for step in sorted(set(steps) - set(heads), reverse=True):
             if step > best.step:
                 self.log.info(
@@ -290,6 +301,11 @@ class Restorer:
                     checkpoint_name(step),
                 )
         self._say_passed_over(heads, best)
+        return best, False
+
+    def _pin(self, best: validity.RemoteCheckpoint) -> validity.RemoteCheckpoint:
+        """Pin `best` for the other nodes' restores; returns what this restore downloads (another
+        node's choice when it pinned at the same moment)."""
         try:
             written = self.remote.pin(best, self.clock())
         except Exception as exc:
@@ -412,35 +428,36 @@ class Restorer:
         progress = transfers.Progress(
             f"restoring {name}", total - kept, self.log, clock=self.monotonic
         )
+        batch = transfers.Batch(progress)
         try:
-            with transfers.manager(self.client, self._config) as tm:
-                batch = transfers.Batch(progress)
+            cfg = self.cfg
+            with downloads.Downloads(
+                self.client, chunk=cfg.download_chunk, concurrency=cfg.download_concurrency
+            ) as fetch:
                 for entry in todo:
                     dest = os.path.join(tmp, entry.path)
                     os.makedirs(os.path.dirname(dest), exist_ok=True)
-                    tm.download(
+                    fetch.download(
                         self.remote.uri.bucket,
                         self.remote.key(ckpt.step, entry.path),
                         dest,
-                        subscribers=[
-                            batch.subscriber(
-                                entry.size,
-                                self._verifier(ckpt, dest, entry, verified),
-                                etag=ckpt.etags.get(entry.path),
-                                fsync=dest,
-                            )
-                        ],
+                        size=entry.size,
+                        etag=ckpt.etags.get(entry.path),
+                        subscriber=batch.subscriber(
+                            after=self._verifier(ckpt, dest, entry, verified), fsync=dest
+                        ),
+                        algorithm=checksum.streamable(entry.checksum),
                     )
-                try:
-                    batch.wait(cancel)
-                except Exception as exc:
-                    if error_code(exc) in _CHANGED:
-                        raise ChangedError(
-                            f"an object of {name} vanished or changed during the download "
-                            f"({error_code(exc)})"
-                        ) from None
-                    raise
-        finally:
+                batch.wait(cancel)
+        except Exception as exc:
+            if error_code(exc) in _CHANGED:
+                raise ChangedError(
+                    f"an object of {name} vanished or changed during the download "
+                    f"({error_code(exc)})"
+                ) from None
+            raise
+        finally:  # the downloads have stopped: then what follows them (verification, fsync)
+            batch.close()
             self._moved += progress.moved
         _remove_unlisted(tmp, {e.path for e in files if e.path not in here})
         durable.sync_tree(tmp)  # the data before the manifests (the commit's rule)
@@ -496,9 +513,14 @@ class Restorer:
         except OSError:
             return False
         if entry.checksum is not None and checksum.matches(path, entry.checksum):
-            verified.add((entry.path, entry.checksum))
+            self._verified_one(verified, entry)
             return True
         return False
+
+    def _verified_one(self, verified: set[tuple[str, Optional[str]]], entry: m.FileEntry) -> None:
+        verified.add((entry.path, entry.checksum))
+        with self._landed_lock:  # verifications run on the Batch's threads
+            self._landed += entry.size
 
     def _verifier(
         self,
@@ -506,16 +528,27 @@ class Restorer:
         path: str,
         entry: m.FileEntry,
         verified: set[tuple[str, Optional[str]]],
-    ) -> Callable[[], None]:
-        def verify() -> None:
+    ) -> Callable[[Optional[str]], None]:
+        def verify(streamed: Optional[str]) -> None:
+            """`streamed`: the file's checksum as it was downloaded (None: hash it here)."""
             size = os.stat(path).st_size
             wrong = None
             if size != entry.size:
                 wrong = f"{entry.path} has {size} bytes, its manifest says {entry.size}"
-            elif entry.checksum is None or not checksum.matches(path, entry.checksum):
-                wrong = f"{entry.path} does not match its checksum {entry.checksum}"
+            elif entry.checksum is None:
+                wrong = f"{entry.path} has no checksum in its manifest"
+            elif streamed != entry.checksum:  # None: not hashed as it landed
+                if not checksum.matches(path, entry.checksum):  # the file itself decides
+                    wrong = f"{entry.path} does not match its checksum {entry.checksum}"
+                elif streamed is not None:
+                    self.log.warning(
+                        "%s: its checksum as it landed (%s) differs from the file's, which "
+                        "matches its manifest; the file is kept (a jitckpt bug: please report)",
+                        entry.path,
+                        streamed,
+                    )
             if wrong is None:
-                verified.add((entry.path, entry.checksum))
+                self._verified_one(verified, entry)
                 return
             os.unlink(path)
             failed = (ckpt.step, ckpt.save_id or "")
@@ -532,6 +565,15 @@ class Restorer:
 
 
 _NONE = m.FileEntry("", -1)
+
+
+def _replaces(chosen: validity.RemoteCheckpoint, local: Optional[m.Manifest]) -> bool:
+    """Whether restoring `chosen` downloads: the volume holds nothing as new, or holds another
+    save of its step (replaced: the nodes load one save)."""
+    if local is None:
+        return True
+    here, there = validity.newness(local), (chosen.lineage or "", chosen.step)
+    return here < there or (here == there and local.save_id != chosen.save_id)
 
 
 def _part_of(

@@ -9,10 +9,12 @@ checks that the restore hands the trainer one save of one run, or nothing.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+from botocore.exceptions import ClientError
 
 from harness.checkpoints import SIDECAR, commit, data, remote, upload_directly
 from harness.s3 import Bucket
@@ -25,6 +27,7 @@ from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.remote import PIN_NAME, Remote
 from jitckpt_sidecar.restore import Restorer, RestoreResult
 from jitckpt_sidecar.retention import Retention
+from jitckpt_sidecar.s3 import is_transient
 from jitckpt_sidecar.uploader import StaleSaveError, superseded
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
@@ -252,6 +255,42 @@ def test_a_restore_interrupted_keeps_what_it_verified_and_sends_no_head(
     gets = [r for r in proxy.log() if r.method == "GET" and r.key.endswith("__0_0.distcp")]
     assert len(gets) == 1, "a verified file was downloaded again"
     assert not [r for r in proxy.log() if r.method == "HEAD"]
+
+
+def test_a_range_that_fails_every_time_ends_the_restore_once_no_file_lands(
+    s3_bucket, proxy: S3Proxy, tmp_path, monkeypatch
+):
+    """Every GET of one range of one file fails (503) while the file's other ranges land:
+    each attempt moves bytes but lands no file, and the restore gives up after MAX_FRUITLESS
+    such attempts (bytes moved kept its patience from running out: it tried forever)."""
+    monkeypatch.setattr("jitckpt_sidecar.restore.MAX_FRUITLESS", 2)  # backoffs 1, 2, 4 s at most
+    for root in save(tmp_path, "s20", 20, seed=20):
+        upload_directly(s3_bucket, root, 20)
+    for name, value in s3_bucket.env({}, endpoint=proxy.url).items():
+        monkeypatch.setenv(name, value)
+    cfg = Config(storage_uri=s3_bucket.uri, s3_endpoint=proxy.url, s3_max_attempts=2)
+    object.__setattr__(cfg, "download_chunk", 16384)  # below the setting's 5Mi floor: small files
+    rgw = s3_bucket.server.ca_bundle is not None
+    client = s3.make_client(cfg, s3.new_session(), checksums=s3.WHEN_REQUIRED if rgw else None)
+    # 64 KiB + 1 bytes in ranges of 1, 16384, ... bytes: the second one always fails
+    bad = "bytes=1-16384"
+    proxy.fail(
+        lambda _method, key, q: key.endswith("__1_0.distcp") and q.get("Range") == bad, times=None
+    )
+    r = Restorer(
+        client,
+        Remote(client, cfg.uri),
+        cfg,
+        Layout(str(tmp_path / "fresh")),
+        logging.getLogger("t"),
+    )
+    started = time.monotonic()
+    with pytest.raises(ClientError) as failed:  # the store's 503, not the test's cancel
+        r.run(cancel=lambda: "still restoring" if time.monotonic() - started > 60 else None)
+    assert is_transient(failed.value), failed.value
+    landed = [q for q in proxy.log() if q.key.endswith("__1_0.distcp") and q.status == 206]
+    assert len(landed) >= 6, landed  # the file's other ranges moved, attempt after attempt
+    assert time.monotonic() - started < 45
 
 
 def test_restored_data_is_durable_before_its_manifests(s3_bucket, tmp_path, monkeypatch):

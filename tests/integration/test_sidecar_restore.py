@@ -26,6 +26,7 @@ from harness.procs import wait_for
 from harness.s3proxy import S3Proxy
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol import status, validity
+from jitckpt_sidecar.remote import PIN_NAME, Pin
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
 
@@ -117,6 +118,32 @@ def test_restore_keeps_a_local_checkpoint_that_is_as_new_as_s3(
     log_line(proc, r"local checkpoint-7 is committed and at least as new as S3's")
     assert sorted(os.listdir(root / "checkpoints")) == ["checkpoint-5", "checkpoint-7"]
     assert not any("restoring" in line for line in proc.stderr)
+
+
+def test_a_restore_that_keeps_the_volumes_newer_checkpoint_pins_nothing(
+    spawn, base_env, s3_bucket, tmp_path
+):
+    """A sidecar restarted beside a running trainer (S3 holds checkpoint-40; the volume holds 40
+    and a newer 50, its upload pending) downloads nothing and writes no pin: once 50 is committed
+    in S3, the next pod's restore takes 50, not the pinned 40 for the pin's half hour."""
+    root = tmp_path / "node"
+    commit([root], 40, [hf_files(40)])
+    upload_directly(s3_bucket, root, 40)
+    commit([root], 50, [hf_files(50)])  # staged: the restarted sidecar's uploader will send it
+    proc = spawn([*SIDECAR, "restore"], env=s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}))
+    assert proc.wait(60) == 0, proc.output()
+    log_line(proc, r"local checkpoint-50 is committed and at least as new as S3's")
+    in_s3 = s3_bucket.keys()
+    assert PIN_NAME not in in_s3
+
+    upload_directly(s3_bucket, root, 50)
+    fresh = tmp_path / "next-pod"
+    proc = spawn([*SIDECAR, "restore"], env=s3_bucket.env({**base_env, "JITCKPT_DIR": str(fresh)}))
+    assert proc.wait(60) == 0, proc.output()
+    assert sorted(os.listdir(fresh / "checkpoints")) == ["checkpoint-50"]
+    pin = Pin.from_bytes(s3_bucket.get(PIN_NAME))  # the restore that downloads pins its round
+    assert pin is not None
+    assert pin.step == 50
 
 
 def test_restore_replaces_an_uncommitted_local_directory_of_the_same_step(
