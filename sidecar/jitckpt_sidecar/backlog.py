@@ -6,6 +6,11 @@ throttling, refused credentials) pauses the whole backlog: when the pause ends t
 first, however many checkpoints piled up meanwhile. A failure of one checkpoint (its staged
 files changed or vanished) backs off that checkpoint only. One preempted (by a newer
 checkpoint) comes back at once.
+
+A step can be staged again by another save (a restart resumed below it and saved it anew): the
+queue knows each checkpoint by its save (`Staged.save`), not by its step. The newer save takes
+the older one's place in the queue; one of them in flight is `replaced`, and its upload stops
+(service.py) rather than send the new save's bytes under the old save's manifest.
 """
 
 from __future__ import annotations
@@ -24,24 +29,34 @@ class Backlog:
         self._waiting: dict[int, Staged] = {}
         self._not_before: dict[int, float] = {}
         self._in_flight: Optional[Staged] = None
-        self._done: dict[int, float] = {}
-        """step -> created_at of the manifest uploaded (or skipped) by this process."""
+        self._done: dict[int, tuple[str, float]] = {}
+        """step -> the save uploaded (or skipped) by this process."""
         self._paused_until = 0.0
         self._closed = False
 
     def offer(self, staged: Staged) -> bool:
-        """Queue `staged` unless it is queued, in flight or already done; True when added."""
+        """Queue `staged` unless this save of its step is queued, in flight or already done;
+        another save of the step waiting is dropped for it. True when added."""
         with self._cond:
             step = staged.step
-            if self._done.get(step) == staged.committed_at:
+            if self._done.get(step) == staged.save:
                 return False
-            if step in self._waiting or (
-                self._in_flight is not None and self._in_flight.step == step
-            ):
+            waiting = self._waiting.get(step)
+            if waiting is not None and waiting.save == staged.save:
+                return False
+            flying = self._in_flight
+            if flying is not None and flying.step == step and flying.save == staged.save:
                 return False
             self._waiting[step] = staged
+            self._not_before.pop(step, None)
             self._cond.notify_all()
             return True
+
+    def replaced(self, staged: Staged) -> bool:
+        """Whether another save of `staged`'s step was offered since (it waits to go next)."""
+        with self._cond:
+            waiting = self._waiting.get(staged.step)
+            return waiting is not None and waiting.save != staged.save
 
     def take(self, timeout: float) -> Optional[Staged]:
         """The newest waiting checkpoint whose backoff has passed (now in flight), or None."""
@@ -70,11 +85,22 @@ class Backlog:
     def done(self, staged: Staged) -> None:
         """`staged` is committed in S3 (or skipped on purpose): never queue it again."""
         with self._cond:
-            self._done[staged.step] = staged.committed_at
+            self._done[staged.step] = staged.save
             self._release(staged)
 
+    def drop(self, staged: Staged) -> None:
+        """`staged` is no longer what its step's staged directory holds: forget it (the save
+        that replaced it is offered by the next scan)."""
+        with self._cond:
+            self._release(staged)
+            waiting = self._waiting.get(staged.step)
+            if waiting is not None and waiting.save == staged.save:
+                self._waiting.pop(staged.step)
+                self._not_before.pop(staged.step, None)
+
     def retry(self, staged: Staged, delay: float) -> None:
-        """`staged` failed: queue it again after `delay` seconds (unless a newer copy came)."""
+        """`staged` failed: queue it again after `delay` seconds (unless another save of its
+        step came)."""
         with self._cond:
             self._release(staged)
             if staged.step not in self._waiting:
@@ -98,7 +124,7 @@ class Backlog:
             self._cond.notify_all()
 
     def _release(self, staged: Staged) -> None:
-        if self._in_flight is not None and self._in_flight.step == staged.step:
+        if self._in_flight is not None and self._in_flight.save == staged.save:
             self._in_flight = None
         self._cond.notify_all()
 

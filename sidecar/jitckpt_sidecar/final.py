@@ -31,9 +31,9 @@ from jitckpt_entrypoint.protocol.validity import s3_problems
 from jitckpt_sidecar import checksum, staging, transfers
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.errors import SidecarError
-from jitckpt_sidecar.remote import Remote
+from jitckpt_sidecar.remote import CHECKSUM_META, Remote
 from jitckpt_sidecar.staging import Staged
-from jitckpt_sidecar.uploader import CHECKSUM_META, Uploader
+from jitckpt_sidecar.uploader import Uploader
 
 INCOMING = ".final-incoming"
 """Where a new final model waits, complete, while final/ still holds the previous one."""

@@ -25,6 +25,12 @@ log = logging.getLogger("jitckpt.jitckpt-sidecar.remote")
 _DELETE_BATCH = 1000  # DeleteObjects' limit
 _READERS = 16
 """Manifests read at once (small GETs: latency-bound)."""
+CHECKSUM_META = "jitckpt-checksum"
+"""User metadata key (x-amz-meta-jitckpt-checksum) of each uploaded object: its checksum,
+'<algorithm>:<hex>'."""
+SAVE_META = "jitckpt-save"
+"""User metadata key (x-amz-meta-jitckpt-save) of each uploaded object: '<save id> <created_at>'
+of the save that wrote it."""
 PIN_NAME = "jitckpt-restore-pin.json"
 """The restore's pin, at the top of the prefix (restore.py says what it means)."""
 PIN_HOLD = 1800.0
@@ -201,14 +207,45 @@ class Remote:
     def holds(self, step: int, node: Optional[int], save_id: Optional[str] = None) -> bool:
         """Whether S3 holds node `node`'s part of checkpoint-<step> (or all of it) of save
         `save_id` (of any save when None), as it is now: asked before a local copy is deleted,
-        so never from the cache (another node's retention may have deleted it since)."""
+        so never from the cache (another node's retention may have deleted it since). Every
+        object of that part must carry the checksum its manifest lists (one HEAD each): a late
+        upload of another save of the step, killed after its files, leaves the right sizes with
+        the wrong bytes."""
         ckpt = self.load(step)
         if ckpt.committed:
             with self._lock:
                 self._committed[step] = ckpt
-            if save_id is None or ckpt.save_id == save_id:
-                return True
-        return node is not None and s3_part_problems(ckpt, node, save_id) == []
+        if ckpt.committed and (save_id is None or ckpt.save_id == save_id):
+            save = ckpt.save or {}
+            parts = save.values() if node is None else [save[node]] if node in save else []
+        elif node is not None and s3_part_problems(ckpt, node, save_id) == []:
+            parts = [ckpt.manifests[node]]
+        else:
+            return False
+        return bool(parts) and self._checksums_match(
+            checkpoint_name(step), [e for part in parts for e in part.owned]
+        )
+
+    def _checksums_match(self, name: str, entries: list[m.FileEntry]) -> bool:
+        """Whether every entry's object in directory `name` carries the entry's checksum."""
+
+        def carries(entry: m.FileEntry) -> bool:
+            try:
+                head = self.client.head_object(
+                    Bucket=self.uri.bucket, Key=self.dir_key(name, entry.path)
+                )
+            except Exception as exc:
+                if error_code(exc) in ("NoSuchKey", "404"):
+                    return False
+                raise
+            return entry.checksum is not None and (
+                head.get("Metadata", {}).get(CHECKSUM_META) == entry.checksum
+            )
+
+        if len(entries) <= 1:
+            return all(carries(e) for e in entries)
+        with ThreadPoolExecutor(min(_READERS, len(entries))) as pool:
+            return all(pool.map(carries, entries))
 
     def committed_steps(self, lineage: Optional[str] = None) -> list[int]:
         """Steps committed in S3 now (of `lineage` only, when given), ascending (one listing

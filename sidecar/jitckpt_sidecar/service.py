@@ -43,7 +43,7 @@ from jitckpt_sidecar.retention import Retention
 from jitckpt_sidecar.server import MetricsServer
 from jitckpt_sidecar.staging import Staged
 from jitckpt_sidecar.status_feed import StatusFeed
-from jitckpt_sidecar.uploader import StaleSaveError, Uploader, superseded
+from jitckpt_sidecar.uploader import RestagedError, StaleSaveError, Uploader, superseded
 from jitckpt_sidecar.watcher import Watcher
 from jitckpt_sidecar.work_at_risk import WorkAtRisk
 
@@ -394,8 +394,8 @@ class Service:
                 self._upload(staged)
 
     def _upload(self, staged: Staged) -> None:
-        if staging.read(staged.path) is None:  # removed or re-staged since it was queued
-            self.backlog.retry(staged, self.cfg.rescan_seconds)
+        if not staging.current(staged):  # removed, or staged again by another save, since
+            self._dropped(staged, "its staged directory holds another save of it by now")
             return
         try:
             newer = superseded(self.remote, staged.manifest, self.cfg.s3_keep)
@@ -414,6 +414,9 @@ class Service:
             report = self.uploader.upload(staged, cancel=lambda: self._cancel_reason(staged))
         except StaleSaveError as exc:
             self._skip(staged, str(exc))
+            return
+        except RestagedError as exc:
+            self._dropped(staged, str(exc))
             return
         except transfers.TransferCancelledError as exc:
             self.log.info("paused the upload of %s: %s", staged.name, exc)
@@ -479,9 +482,18 @@ class Service:
         staging.remove(staged)
         self.backlog.done(staged)
 
+    def _dropped(self, staged: Staged, why: str) -> None:
+        """`staged` is not what its step's staged directory holds any more: forget it; the
+        next scan offers what is there (another save of the step)."""
+        self.log.info("not uploading this save of %s: %s", staged.name, why)
+        self.backlog.drop(staged)
+        self.wake()
+
     def _cancel_reason(self, staged: Staged) -> Optional[str]:
         if self._stop.is_set():
             return "the sidecar is stopping"
+        if self.backlog.replaced(staged):
+            return "the step was staged again by another save, which goes instead"
         newer = self._preempt_for
         if newer is not None and newer > staged.step:
             return f"{checkpoint_name(newer)} is newer and goes first during the drain"

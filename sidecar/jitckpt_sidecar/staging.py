@@ -38,6 +38,12 @@ class Staged:
         return os.path.basename(os.path.normpath(self.path))
 
     @property
+    def save(self) -> tuple[str, float]:
+        """Which save of its step this is: its save id (and its time: manifests written before
+        save ids have none)."""
+        return self.manifest.save_id, self.manifest.created_at
+
+    @property
     def committed_at(self) -> float:
         return self.manifest.created_at
 
@@ -71,6 +77,17 @@ def scan(layout: Layout) -> dict[int, Staged]:
     return found
 
 
+def current(staged: Staged) -> bool:
+    """Whether `staged`'s directory still holds that save, ready (not re-staged by another save
+    of the step, not removed)."""
+    final = staged.manifest.kind == m.OUTPUT_KIND
+    now = validity.staged(staged.path, final=final)
+    return now is not None and (now.save_id, now.created_at) == staged.save
+
+
 def remove(staged: Staged) -> None:
-    """Drop the staged links, manifest first (a half-removed directory is never ready)."""
-    remove_checkpoint(staged.path)
+    """Drop the staged links, manifest first (a half-removed directory is never ready), only
+    while the directory holds that save: the trainer may have staged the step again (that save
+    is still to be uploaded), or be staging it now."""
+    if current(staged):
+        remove_checkpoint(staged.path)

@@ -120,9 +120,12 @@ def committed_in_s3(bucket: Bucket) -> list[int]:
     return remote(bucket).committed_steps()
 
 
-def upload_directly(bucket: Bucket, root: Path, step: int, uri: Optional[str] = None) -> None:
+def upload_directly(
+    bucket: Bucket, root: Path, step: int, uri: Optional[str] = None, client: Any = None
+) -> None:
     """Upload node K's staged checkpoint-<step> of `root` to `bucket` (under `uri`, default the
-    bucket's own prefix) in this process, with the sidecar's own uploader (to set S3 up)."""
+    bucket's own prefix) in this process, with the sidecar's own uploader (to set S3 up);
+    through `client` (e.g. one of a proxy) when given."""
     import logging
 
     from jitckpt_sidecar import staging
@@ -137,7 +140,7 @@ def upload_directly(bucket: Bucket, root: Path, step: int, uri: Optional[str] = 
     )
     staged = staging.read(Layout(str(root)).staged_dir(step))
     assert staged is not None, f"checkpoint-{step} is not staged in {root}"
-    client = bucket.client
+    client = client or bucket.client
     Uploader(client, Remote(client, cfg.uri), cfg, logging.getLogger("test")).upload(
         staged, cancel=lambda: None
     )

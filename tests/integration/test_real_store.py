@@ -23,7 +23,7 @@ from harness.s3 import Bucket
 from jitckpt_entrypoint.protocol import validity
 from jitckpt_sidecar import s3
 from jitckpt_sidecar.config import Config
-from jitckpt_sidecar.uploader import CHECKSUM_META
+from jitckpt_sidecar.remote import CHECKSUM_META
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw", "rgw-http")]
 SWITCH = r"refuses S3's flexible checksums \(MissingContentLength\)"

@@ -15,8 +15,10 @@ class FakeClock:
         return self.now
 
 
-def staged(step: int, created_at: float = 500.0) -> Staged:
-    manifest = m.Manifest(step, "periodic", 0, 1, 1, (m.FileEntry("a", 1),), created_at)
+def staged(step: int, created_at: float = 500.0, save_id: str = "") -> Staged:
+    manifest = m.Manifest(
+        step, "periodic", 0, 1, 1, (m.FileEntry("a", 1),), created_at, save_id=save_id
+    )
     return Staged(f"/x/staging/checkpoint-{step}", manifest)
 
 
@@ -124,3 +126,43 @@ def test_oldest_age_is_the_age_of_the_oldest_pending_checkpoint():
     backlog.offer(staged(20, created_at=590.0))
     backlog.take(timeout=0)
     assert (backlog.oldest_age(now=600.0), backlog.lag(now=600.0)) == (500.0, 10.0)
+
+
+def test_another_save_of_a_waiting_step_takes_its_place():
+    """Save A of 50 waits to retry when save B of 50 is staged: B goes, A is never handed out."""
+    backlog = Backlog(FakeClock())
+    a, b = staged(50, save_id="a"), staged(50, created_at=600.0, save_id="b")
+    backlog.offer(a)
+    backlog.retry(backlog.take(timeout=0), 30.0)
+    assert backlog.offer(b)
+    assert backlog.take(timeout=0) is b
+    backlog.done(b)
+    assert backlog.take(timeout=0) is None
+    assert not backlog.offer(b)
+
+
+def test_another_save_of_the_step_in_flight_replaces_it_and_goes_next():
+    """B offered while A of the same step is in flight: A is `replaced` (its upload stops), a
+    retry of A does not queue it again, and B goes next."""
+    backlog = Backlog(FakeClock())
+    a, b = staged(50, save_id="a"), staged(50, created_at=600.0, save_id="b")
+    backlog.offer(a)
+    flying = backlog.take(timeout=0)
+    assert not backlog.replaced(flying)
+    assert backlog.offer(b)
+    assert backlog.replaced(flying)
+    backlog.retry(flying, 0.0)
+    assert backlog.take(timeout=0) is b
+    assert not backlog.replaced(b)
+
+
+def test_a_dropped_save_leaves_the_queue_and_frees_the_worker():
+    """A save whose staged directory holds another save by now is dropped: nothing of it is
+    handed out again, and the next checkpoint can go."""
+    backlog = Backlog(FakeClock())
+    a = staged(50, save_id="a")
+    backlog.offer(a)
+    backlog.offer(staged(40, save_id="c"))
+    backlog.drop(backlog.take(timeout=0))
+    assert backlog.take(timeout=0).step == 40
+    assert backlog.offer(a)  # offered again by a scan: it is not done
