@@ -110,6 +110,16 @@ class Remote:
                 found[entry["Key"][len(prefix) :]] = (int(entry["Size"]), entry.get("ETag", ""))
         return found
 
+    def last_written(self, name: str) -> Optional[float]:
+        """When the newest object in directory `name` was written (Unix time), None if empty."""
+        newest = None
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.uri.bucket, Prefix=self._prefix(name)):
+            for entry in page.get("Contents", []):
+                when = entry["LastModified"].timestamp()
+                newest = when if newest is None else max(newest, when)
+        return newest
+
     def heads(self, steps: list[int]) -> dict[int, m.Manifest]:
         """Node 0's manifest of each of `steps` that has one (its save id, lineage, node count
         and save time), read in parallel: one GET per checkpoint, not one per node."""

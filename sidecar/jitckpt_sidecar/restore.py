@@ -46,7 +46,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from jitckpt_entrypoint.protocol import atomic, durable, validity
+from jitckpt_entrypoint.protocol import atomic, durable, status, validity
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name, checkpoint_steps
@@ -125,6 +125,8 @@ class Restorer:
         self._verified: dict[str, set[tuple[str, Optional[str]]]] = {}
         """Temp directory -> (path, checksum) of the files in it already verified (kept across
         attempts)."""
+        self._listed: tuple[list[int], dict[int, m.Manifest]] = ([], {})
+        """The steps under the prefix and node 0's manifests, as `_choose` listed them last."""
         self._failed: dict[tuple[int, str], int] = {}
         """(step, save id) -> checksum failures: twice, and the checkpoint is passed over."""
 
@@ -187,7 +189,10 @@ class Restorer:
             # Only now: a restore that keeps the volume's own checkpoint must not pin (above).
             chosen = self._pin(chosen)
         self._remove_leftovers(keep=None if chosen is None else self._temp_dir(chosen))
-        if chosen is not None and _replaces(chosen, local):
+        downloads_it = chosen is not None and _replaces(chosen, local)
+        resumed = chosen.save[0] if downloads_it and chosen and chosen.save else local
+        self._record_tip(resumed)
+        if chosen is not None and downloads_it:
             return self._download(chosen, cancel)
         self._remove_leftovers(keep=None)
         seconds = self.monotonic() - started
@@ -270,6 +275,7 @@ class Restorer:
         caller pins it with _pin, once it knows it downloads it)."""
         steps = self.remote.steps()
         heads = self.remote.heads(steps)
+        self._listed = (steps, heads)
         pin = self.remote.pinned(self.clock())
         if pin is not None and any(h.created_at > pin.pinned_at for h in heads.values()):
             pin = None  # training saved after it: that round is over
@@ -302,6 +308,39 @@ class Restorer:
                 )
         self._say_passed_over(heads, best)
         return best, False
+
+    def _record_tip(self, resumed: Optional[m.Manifest]) -> None:
+        """Tell the trainer (status.LineageTip) the newest step of `resumed`'s lineage that S3
+        holds a save of, committed or not, when it is above `resumed` (the checkpoint the
+        trainer will resume from): such a save may still be completed by an attempt's late
+        upload, and a run resuming below it must begin a new lineage to come first (the
+        rollback rule, hook/resume.py). Directories without node 0's manifest are read whole."""
+        tip = None
+        if resumed is not None:
+            steps, heads = self._listed
+            above = [s for s in steps if s > resumed.step]
+            for step in sorted(above, reverse=True):
+                head = heads.get(step)
+                lineages = (
+                    {head.lineage}
+                    if head is not None
+                    else {man.lineage for man in self.remote.load(step).manifests.values()}
+                )
+                if resumed.lineage in lineages:
+                    tip = status.LineageTip(resumed.lineage, step)
+                    break
+        try:
+            status.write_lineage_tip(self.layout.status, tip)
+        except OSError as exc:  # the hook then knows only what the volume shows
+            self.log.warning("cannot record the newest save of the run in S3: %s", exc)
+            return
+        if tip is not None:
+            self.log.info(
+                "S3 also holds %s of this run (not restored: not committed, or passed over); the "
+                "trainer begins a new lineage from %s, so its saves come first",
+                checkpoint_name(tip.step),
+                checkpoint_name(resumed.step if resumed else 0),
+            )
 
     def _pin(self, best: validity.RemoteCheckpoint) -> validity.RemoteCheckpoint:
         """Pin `best` for the other nodes' restores; returns what this restore downloads (another

@@ -1,25 +1,30 @@
 """S3 retention: keep the newest JITCKPT_S3_KEEP committed checkpoints, delete older ones.
 
-Retention counts the checkpoints of one run (the lineage of what this sidecar uploads) and
-never deletes another run's committed checkpoints: a run started over on the prefix
-(JITCKPT_RESUME=0) leaves the earlier run's checkpoints where they are (the restore prefers the
-newer run; delete them by hand). Nor the checkpoint a restore pinned within the last
-PIN_HOLD seconds: other nodes may be restoring it right now.
+Newest is the one order every part of jitckpt uses (validity.newness: the newest-born lineage,
+then the highest step). Retention counts the checkpoints of one lineage (that of what this
+sidecar uploads) and keeps its highest steps: a run that resumed below a save of its lineage
+began a new lineage (the rollback rule), so within a lineage a higher step is always a later
+save. It never deletes another lineage's checkpoints, which are either newer in that order
+(a branch or a run started over after this one) or an earlier run or branch that the restore
+passes over (delete those by hand, or let the lifecycle rules of the bucket). Nor the
+checkpoint a restore pinned within the last PIN_HOLD seconds: other nodes may be restoring it.
 
 Deletion goes manifests first (`Remote.delete`), so a half-deleted checkpoint is never
 committed and never restored. The newest committed checkpoint is never deleted (keep >= 1).
-Uncommitted leftovers older than the oldest kept checkpoint (an upload whose pod died) go too:
-they can never become the newest, and retention would delete them once complete anyway.
+Uncommitted leftovers below the oldest kept step go too, when they can never become newer in
+that order: every manifest in them is of this lineage, or they have none and nothing in them
+was written in the last PIN_HOLD seconds (an upload that may still be going on writes its
+files before any manifest, and its lineage is not known until then).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 from jitckpt_entrypoint.protocol.layout import checkpoint_name
-from jitckpt_sidecar.remote import Remote
-from jitckpt_sidecar.uploader import saved_at
+from jitckpt_sidecar.remote import PIN_HOLD, Remote
 
 
 class Retention:
@@ -29,13 +34,15 @@ class Retention:
         keep: int,
         logger: logging.Logger,
         on_deleted: Callable[[int], None] = lambda _: None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.remote, self.keep, self.log, self.on_deleted = remote, keep, logger, on_deleted
+        self.clock = clock
 
     def doomed(self, lineage: str) -> list[int]:
-        """Steps retention deletes now for run `lineage`, oldest first: its committed
-        checkpoints but the `keep` saved last (by save time, not step: an abandoned attempt's
-        higher step is not the newest), and uncommitted leftovers below the oldest kept step."""
+        """Steps retention deletes now for lineage `lineage`, oldest first: its committed
+        checkpoints but the `keep` highest, and the uncommitted leftovers below the oldest
+        kept step that can never become newer (the module docstring)."""
         if self.keep <= 0:
             return []
         steps = self.remote.steps()
@@ -43,15 +50,25 @@ class Retention:
         mine = {s: c for s, c in ckpts.items() if c is not None and c.lineage == lineage}
         if len(mine) <= self.keep:
             return []
-        kept = set(sorted(mine, key=lambda s: saved_at(mine[s]))[-self.keep :])
+        kept = sorted(mine)[-self.keep :]
         pinned = self.remote.pinned()
         return [
             s
             for s in steps
             if s not in kept
-            and (s in mine or (ckpts[s] is None and s < min(kept)))
+            and (s in mine or (ckpts[s] is None and s < kept[0] and self._leftover(s, lineage)))
             and (pinned is None or pinned.step != s)
         ]
+
+    def _leftover(self, step: int, lineage: str) -> bool:
+        """Whether uncommitted checkpoint-<step> is a leftover of `lineage` that can never
+        become newer: its manifests all of that lineage, or none and no object written in the
+        last PIN_HOLD seconds."""
+        ckpt = self.remote.load(step)
+        if ckpt.manifests:
+            return all(man.lineage == lineage for man in ckpt.manifests.values())
+        written = self.remote.last_written(checkpoint_name(step))
+        return written is None or self.clock() - written >= PIN_HOLD
 
     def apply(self, lineage: str) -> list[int]:
         """Delete what `doomed` names; returns the steps deleted. A committed one is looked at

@@ -31,7 +31,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Optional
 
 from jitckpt_entrypoint.protocol import manifest as m
-from jitckpt_entrypoint.protocol.validity import RemoteCheckpoint
 from jitckpt_sidecar import checksum, preconditions, staging, transfers
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.errors import SidecarError
@@ -362,26 +361,19 @@ class Uploader:
 
 
 def superseded(remote: Remote, staged: m.Manifest, keep: int) -> Optional[list[int]]:
-    """The newer committed checkpoints of `staged`'s run when retention would delete it right
-    after its upload (keep > 0 and at least `keep` saves of that run newer than it are committed
-    in S3), else None. Newer means saved later, not a higher step: an abandoned attempt's higher
-    step (a restore round resumed below it) supersedes nothing. Another run's checkpoints never
-    supersede it."""
+    """The newer committed checkpoints of `staged`'s lineage when retention would delete it
+    right after its upload (keep > 0 and at least `keep` of them committed in S3), else None.
+    Newer is the one order (validity.newness): within a lineage, a higher step; a run that
+    resumed below a save of its lineage began a new one (hook/resume.py), so an abandoned
+    attempt's higher step is of another lineage and supersedes nothing. Another lineage's
+    checkpoints never supersede it."""
     if keep <= 0:
         return None
     newer = []
     for step in remote.steps():
-        ckpt = remote.committed(step)
-        if ckpt is None or ckpt.save is None or ckpt.lineage != staged.lineage:
+        if step <= staged.step:
             continue
-        if saved_at(ckpt, staged.node) > staged.created_at and ckpt.save_id != staged.save_id:
+        ckpt = remote.committed(step)
+        if ckpt is not None and ckpt.lineage == staged.lineage and ckpt.save_id != staged.save_id:
             newer.append(step)
-    return sorted(newer) if len(newer) >= keep else None
-
-
-def saved_at(ckpt: RemoteCheckpoint, node: int = 0) -> float:
-    """When `ckpt` (committed) was saved, by node `node`'s clock when it was a node of that
-    save (the clock a staged manifest of that node is compared with), else node 0's."""
-    save = ckpt.save or {}
-    manifest = save.get(node) or save.get(0)
-    return 0.0 if manifest is None else manifest.created_at
+    return newer if len(newer) >= keep else None

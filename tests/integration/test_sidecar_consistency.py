@@ -16,11 +16,11 @@ from typing import Any, Optional
 import pytest
 from botocore.exceptions import ClientError
 
-from harness.checkpoints import SIDECAR, commit, data, remote, upload_directly
+from harness.checkpoints import SIDECAR, commit, committed_in_s3, data, remote, upload_directly
 from harness.s3 import Bucket
 from harness.s3proxy import S3Proxy, is_key
 from jitckpt_entrypoint.protocol import manifest as m
-from jitckpt_entrypoint.protocol import validity
+from jitckpt_entrypoint.protocol import status, validity
 from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar import s3
 from jitckpt_sidecar.config import Config
@@ -369,22 +369,62 @@ def test_a_bigger_job_saving_a_step_again_uncommits_the_old_save_before_any_file
     assert remote(s3_bucket).load(40).save_id == manifest_of(four[0], 40).save_id
 
 
-def test_an_abandoned_attempts_higher_step_does_not_supersede_newer_saves(s3_bucket, tmp_path):
-    """Attempt A's checkpoint-60 landed after this round pinned 50; the round then saved 55.
-    With JITCKPT_S3_KEEP=1, 55 is uploaded (saved after 60), and retention keeps it, deleting
-    the abandoned 60 rather than the round's newest save."""
+@pytest.mark.parametrize("keep", [0, 1])
+def test_an_abandoned_attempts_higher_step_never_wins_over_the_live_runs_saves(
+    s3_bucket, tmp_path, keep
+):
+    """Attempt A (lineage OLD) committed 50 and uploaded node 0's part of 60. The next attempt
+    restores 50, and the restore records that S3 holds 60 of OLD above it, so the trainer's
+    saves begin lineage NEW (hook/resume.py). It saves 55; A's late upload then completes 60.
+    Whatever the steps, the restore takes 55 (JITCKPT_S3_KEEP=0), and with KEEP=1 neither
+    lineage's retention deletes the other's: not the half-uploaded 55 (node 1 never uploads
+    into nothing), not the live run's 55 once complete."""
     for root in save(tmp_path, "s50", 50, seed=50):
         upload_directly(s3_bucket, root, 50)
-    for root in save(tmp_path, "a60", 60, seed=60):
-        upload_directly(s3_bucket, root, 60)
-    s55 = save(tmp_path, "s55", 55, seed=55)
+    a60 = save(tmp_path, "a60", 60, seed=60)
+    upload_directly(s3_bucket, a60[0], 60)
+    assert restore(s3_bucket, tmp_path / "next").step == 50
+    tip = status.read_lineage_tip(Layout(str(tmp_path / "next")).status)
+    assert tip == status.LineageTip(OLD, 60)
+    s3_bucket.delete(PIN_NAME)  # that round is over (its pin would hold retention off 50)
+
+    s55 = save(tmp_path, "s55", 55, seed=55, lineage=NEW)
     in_s3 = remote(s3_bucket)
-    assert superseded(in_s3, manifest_of(s55[0], 55), 1) is None
-    for root in s55:
-        upload_directly(s3_bucket, root, 55)
+    upload_directly(s3_bucket, s55[0], 55)
+    assert superseded(in_s3, manifest_of(s55[1], 55), 1) is None
+    if keep:
+        assert Retention(remote(s3_bucket), keep, logging.getLogger("test")).apply(NEW) == []
+    upload_directly(s3_bucket, a60[1], 60)  # the late upload: 60 of OLD is complete now
+    if keep:
+        assert Retention(remote(s3_bucket), keep, logging.getLogger("test")).apply(OLD) == [50]
+    assert committed_in_s3(s3_bucket) == ([60] if keep else [50, 60])
+    upload_directly(s3_bucket, s55[1], 55)
+    if keep:
+        assert Retention(remote(s3_bucket), keep, logging.getLogger("test")).apply(NEW) == []
+    s3_bucket.delete(PIN_NAME)  # a new round
+    result = restore(s3_bucket, tmp_path / "fresh")
+    assert (result.source, result.step) == ("s3", 55)
+    assert status.read_lineage_tip(Layout(str(tmp_path / "fresh")).status) is None
+
+
+def test_retention_keeps_the_highest_steps_of_its_lineage_and_only_its_own_leftovers(
+    s3_bucket, tmp_path
+):
+    """KEEP=1 of OLD: 30 goes, 40 stays; the uncommitted leftover 35 of OLD goes, an
+    uncommitted 36 of NEW (its node 0 uploaded, node 1 still uploading) stays, and so does a
+    directory of files without a manifest written just now (an upload in progress)."""
+    for step in (30, 40):
+        for root in save(tmp_path, f"s{step}", step, seed=step):
+            upload_directly(s3_bucket, root, step)
+    upload_directly(s3_bucket, save(tmp_path, "s35", 35, seed=35)[0], 35)
+    upload_directly(s3_bucket, save(tmp_path, "s36", 36, seed=36, lineage=NEW)[0], 36)
+    s3_bucket.put(b"x" * 10, "checkpoint-37", "__1_0.distcp")
     retention = Retention(remote(s3_bucket), 1, logging.getLogger("test"))
-    assert retention.apply(OLD) == [50, 60]
-    assert remote(s3_bucket).committed_steps() == [55]
+    assert retention.doomed(OLD) == [30, 35]
+    later = Retention(
+        remote(s3_bucket), 1, logging.getLogger("test"), clock=lambda: time.time() + 3600
+    )
+    assert later.doomed(OLD) == [30, 35, 37]
 
 
 def test_a_local_copy_of_another_save_of_the_chosen_step_is_replaced(s3_bucket, tmp_path):

@@ -20,8 +20,8 @@ from jitckpt_entrypoint.hook.manager import CheckpointManager
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.signals import SigtermFlag
 from jitckpt_entrypoint.hook.topology import Topology
+from jitckpt_entrypoint.protocol import commit, status, validity
 from jitckpt_entrypoint.protocol import manifest as m
-from jitckpt_entrypoint.protocol import status, validity
 from jitckpt_entrypoint.protocol.layout import checkpoint_steps
 
 
@@ -461,3 +461,64 @@ def test_a_rank_waits_for_the_sidecars_answer_to_its_own_request_only(tmp_path):
     thread.join()
     assert answer is not None
     assert (answer.state, answer.bytes) == ("done", 2048)
+
+
+def branch_setup(tmp_path: Path) -> tuple[CheckpointManager, str]:
+    """A run that committed 5 and 8 (one lineage); returns a fresh manager and that lineage."""
+    session = session_for(tmp_path, "s3://bucket/run")
+    earlier = CheckpointManager(session)
+    earlier.commit_written(write_ckpt(session, 5), 5)
+    lineage = session.lineage
+    assert lineage is not None
+    earlier.commit_written(write_ckpt(session, 8), 8)
+    return CheckpointManager(session), lineage
+
+
+def test_resuming_the_newest_checkpoint_carries_its_lineage_on(tmp_path):
+    manager, lineage = branch_setup(tmp_path)
+    assert manager.resume() == 8
+    manager.commit_written(write_ckpt(manager.session, 9), 9)
+    assert manager.session.lineage == lineage
+
+
+def test_resuming_below_a_newer_save_of_the_lineage_begins_a_new_lineage(tmp_path, caplog):
+    """8 is on the volume but cannot be loaded (one node's part of it missing: its manifest of
+    node 1 is gone here); the run resumes from 5 and its saves begin a new lineage, which the
+    restore then prefers to 8's whatever the steps."""
+    manager, lineage = branch_setup(tmp_path)
+    session = manager.session
+    os.unlink(os.path.join(session.layout.checkpoint_dir(8), m.manifest_name(0)))
+    Path(session.layout.checkpoint_dir(8), m.manifest_name(1)).write_bytes(
+        m.Manifest(8, "periodic", 1, 2, 2, (), lineage=lineage).to_bytes()
+    )
+    assert manager.resume() == 5
+    assert "below checkpoint-8 of the same lineage" in caplog.text
+    manager.commit_written(write_ckpt(session, 6), 6)
+    assert session.lineage not in (None, lineage)
+
+
+def test_a_save_above_the_restored_one_seen_in_s3_begins_a_new_lineage(tmp_path):
+    """The restore took 5 while S3 held a save of its lineage at 8 that was not committed (an
+    attempt's late upload may still complete it): the run's saves begin a new lineage."""
+    manager, lineage = branch_setup(tmp_path)
+    session = manager.session
+    commit.remove_checkpoint(session.layout.checkpoint_dir(8))
+    status.write_lineage_tip(session.layout.status, status.LineageTip(lineage, 8))
+    assert manager.resume() == 5
+    manager.commit_written(write_ckpt(session, 6), 6)
+    assert session.lineage not in (None, lineage)
+    status.write_lineage_tip(session.layout.status, status.LineageTip("another", 80))
+    manager = CheckpointManager(session)
+    assert manager.resume() == 6  # a tip of another lineage says nothing about this one
+    new = session.lineage
+    manager.commit_written(write_ckpt(session, 7), 7)
+    assert session.lineage == new
+
+
+def test_a_script_that_rolls_back_to_an_older_checkpoint_begins_a_new_lineage(tmp_path):
+    """resume_from_checkpoint names 5 while 8 of its lineage is on the volume: a rollback."""
+    manager, lineage = branch_setup(tmp_path)
+    manager.resuming_from(manager.session.layout.checkpoint_dir(5))
+    assert manager.session.lineage is None
+    manager.resuming_from(manager.session.layout.checkpoint_dir(8))
+    assert manager.session.lineage == lineage

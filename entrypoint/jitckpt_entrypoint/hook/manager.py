@@ -153,6 +153,8 @@ class CheckpointManager:
         """The step every rank agreed to stop at for a JIT checkpoint."""
         self._last_step: Optional[int] = None
         """Training's last step: its checkpoint has kind final."""
+        self._ended = False
+        """training_ending ran in this train() (once per rank: see there)."""
         self._save_total_limit = session.cfg.save_total_limit
         self._best_step: Optional[int] = None
         self._announced: Optional[status.NodeStatus] = None
@@ -214,6 +216,7 @@ class CheckpointManager:
         session.control  # noqa: B018 - collective: create the group while every rank is here
         with self._lock:
             self._announce()
+        self._ended = False
         if not session.training:
             self.cadence.started()
             if self.cadence.active and session.topo.rank == 0:
@@ -280,8 +283,14 @@ class CheckpointManager:
 
     def resuming_from(self, path: str) -> None:
         """The script resumes from `path` itself: its saves carry on that checkpoint's lineage
-        (when it is one of ours)."""
-        self.session.lineage = resume.lineage_of(path)
+        (when it is one of ours), unless that lineage has a newer save (a rollback: a new one)."""
+        session = self.session
+        lineage = resume.lineage_of(path)
+        step = step_of(os.path.basename(os.path.normpath(path)))
+        tip = None if lineage is None or step is None else resume.tip(session, step, lineage)
+        session.lineage = lineage if tip is None else None
+        if tip is not None and step is not None:
+            self._say_branch(step, tip)
 
     def resume(self, *, asked: bool = False) -> Optional[int]:
         """Collective: the newest step committed on every node, or None. Directories past it,
@@ -297,8 +306,16 @@ class CheckpointManager:
             return None
         resume.fetch_missing(session)
         step = resume.agreed_step(session)
+        lineage = None if step is None else resume.lineage_of(self.checkpoint_dir(step))
+        # Before remove_stale: the directories past the resume point are what tells.
+        tips = session.control.all_gather(
+            None if step is None or lineage is None else resume.tip(session, step, lineage)
+        )
         resume.remove_stale(session, step)
-        session.lineage = None if step is None else resume.lineage_of(self.checkpoint_dir(step))
+        tip = max((t for t in tips if t is not None), default=None)
+        session.lineage = lineage if tip is None else None
+        if tip is not None and step is not None:
+            self._say_branch(step, tip)
         if step is None:
             if session.topo.rank == 0:
                 session.log.info(
@@ -312,6 +329,16 @@ class CheckpointManager:
         if session.topo.rank == 0:
             session.log.info("resuming from %s", self.checkpoint_dir(step))
         return step
+
+    def _say_branch(self, step: int, tip: int) -> None:
+        if self.session.topo.rank == 0:
+            self.session.log.info(
+                "resuming from %s, below %s of the same lineage (an attempt that could not be "
+                "resumed from, or a rollback): this run's saves begin a new lineage, which "
+                "restores prefer to that branch whatever their steps",
+                checkpoint_name(step),
+                checkpoint_name(tip),
+            )
 
     # -- stopping --
 
@@ -471,7 +498,13 @@ class CheckpointManager:
 
     def training_ending(self, step: int, save: Optional[Callable[[], object]]) -> None:
         """Training ended at `step` (collective): save it unless committed (kind jit when
-        stopping, else final), and leave when a stop is agreed."""
+        stopping, else final), and leave when a stop is agreed. Once per train() on each rank:
+        HF calls `_load_best_model` (which calls this first) only on the ranks that hold the
+        best checkpoint, the rest come here from on_train_end; and a final save that failed
+        is not tried again after the best model's weights replaced the step's own."""
+        if self._ended:
+            return
+        self._ended = True
         self.drain()
         if not self.is_committed(step) and save is not None:
             if self._stop_step is not None:

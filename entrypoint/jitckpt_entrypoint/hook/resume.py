@@ -14,6 +14,7 @@ from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.hook import fetch
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.topology import Topology
+from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
 from jitckpt_entrypoint.protocol.manifest import read_manifests
@@ -29,6 +30,26 @@ def lineage_of(ckpt_dir: str) -> Optional[str]:
     (the run then starts a new lineage at its first commit)."""
     save = complete_save(read_manifests(ckpt_dir))
     return save[0].lineage if save else None
+
+
+def tip(session: Session, step: int, lineage: str) -> Optional[int]:
+    """The newest step above `step` that `lineage` has a save of, as this node knows (None when
+    `step` is its newest): a directory on this volume holding any manifest of that lineage,
+    committed or not, or S3's as the sidecar's restore saw it (status.LineageTip). A run that
+    resumes below it begins a new lineage: validity.newness then puts its saves above that
+    branch's, whatever their steps (an in-place restart that could not load the newest, an
+    attempt's late upload completing a higher step, a rollback)."""
+    found = []
+    root = session.layout.checkpoints
+    for other in checkpoint_steps(root):
+        if other > step:
+            manifests = read_manifests(os.path.join(root, checkpoint_name(other)))
+            if any(man.lineage == lineage for man in manifests.values()):
+                found.append(other)
+    seen = status.read_lineage_tip(session.layout.status)
+    if seen is not None and seen.lineage == lineage and seen.step > step:
+        found.append(seen.step)
+    return max(found, default=None)
 
 
 def _saves(checkpoints: str, topo: Topology, own_part: bool = False) -> list[SaveKey]:

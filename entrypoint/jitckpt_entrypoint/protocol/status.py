@@ -29,6 +29,9 @@
 - `progress.json` (hook, one per node): the newest optimizer step this node's training
   finished and when, rewritten at most once every PROGRESS_SECONDS: the work at risk (steps and
   seconds since the newest committed or uploaded checkpoint).
+- `lineage-tip.json` (sidecar's restore): the newest step of the restored checkpoint's lineage
+  that S3 held a save of (committed or not) when it was above the restored one; a trainer that
+  resumes below it begins a new lineage (validity.newness: the rollback rule).
 - `sidecar-ready.json` (sidecar): its start-up restore finished (what it restored, how fast),
   for anything that waits on the volume rather than on /readyz, and for the entrypoint's
   grace-period estimate.
@@ -61,6 +64,7 @@ PROGRESS_SECONDS = 1.0
 """The hook rewrites progress.json at most this often (a step's cost: one clock read)."""
 REFUSAL = "refusal.json"
 POD_RESTORE = "pod-restore.json"
+LINEAGE_TIP = "lineage-tip.json"
 FETCH = "fetch.json"
 FETCHED = "fetched.json"
 FETCH_PATIENCE = 1500.0
@@ -168,6 +172,15 @@ class PodRestore:
     started_at: float
     source: str
     bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LineageTip:
+    """S3 held a save of `lineage` at `step` (committed or not: an attempt's upload may still
+    complete it), above the checkpoint the restore took."""
+
+    lineage: str
+    step: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,6 +377,20 @@ def write_pod_restore(status_dir: str, record: PodRestore) -> None:
 
 def read_pod_restore(status_dir: str) -> Optional[PodRestore]:
     return read_record(os.path.join(status_dir, POD_RESTORE), PodRestore)
+
+
+def write_lineage_tip(status_dir: str, record: Optional[LineageTip]) -> None:
+    """Record `record`, or remove the record when None (the restore saw nothing above)."""
+    path = os.path.join(status_dir, LINEAGE_TIP)
+    if record is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    write_record(path, record, durable=True)
+
+
+def read_lineage_tip(status_dir: str) -> Optional[LineageTip]:
+    return read_record(os.path.join(status_dir, LINEAGE_TIP), LineageTip)
 
 
 def write_fetch(status_dir: str, record: Fetch) -> None:
