@@ -31,8 +31,10 @@ verified are kept and not fetched again. Other errors fail it.
 
 Files are downloaded into `checkpoints/.jitckpt-restore-<step>-<save id>/` (a name the
 trainer's resume never considers) and each is checked against its owner's entry; then the
-files and directories are fsynced, the save's manifests written, last, and the directory
-renamed to `checkpoint-<step>`: the trainer sees either nothing or a committed checkpoint.
+save's manifests are written, last, and the directory renamed to `checkpoint-<step>`: the
+trainer sees either nothing or a committed checkpoint. A restored checkpoint is a cache of S3:
+it is committed without waiting for writeback, marked with this boot's id, and counts only on
+this boot until the long-running sidecar has synced it (protocol/durable.py).
 """
 
 from __future__ import annotations
@@ -483,7 +485,8 @@ class Restorer:
                         size=entry.size,
                         etag=ckpt.etags.get(entry.path),
                         subscriber=batch.subscriber(
-                            after=self._verifier(ckpt, dest, entry, verified), fsync=dest
+                            after=self._verifier(ckpt, dest, entry, verified),
+                            fsync=None if into is None else dest,
                         ),
                         algorithm=checksum.streamable(entry.checksum),
                     )
@@ -499,16 +502,19 @@ class Restorer:
             batch.close()
             self._moved += progress.moved
         _remove_unlisted(tmp, {e.path for e in files if e.path not in here})
-        durable.sync_tree(tmp)  # the data before the manifests (the commit's rule)
         if into is not None:
+            durable.sync_tree(tmp)  # the data before it joins a committed checkpoint
             self._move_in(tmp, final, [e.path for e in todo], name, into)
+            atomic.fsync_dir(self.layout.checkpoints)
         else:
+            # A cache of S3: committed without waiting for writeback, marked with this boot's
+            # id (protocol/durable.py); the long-running sidecar syncs it later (settle).
+            durable.mark_unsynced(tmp)
             for node in sorted(save):  # the commit: manifests after every file
-                m.write_manifest(tmp, save[node])
+                m.write_manifest(tmp, save[node], durable=False)
             if os.path.lexists(final):  # an uncommitted leftover, or an older save of the step
                 remove_checkpoint(final)
             os.rename(tmp, final)
-        atomic.fsync_dir(self.layout.checkpoints)
         self._verified.pop(tmp, None)
         self.remote.remember(ckpt)
         seconds = self.monotonic() - started

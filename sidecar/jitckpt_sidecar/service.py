@@ -27,8 +27,8 @@ from typing import Any, Callable, Optional
 
 from prometheus_client import CollectorRegistry
 
-from jitckpt_entrypoint.protocol import status, validity
-from jitckpt_entrypoint.protocol.layout import FINAL_NAME, Layout, checkpoint_name
+from jitckpt_entrypoint.protocol import durable, status, validity
+from jitckpt_entrypoint.protocol.layout import FINAL_NAME, Layout, checkpoint_name, checkpoint_steps
 from jitckpt_sidecar import memory, s3, sizing, staging, transfers
 from jitckpt_sidecar.backlog import Backlog
 from jitckpt_sidecar.config import Config
@@ -184,10 +184,12 @@ class Service:
             self.layout.staging,
         )
         worker = threading.Thread(target=self._work, name="jitckpt-upload", daemon=True)
+        settler = threading.Thread(target=self._settle, name="jitckpt-settle", daemon=True)
         try:
             self.watcher.start()
             self.save_peaks.start()
             worker.start()
+            settler.start()
             return self._loop()
         finally:
             self._stop.set()
@@ -198,6 +200,26 @@ class Service:
             self.server.stop()
             if worker.is_alive():  # it stops at its next check; never past the grace period
                 worker.join(timeout=0.2 if self._sigterm_at is not None else 10.0)
+
+    def _settle(self) -> None:
+        """Sync what a restore of this boot committed without a sync, off the main loop:
+        until then it counts only on this boot (protocol/durable.py)."""
+        for step in checkpoint_steps(self.layout.checkpoints):
+            if self._stop.is_set():
+                return
+            path = self.layout.checkpoint_dir(step)
+            started = self.monotonic()
+            try:
+                settled = durable.settle(path)
+            except OSError as exc:  # removed meanwhile (the Trainer's rotation): nothing to keep
+                self.log.debug("cannot sync restored %s: %s", checkpoint_name(step), exc)
+                continue
+            if settled:
+                self.log.info(
+                    "restored %s is on disk now (synced in %.1f s)",
+                    checkpoint_name(step),
+                    self.monotonic() - started,
+                )
 
     def _restorer(self) -> Restorer:
         return Restorer(

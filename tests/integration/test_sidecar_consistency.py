@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError
@@ -19,8 +19,8 @@ from botocore.exceptions import ClientError
 from harness.checkpoints import SIDECAR, commit, committed_in_s3, data, remote, upload_directly
 from harness.s3 import Bucket
 from harness.s3proxy import S3Proxy, is_key
+from jitckpt_entrypoint.protocol import durable, status, validity
 from jitckpt_entrypoint.protocol import manifest as m
-from jitckpt_entrypoint.protocol import status, validity
 from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar import s3
 from jitckpt_sidecar.config import Config
@@ -293,27 +293,41 @@ def test_a_range_that_fails_every_time_ends_the_restore_once_no_file_lands(
     assert time.monotonic() - started < 45
 
 
-def test_restored_data_is_durable_before_its_manifests(s3_bucket, tmp_path, monkeypatch):
-    """The restore fsyncs every file and directory before it writes the first manifest."""
+def test_a_restored_checkpoint_counts_only_on_its_boot_until_it_is_synced(
+    s3_bucket, tmp_path, monkeypatch
+):
+    """A restore commits without waiting for writeback (a cache of S3), its boot's id marked
+    before the manifests: committed on this boot, uncommitted on any other (a node that crashed
+    and came back, another node of a shared volume) until `settle` synced it."""
     for root in save(tmp_path, "s20", 20, seed=20):
         upload_directly(s3_bucket, root, 20)
     order: list[str] = []
     from jitckpt_sidecar import restore as restore_module
 
-    real_sync, real_write = restore_module.durable.sync_tree, restore_module.m.write_manifest
+    real_mark, real_write = restore_module.durable.mark_unsynced, restore_module.m.write_manifest
 
-    def sync_tree(path: str) -> None:
-        order.append("sync")
-        real_sync(path)
+    def mark_unsynced(path: str) -> None:
+        order.append("mark")
+        real_mark(path)
 
-    def write_manifest(path: str, manifest: m.Manifest) -> Optional[str]:
-        order.append("manifest")
-        return real_write(path, manifest)
+    def write_manifest(path: str, manifest: m.Manifest, *, durable: bool = True) -> str:
+        order.append("manifest" if durable else "manifest, not synced")
+        return real_write(path, manifest, durable=durable)
 
-    monkeypatch.setattr(restore_module.durable, "sync_tree", sync_tree)
+    monkeypatch.setattr(restore_module.durable, "mark_unsynced", mark_unsynced)
     monkeypatch.setattr(restore_module.m, "write_manifest", write_manifest)
     assert restore(s3_bucket, tmp_path / "fresh").step == 20
-    assert order == ["sync", "manifest", "manifest"]
+    assert order == ["mark", "manifest, not synced", "manifest, not synced"]
+    ckpt = Layout(str(tmp_path / "fresh")).checkpoint_dir(20)
+    assert validity.committed(ckpt) is not None
+    monkeypatch.setattr(durable, "boot_id", lambda: "another-boot")
+    assert validity.committed(ckpt) is None
+    assert not durable.settle(ckpt)  # another boot's cache is never vouched for
+    monkeypatch.undo()
+    assert durable.settle(ckpt)
+    assert not (Path(ckpt) / durable.UNSYNCED).exists()
+    monkeypatch.setattr(durable, "boot_id", lambda: "another-boot")
+    assert validity.committed(ckpt) is not None
 
 
 def test_check_warns_when_the_bucket_keeps_what_retention_deletes(spawn, base_env, s3_bucket):

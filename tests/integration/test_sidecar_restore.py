@@ -24,8 +24,8 @@ from harness.checkpoints import (
 )
 from harness.procs import wait_for
 from harness.s3proxy import S3Proxy
+from jitckpt_entrypoint.protocol import durable, status, validity
 from jitckpt_entrypoint.protocol import manifest as m
-from jitckpt_entrypoint.protocol import status, validity
 from jitckpt_sidecar.remote import PIN_NAME, Pin
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
@@ -210,6 +210,9 @@ def test_a_failed_restore_keeps_the_sidecar_up_not_ready_and_tries_again(
     assert restored[("jitckpt_checkpoint_last_step", ())] == 10
     assert restored[("jitckpt_last_uploaded_step", ())] == 10
     assert not os.path.exists(env["JITCKPT_TERMINATION_LOG"])
+    # Committed without waiting for writeback; synced after it was ready (protocol/durable.py).
+    log_line(proc, r"restored checkpoint-10 is on disk now \(synced in [\d.]+ s\)")
+    assert not (root / "checkpoints" / "checkpoint-10" / durable.UNSYNCED).exists()
 
 
 def test_sigterm_after_failed_restores_exits_1_with_the_error_as_termination_message(

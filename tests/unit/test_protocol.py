@@ -207,3 +207,49 @@ def test_a_commit_makes_every_file_and_directory_durable_before_any_manifest(
     first_manifest = manifests_seen_at[0]
     assert wanted <= set(synced[:first_manifest]), synced
     assert validity.committed(str(ckpt)) is not None
+
+
+def test_an_unsynced_restore_counts_on_its_own_boot_only(tmp_path, monkeypatch):
+    """The marker's boot id decides: this boot's counts, another boot's, a torn marker, or a
+    kernel without a boot id does not; settle syncs this boot's and removes the marker."""
+    from jitckpt_entrypoint.protocol import durable
+
+    roots = [tmp_path / "node"]
+    layout = Layout(str(roots[0]))
+    layout.ensure()
+    ckpt = layout.checkpoint_dir(7)
+    os.makedirs(ckpt)
+    Path(ckpt, "model.bin").write_bytes(b"m" * 10)
+    holdings = {0: m.list_files(ckpt)}
+    durable.mark_unsynced(ckpt)
+    commit_node(
+        layout,
+        ckpt,
+        holdings,
+        node=0,
+        nodes=1,
+        world_size=1,
+        step=7,
+        kind="periodic",
+        started_at=0.0,
+        run_id="r",
+        stage_for_upload=False,
+        save_id="s",
+        lineage="L",
+    )
+    assert validity.committed(ckpt) is not None
+    marker = Path(ckpt, durable.UNSYNCED)
+    for foreign in ("another-boot", ""):
+        monkeypatch.setattr(durable, "boot_id", lambda foreign=foreign: foreign)
+        assert validity.committed(ckpt) is None
+        assert not durable.settle(ckpt)
+    monkeypatch.undo()
+    good = marker.read_bytes()
+    marker.write_bytes(b"\xff\xfe")  # torn by a crash
+    assert validity.committed(ckpt) is None
+    marker.write_bytes(good)
+    assert durable.settle(ckpt)
+    assert not marker.exists()
+    assert not durable.settle(ckpt)
+    monkeypatch.setattr(durable, "boot_id", lambda: "another-boot")
+    assert validity.committed(ckpt) is not None

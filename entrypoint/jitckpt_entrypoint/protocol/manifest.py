@@ -233,10 +233,11 @@ def assign_owners(holdings: dict[int, dict[str, int]]) -> dict[int, tuple[FileEn
     }
 
 
-def write_manifest(ckpt_dir: str, manifest: Manifest) -> str:
-    """Write `manifest` into `ckpt_dir` atomically and durably (this is the commit)."""
+def write_manifest(ckpt_dir: str, manifest: Manifest, *, durable: bool = True) -> str:
+    """Write `manifest` into `ckpt_dir` atomically and durably (this is the commit); not durably
+    only for a restored checkpoint marked unsynced (protocol/durable.py)."""
     path = os.path.join(ckpt_dir, manifest_name(manifest.node))
-    atomic.write_bytes(path, manifest.to_bytes(), durable=True)
+    atomic.write_bytes(path, manifest.to_bytes(), durable=durable)
     return path
 
 

@@ -24,6 +24,7 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Callable, Optional
 
+from jitckpt_entrypoint.protocol import durable
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps, step_of
 
@@ -104,9 +105,12 @@ def incomplete_reason(manifests: dict[int, m.Manifest]) -> str:
 
 def local_save(ckpt_dir: str) -> Optional[dict[int, m.Manifest]]:
     """The manifests of the complete save in local `ckpt_dir` (named for its step), else None;
-    its files unchecked."""
+    its files unchecked. A restored checkpoint committed without a sync counts only on the boot
+    that restored it (durable.unsynced_elsewhere)."""
     step = step_of(os.path.basename(os.path.normpath(ckpt_dir)))
-    return None if step is None else complete_save(m.read_manifests(ckpt_dir), step)
+    if step is None or durable.unsynced_elsewhere(ckpt_dir):
+        return None
+    return complete_save(m.read_manifests(ckpt_dir), step)
 
 
 def committed(ckpt_dir: str, node: Optional[int] = None) -> Optional[dict[int, m.Manifest]]:
