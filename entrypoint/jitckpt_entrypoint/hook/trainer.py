@@ -42,7 +42,7 @@ _logged_overrides = False
 
 
 def patch(module: ModuleType) -> None:
-    """Wrap Trainer.__init__, train, _get_output_dir and _save_checkpoint."""
+    """Wrap Trainer.__init__, train, _get_output_dir, _save_checkpoint and _load_best_model."""
     trainer_cls = module.Trainer
     if getattr(trainer_cls, "_jitckpt_patched", False):
         return
@@ -93,10 +93,11 @@ def patch(module: ModuleType) -> None:
 
         @functools.wraps(original_load_best)
         def _load_best_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-            # After the training loop, before on_train_end: the last async save must be
-            # committed before the best model's weights replace the live ones (and before a
-            # best checkpoint that is that very save is read).
-            manager.drain()
+            # After the training loop, before on_train_end: the last step is saved and
+            # committed (if it is not yet: save_strategy="best" and no new best at the last
+            # evaluation) while the live weights are still its own; then the best model's
+            # replace them.
+            _end_training(manager, self)
             return original_load_best(self, *args, **kwargs)
 
         trainer_cls._load_best_model = _load_best_model
@@ -190,6 +191,20 @@ def _start_async(manager: CheckpointManager, trainer: Any) -> None:
     except Exception as exc:  # noqa: BLE001 - the Trainer's own save needs none of this
         reason, nbytes, growth = f"cannot size the training state ({exc!r:.80})", 0, 0
     manager.enable_async(nbytes, reason, growth)
+
+
+def _end_training(manager: CheckpointManager, trainer: Any) -> None:
+    """Training's loop is over (collective): its last step is saved now unless committed (an
+    early stop, a save_strategy or a callback that overrode ours), as JIT if that is why it
+    stopped. In `_load_best_model`, before the best model is loaded, or else at on_train_end
+    (`training_ending` runs once per train() on each rank)."""
+    state = trainer.state
+
+    def save_last() -> None:
+        trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+        manager.retention(best_step=_step_of(state.best_model_checkpoint))
+
+    manager.training_ending(state.global_step, save_last)
 
 
 def _warm_save_path() -> None:
@@ -320,6 +335,21 @@ def _with_resume(
     return args, kwargs
 
 
+def _ends_epoch(state: Any) -> bool:
+    """This optimizer step is an epoch's last (HF sets `epoch` to a whole number there)."""
+    return state.epoch is not None and float(state.epoch).is_integer()
+
+
+def _ask_save(args: Any, control: Any) -> None:
+    """Have the Trainer save this step. With save_strategy="best" an evaluation in this step
+    decides instead (HF sets should_save to "is it a new best"): a save it makes answers the
+    request (on_save); else the next step without an evaluation is saved, or, at the end,
+    `_end_training` saves the last step."""
+    best = getattr(args.save_strategy, "value", args.save_strategy) == "best"
+    if not (best and control.should_evaluate):
+        control.should_save = True
+
+
 class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is untyped here
     """The Trainer's events, handed to the checkpoint manager; it sets the Trainer's controls."""
 
@@ -327,10 +357,13 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         self.manager = manager
         self._trainer = weakref.ref(trainer)
         self._began_at = 0
+        self._save_wanted = False
+        """A time-based or final save of this step (or a later one) is still to be made."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         manager, session = self.manager, self.manager.session
         self._began_at = state.global_step  # the resumed checkpoint's step, 0 when fresh
+        self._save_wanted = False
         _warm_save_path()
         manager.retention(save_total_limit=args.save_total_limit)
         manager.training_started()
@@ -359,9 +392,21 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         if manager.stop_agreed():
             self._stop(state, control)
             return control
+        if manager.save_due():  # JITCKPT_SAVE_INTERVAL: the same step on every rank
+            self._save_wanted = True
         last = 0 < state.max_steps <= step and manager.last_step(step)  # its save is final
-        if manager.save_due() or last:  # save_due: JITCKPT_SAVE_INTERVAL, on every rank
-            control.should_save = True
+        self._save_wanted |= last
+        # At an epoch's end (training's last step ends one too: HF runs on_epoch_end after
+        # it), HF's epoch-end evaluation is still to come in this step: the save waits for it
+        # in on_epoch_end, as HF's own epoch saves do, so that the checkpoint and the
+        # best-model bookkeeping include it.
+        if self._save_wanted and not (last or _ends_epoch(state)):
+            _ask_save(args, control)
+        return control
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self._save_wanted:
+            _ask_save(args, control)
         return control
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -377,22 +422,17 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self._save_wanted = False
         self.manager.retention(best_step=_step_of(state.best_model_checkpoint))
         self.manager.saved(state.global_step)
         return control
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         manager, trainer = self.manager, self._trainer()
-        save_last = None
         if trainer is not None:
-
-            def save_last() -> None:
-                # Training ended without saving its last step (an early stop, a save_strategy
-                # that overrode ours): the Trainer saves it now, as JIT if that is why we stopped.
-                trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-                manager.retention(best_step=_step_of(state.best_model_checkpoint))
-
-        manager.training_ending(state.global_step, save_last)
+            _end_training(manager, trainer)
+        else:
+            manager.training_ending(state.global_step, None)
         if state.is_world_process_zero:
             manager.record_output(args.output_dir, state.global_step)
         manager.training_ended()

@@ -10,7 +10,12 @@ train() returns; --slow-save S makes every save (periodic or JIT) take S seconds
 tokenizer with --trainer sft) and a metrics JSON.
 --strategy picks DDP (default), FSDP or DeepSpeed ZeRO (both through the test-only
 `accelerate_on_cpu` shim: accelerate mishandles them on CPU ranks otherwise); --logging-steps 1
-prints every step's loss; --cuda trains on the GPU (tests/gpu, bench_jit --cuda).
+prints every step's loss; --cuda trains on the GPU (tests/gpu, bench_jit --cuda);
+--eval-strategy evaluates on the first 32 training samples (one line per evaluation) and
+--load-best lowest|highest loads the model with that eval loss at the end and prints its
+checkpoint ("highest": the first evaluation is the best, training lowers the loss);
+--best-metric lowest|highest tracks that best checkpoint without loading it at the end;
+--early-stopping N adds HF's EarlyStoppingCallback with patience N.
 """
 
 from __future__ import annotations
@@ -23,7 +28,15 @@ import time
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from torch.utils.data import Subset
+from transformers import (
+    EarlyStoppingCallback,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 SEQ_LEN = 16
 """Tokens per sample (per_device_train_batch_size is 4)."""
@@ -112,6 +125,10 @@ class Progress(TrainerCallback):
             open(self.crash_marker, "w").close()
             raise RuntimeError(f"worker crash injected at step {state.global_step}")
 
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if metrics and state.is_world_process_zero:
+            say(f"eval {state.global_step} {float(metrics['eval_loss'])!r}")
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs and state.is_world_process_zero:
             say(f"loss {state.global_step} {float(logs['loss'])!r}")
@@ -170,6 +187,7 @@ def tiny_llama(vocab: int, hidden: int, layers: int) -> LlamaForCausalLM:
 
 def build_args(opts: argparse.Namespace, cls: type = TrainingArguments) -> TrainingArguments:
     kwargs: dict[str, Any] = {"use_cpu": not opts.cuda, **strategy_args(opts.strategy)}
+    best = opts.load_best or opts.best_metric
     return cls(
         output_dir=opts.output_dir,
         max_steps=opts.max_steps if opts.epochs == 0 else -1,
@@ -181,6 +199,11 @@ def build_args(opts: argparse.Namespace, cls: type = TrainingArguments) -> Train
         save_strategy=opts.save_strategy,
         save_steps=opts.save_steps,
         save_total_limit=opts.save_total_limit,
+        eval_strategy=opts.eval_strategy,
+        eval_steps=opts.save_steps,
+        load_best_model_at_end=bool(opts.load_best),
+        metric_for_best_model="eval_loss" if best else None,
+        greater_is_better=best == "highest" if best else None,
         report_to="none",
         seed=42,
         dataloader_num_workers=opts.num_workers,
@@ -205,6 +228,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--hf-jit", action="store_true", help="HF's own enable_jit_checkpoint")
+    parser.add_argument("--eval-strategy", default="no", help="on the first 32 training samples")
+    parser.add_argument("--load-best", choices=("lowest", "highest"), help="eval loss wanted")
+    parser.add_argument(
+        "--best-metric", choices=("lowest", "highest"), help="as --load-best, never loaded"
+    )
+    parser.add_argument("--early-stopping", type=int, default=0, help="its patience; 0: none")
     parser.add_argument(
         "--output-dir", default=os.path.join(tempfile.gettempdir(), "jitckpt-train_hf-output")
     )
@@ -247,18 +276,24 @@ def main() -> None:
             (opts.crash_at, opts.crash_marker),
         )
     ]
+    if opts.early_stopping:
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=opts.early_stopping))
+    data = RandomTokens(opts.samples, SEQ_LEN, opts.vocab)
     if opts.trainer == "sft":
         trainer = sft_trainer(opts, model, callbacks)
     else:
         trainer = (SlowSaveTrainer if opts.slow_save else Trainer)(
             model=model,
             args=build_args(opts),
-            train_dataset=RandomTokens(opts.samples, SEQ_LEN, opts.vocab),
+            train_dataset=data,
+            eval_dataset=None if opts.eval_strategy == "no" else Subset(data, range(32)),
             callbacks=callbacks,
         )
     trainer.slow_save = opts.slow_save
     result = trainer.train(resume_from_checkpoint=opts.resume_from)
     say(f"done step={result.global_step} rank={os.environ.get('RANK', '0')}")
+    if opts.load_best or opts.best_metric:
+        say(f"best {os.path.basename(str(trainer.state.best_model_checkpoint))}")
     if opts.save_model:
         trainer.save_model(opts.output_dir)
         trainer.save_metrics("train", result.metrics)
