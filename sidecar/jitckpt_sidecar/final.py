@@ -33,7 +33,7 @@ from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.errors import SidecarError
 from jitckpt_sidecar.remote import CHECKSUM_META, Remote
 from jitckpt_sidecar.staging import Staged
-from jitckpt_sidecar.uploader import Uploader
+from jitckpt_sidecar.uploader import RestagedError, Uploader
 
 INCOMING = ".final-incoming"
 """Where a new final model waits, complete, while final/ still holds the previous one."""
@@ -211,6 +211,12 @@ class FinalModel:
             try:
                 committed = self.uploader.upload(staged, self._cancel)
             except transfers.TransferCancelledError:
+                return
+            except RestagedError as exc:  # a newer model: the next tick uploads that one
+                self.log.info("not uploading this final model: %s", exc)
+                with self._lock:
+                    if self._staged is staged:
+                        self._staged = None
                 return
             except Exception as exc:  # noqa: BLE001 - logged and retried; the thread must go on
                 attempt += 1

@@ -27,6 +27,8 @@ _ATTRIBUTE = "_jitckpt_preconditions"
 _OPERATIONS = ("PutObject", "CompleteMultipartUpload")
 REFUSED = ("PreconditionFailed", "412", "ConditionalRequestConflict")
 """Error codes of a write refused by its precondition (409 for a concurrent multipart one)."""
+UNSUPPORTED = ("NotImplemented", "501", "InvalidArgument", "InvalidRequest", "400")
+"""Error codes of a store that does not take the header at all: the writes go without it."""
 
 
 FREE = {"IfNoneMatch": "*"}
@@ -38,12 +40,31 @@ def refused(exc: BaseException) -> bool:
     return error_code(exc) in REFUSED
 
 
+def unsupported(exc: BaseException) -> bool:
+    """Whether `exc` may be a store refusing the header itself (not the write's condition)."""
+    return error_code(exc) in UNSUPPORTED
+
+
 class Preconditions:
     """The preconditions of the writes in progress through one client, by (bucket, key)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
         self._lock = threading.Lock()
         self._by_key: dict[tuple[str, str], dict[str, str]] = {}
+        self.enabled = enabled
+        """False once the store refused the header (or the client's botocore lacks it)."""
+        self._applied = 0
+
+    def applied(self) -> int:
+        """How many writes carried a precondition so far."""
+        with self._lock:
+            return self._applied
+
+    def disable(self) -> bool:
+        """Send no precondition from now on; True the first time."""
+        with self._lock:
+            was, self.enabled = self.enabled, False
+            return was
 
     @contextlib.contextmanager
     def scope(self, bucket: str) -> Iterator[Scope]:
@@ -62,7 +83,11 @@ class Preconditions:
 
     def _add(self, params: dict[str, Any], **_: Any) -> None:
         with self._lock:
+            if not self.enabled:
+                return
             cond = self._by_key.get((params.get("Bucket", ""), params.get("Key", "")))
+            if cond:
+                self._applied += 1
         if cond:
             params.update(cond)
 
@@ -85,7 +110,12 @@ def of(client: Any) -> Preconditions:
     every Uploader over it shares them)."""
     found: Optional[Preconditions] = getattr(client, _ATTRIBUTE, None)
     if found is None:
-        found = Preconditions()
+        # A botocore older than S3's conditional writes would refuse the parameter outright.
+        model = client.meta.service_model
+        known = all(
+            "IfNoneMatch" in model.operation_model(op).input_shape.members for op in _OPERATIONS
+        )
+        found = Preconditions(enabled=known)
         for op in _OPERATIONS:
             client.meta.events.register(f"before-parameter-build.s3.{op}", found._add)
         setattr(client, _ATTRIBUTE, found)

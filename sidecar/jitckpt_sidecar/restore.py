@@ -193,6 +193,11 @@ class Restorer:
         self._remove_leftovers(keep=None if chosen is None else self._temp_dir(chosen))
         downloads_it = chosen is not None and _replaces(chosen, local)
         resumed = chosen.save[0] if downloads_it and chosen and chosen.save else local
+        if downloads_it and not pinned and chosen is not None:
+            # Listed again after the pin: a late upload that committed a higher step of this
+            # lineage before the pin is seen here, one after it sees the pin (uploader.py).
+            steps = self.remote.steps()
+            self._listed = (steps, self.remote.heads([s for s in steps if s > chosen.step]))
         self._record_tip(resumed)
         if chosen is not None and downloads_it:
             return self._download(chosen, cancel)

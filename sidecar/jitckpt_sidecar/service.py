@@ -433,7 +433,11 @@ class Service:
             )
             return
         try:
-            report = self.uploader.upload(staged, cancel=lambda: self._cancel_reason(staged))
+            report = self.uploader.upload(
+                staged,
+                cancel=lambda: self._cancel_reason(staged),
+                superseded_after=self._stopped_at(),
+            )
         except StaleSaveError as exc:
             self._skip(staged, str(exc))
             return
@@ -503,6 +507,14 @@ class Service:
         self.metrics.uploads.skipped()
         staging.remove(staged)
         self.backlog.done(staged)
+
+    def _stopped_at(self) -> Optional[float]:
+        """When this pod's trainer was stopped (its SIGTERM, else its exit), None while it
+        trains: from then on another attempt may take over the run (uploader.py)."""
+        trainer = self.feed.trainer()
+        if trainer is None:
+            return None
+        return trainer.sigterm_at if trainer.sigterm_at is not None else trainer.exited_at
 
     def _dropped(self, staged: Staged, why: str) -> None:
         """`staged` is not what its step's staged directory holds any more: forget it; the

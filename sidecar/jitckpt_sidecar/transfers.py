@@ -14,6 +14,7 @@ it at the commit's sync.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -118,14 +119,18 @@ class Batch:
         self._closed = False
 
     def subscriber(
-        self, after: Optional[Callable[[Any], None]] = None, fsync: Optional[str] = None
+        self,
+        after: Optional[Callable[[Any], None]] = None,
+        fsync: Optional[str] = None,
+        excuse: Optional[Callable[[BaseException], bool]] = None,
     ) -> _Subscriber:
         """A subscriber for one transfer; once it is done, `after(result)` runs on the Batch's
         threads (the transfer future's result: downloads.py's checksum), then the file at
-        `fsync` is fsynced."""
+        `fsync` is fsynced. A transfer that failed counts as done when `excuse(error)`, run on
+        the Batch's threads, says so (a retried write that had landed)."""
         with self._cond:
             self._pending += 1
-        return _Subscriber(self, after, fsync)
+        return _Subscriber(self, after, fsync, excuse)
 
     def fail(self, exc: BaseException) -> None:
         with self._cond:
@@ -181,9 +186,13 @@ class _Subscriber:
     s3transfer's BaseSubscriber)."""
 
     def __init__(
-        self, batch: Batch, after: Optional[Callable[[Any], None]], fsync: Optional[str]
+        self,
+        batch: Batch,
+        after: Optional[Callable[[Any], None]],
+        fsync: Optional[str],
+        excuse: Optional[Callable[[BaseException], bool]] = None,
     ) -> None:
-        self.batch, self.after, self.fsync = batch, after, fsync
+        self.batch, self.after, self.fsync, self.excuse = batch, after, fsync, excuse
         self._result: Any = None
 
     def on_progress(self, bytes_transferred: int, **_: Any) -> None:
@@ -193,12 +202,22 @@ class _Subscriber:
         try:
             self._result = future.result()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, re-raised there
-            self.batch._finished(exc)
+            if self.excuse is None:
+                self.batch._finished(exc)
+            else:
+                self.batch._then(functools.partial(self._excused, exc))
             return
         if self.after is None and self.fsync is None:
             self.batch._finished(None)
         else:
             self.batch._then(self._then)
+
+    def _excused(self, exc: BaseException) -> None:
+        try:
+            excused = self.excuse is not None and self.excuse(exc)
+        except Exception:  # noqa: BLE001 - no excuse found: the transfer's own error stands
+            excused = False
+        self.batch._finished(None if excused else exc)
 
     def _then(self) -> None:
         error: Optional[BaseException] = None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -31,6 +32,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Optional
 
 from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol.layout import checkpoint_name
 from jitckpt_sidecar import checksum, preconditions, staging, transfers
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.errors import SidecarError
@@ -107,10 +109,17 @@ class Uploader:
         self._preconditions = preconditions.of(client)
 
     def upload(
-        self, staged: Staged, cancel: Callable[[], Optional[str]], dest: Optional[str] = None
+        self,
+        staged: Staged,
+        cancel: Callable[[], Optional[str]],
+        dest: Optional[str] = None,
+        *,
+        superseded_after: Optional[float] = None,
     ) -> UploadReport:
         """Upload `staged` into S3 directory `dest` (its own name by default); raises
-        TransferCancelledError once `cancel` gives a reason."""
+        TransferCancelledError once `cancel` gives a reason. `superseded_after`: the time the
+        trainer that saved it was stopped (SIGTERM or exit), when it was: a restore pinned
+        after that time belongs to the attempt that took over (`_raise_if_abandoned`)."""
         started = self.monotonic()
         name = dest or staged.name
         own = staged.manifest
@@ -124,6 +133,7 @@ class Uploader:
             self.log,
             clock=self.monotonic,
         )
+        applied = self._preconditions.applied()
         try:
             checksums, sent = self._send(
                 staged, name, entries, existing, progress=progress, cancel=cancel
@@ -131,6 +141,7 @@ class Uploader:
         except Exception as exc:
             if preconditions.refused(exc):
                 self._refused(name, own, exc)
+            self._unless_unsupported(exc, applied)
             raise
         files = tuple(
             dataclasses.replace(e, checksum=checksums[e.path]) if e.owner == own.node else e
@@ -141,7 +152,7 @@ class Uploader:
                 f"{staged.name} was staged again by another save during its upload: this "
                 "save's manifest is not written"
             )
-        self._commit_part(name, own.with_files(files))
+        self._commit_part(name, own.with_files(files), superseded_after)
         return UploadReport(
             step=staged.step,
             node=own.node,
@@ -194,7 +205,11 @@ class Uploader:
                         bucket,
                         key,
                         extra_args={"Metadata": {CHECKSUM_META: file.digest, SAVE_META: saved}},
-                        subscribers=[batch.subscriber()],
+                        subscribers=[
+                            batch.subscriber(
+                                excuse=functools.partial(self._landed, name, file, saved)
+                            )
+                        ],
                     )
                 reason = cancel()
                 if reason:
@@ -204,12 +219,17 @@ class Uploader:
             batch.wait(cancel)
         return checksums, sent
 
-    def _commit_part(self, name: str, part: m.Manifest) -> None:
+    def _commit_part(
+        self, name: str, part: m.Manifest, superseded_after: Optional[float] = None
+    ) -> None:
         """Write this node's manifest in S3 directory `name`, after every file: the commit of
         its part. Not over a newer save's, nor over one written since it was looked at."""
         key = self.remote.dir_key(name, m.manifest_name(part.node))
+        applied = self._preconditions.applied()
         listed = self.remote.listing(name)
         self._raise_if_newer(name, part, self._other_saves(name, part, listed))
+        if superseded_after is not None:
+            self._raise_if_abandoned(name, part, superseded_after)
         try:
             with self._preconditions.scope(self.remote.uri.bucket) as conditions:
                 if m.manifest_name(part.node) not in listed:
@@ -222,6 +242,7 @@ class Uploader:
                 )
         except Exception as exc:
             if not preconditions.refused(exc):
+                self._unless_unsupported(exc, applied)
                 raise
             there = self.remote.read_manifest(key)
             if there is not None and _save(there) == _save(part):
@@ -255,6 +276,17 @@ class Uploader:
         present = head.get("ContentLength") == entry.size and meta.get(CHECKSUM_META) == digest
         return Prepared(entry, digest, present=present, free=False)
 
+    def _landed(self, name: str, file: Prepared, saved: str, exc: BaseException) -> bool:
+        """Whether a write refused for its precondition had in fact landed: botocore retried
+        it after a lost response, and the object there is this save's, with this checksum."""
+        if not preconditions.refused(exc):
+            return False
+        head = self.client.head_object(
+            Bucket=self.remote.uri.bucket, Key=self.remote.dir_key(name, file.entry.path)
+        )
+        meta = head.get("Metadata", {})
+        return bool(meta.get(SAVE_META) == saved and meta.get(CHECKSUM_META) == file.digest)
+
     def _written_by_newer(self, name: str, relpath: str, own: m.Manifest) -> bool:
         """Whether the object at `relpath` names a newer save than `own` (False when unknown)."""
         try:
@@ -265,6 +297,22 @@ class Uploader:
             return False
         meta = head.get("Metadata", {})
         return own.kind != m.OUTPUT_KIND and _newer_than(meta.get(SAVE_META), own)
+
+    def _unless_unsupported(self, exc: BaseException, applied: int) -> None:
+        """A write that carried a precondition failed as a store that does not take the header
+        would fail it: from now on the writes go without it, and the upload is tried again."""
+        if self._preconditions.applied() == applied or not preconditions.unsupported(exc):
+            return
+        if self._preconditions.disable():
+            self.log.warning(
+                "S3 refused a write with If-None-Match (%s): uploads go without it from now on; "
+                "a late upload of an earlier save of a step can then write over a newer save's "
+                "files (the restore's checksums pass such a checkpoint over)",
+                error_code(exc),
+            )
+        raise SidecarError(
+            f"S3 does not take If-None-Match ({error_code(exc)}); trying again without it"
+        ) from exc
 
     def _refused(self, name: str, own: m.Manifest, exc: BaseException) -> None:
         """S3 refused a write of this upload for its precondition: another upload wrote the key
@@ -332,6 +380,25 @@ class Uploader:
             raise StaleSaveError(
                 f"S3 holds a newer save of {name} (node {newer[0]}'s manifest is from a later "
                 "attempt): this one is not uploaded"
+            )
+
+    def _raise_if_abandoned(self, name: str, own: m.Manifest, after: float) -> None:
+        """StaleSaveError when a restore pinned a lower step of `own`'s lineage after `after`
+        (the time this save's trainer was stopped): the attempt that took over resumed below
+        this save, which belongs to an abandoned attempt. Committed now, it would outrank the
+        live run's saves in the one order (that restore listed S3 before this upload's
+        manifests were there, so the run kept the lineage)."""
+        pin = self.remote.pinned()
+        if (
+            pin is not None
+            and own.kind != m.OUTPUT_KIND
+            and pin.lineage == own.lineage
+            and pin.step < own.step
+            and pin.pinned_at > after
+        ):
+            raise StaleSaveError(
+                f"a restore took {checkpoint_name(pin.step)} of this run after {name} was saved: "
+                "the run resumed below it, so this save of an earlier attempt is not committed"
             )
 
     def _abort_stale_multipart(self, name: str, paths: set[str]) -> None:

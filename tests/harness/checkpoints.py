@@ -121,7 +121,12 @@ def committed_in_s3(bucket: Bucket) -> list[int]:
 
 
 def upload_directly(
-    bucket: Bucket, root: Path, step: int, uri: Optional[str] = None, client: Any = None
+    bucket: Bucket,
+    root: Path,
+    step: int,
+    uri: Optional[str] = None,
+    client: Any = None,
+    superseded_after: Optional[float] = None,
 ) -> None:
     """Upload node K's staged checkpoint-<step> of `root` to `bucket` (under `uri`, default the
     bucket's own prefix) in this process, with the sidecar's own uploader (to set S3 up);
@@ -142,7 +147,7 @@ def upload_directly(
     assert staged is not None, f"checkpoint-{step} is not staged in {root}"
     client = client or bucket.client
     Uploader(client, Remote(client, cfg.uri), cfg, logging.getLogger("test")).upload(
-        staged, cancel=lambda: None
+        staged, cancel=lambda: None, superseded_after=superseded_after
     )
     staging.remove(staged)
 

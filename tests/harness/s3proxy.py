@@ -89,6 +89,8 @@ class Fault:
     hits: int = 0
     delay: float = 0.0
     code: Optional[str] = None
+    landed: bool = False
+    """The request reaches the store first; only its response is replaced (lost on its way)."""
 
 
 class S3Proxy:
@@ -172,8 +174,10 @@ class S3Proxy:
         status: int = 503,
         times: Optional[int] = 1,
         code: Optional[str] = None,
+        *,
+        landed: bool = False,
     ) -> Fault:
-        fault = Fault(match, status, times, code=code)
+        fault = Fault(match, status, times, code=code, landed=landed)
         with self._lock:
             self.faults.append(fault)
         return fault
@@ -227,7 +231,7 @@ class S3Proxy:
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
-            def _relay(self) -> None:
+            def _relay(self) -> None:  # noqa: PLR0912 - one request, every fault in order
                 started = time.monotonic()
                 url = urllib.parse.urlsplit(self.path)
                 bucket, _, key = url.path.lstrip("/").partition("/")
@@ -249,6 +253,14 @@ class S3Proxy:
                 if fault is not None and fault.delay:
                     time.sleep(fault.delay)
                     fault = None
+                if fault is not None and fault.landed:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+                    conn = proxy._connect()
+                    try:
+                        proxy._send(conn, method, self.path, body, headers, chunked=chunked)
+                        conn.getresponse().read()
+                    finally:
+                        conn.close()
                 if fault is not None:
                     if fault.status == 0:  # SO_LINGER 0: close() sends RST, like a dropped link
                         self.connection.setsockopt(

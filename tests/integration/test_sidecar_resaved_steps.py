@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,6 +36,7 @@ from jitckpt_entrypoint.protocol import validity
 from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar import checksum
 from jitckpt_sidecar.config import Config
+from jitckpt_sidecar.errors import SidecarError
 from jitckpt_sidecar.remote import CHECKSUM_META, PIN_NAME, Remote
 from jitckpt_sidecar.restore import Restorer
 from jitckpt_sidecar.uploader import StaleSaveError
@@ -66,9 +68,12 @@ def save(roots: list[Path], step: int, seed: int) -> str:
     return commit(roots, step, files(step, seed))[0].save_id
 
 
-def restored(bucket: Bucket, root: Path) -> Optional[tuple[int, list[bytes]]]:
+def restored(
+    bucket: Bucket, root: Path, *, keep_pin: bool = False
+) -> Optional[tuple[int, list[bytes]]]:
     """What a fresh restore of a new round gives: (step, every node's shards), or None."""
-    bucket.delete(PIN_NAME)  # a new round: the pin binds only the round that wrote it
+    if not keep_pin:
+        bucket.delete(PIN_NAME)  # a new round: the pin binds only the round that wrote it
     cfg = Config(storage_uri=bucket.uri, s3_endpoint=bucket.server.endpoint)
     result = Restorer(
         bucket.client, Remote(bucket.client, cfg.uri), cfg, Layout(str(root)), _log()
@@ -193,3 +198,59 @@ def test_s3_holds_a_part_only_when_its_objects_are_that_saves_bytes(s3_bucket, t
 
 def commit_id(root: Path, step: int) -> str:
     return m.read_manifests(Layout(str(root)).checkpoint_dir(step))[0].save_id
+
+
+def test_a_conditional_write_whose_response_was_lost_counts_once_it_is_found_landed(
+    s3_bucket, proxy, tmp_path
+):
+    """A file's PUT reaches S3 but its response is lost: botocore's retry meets its own
+    object (412 for If-None-Match), which is this save's with this checksum, so the upload goes
+    on; the same for the manifest."""
+    roots = [tmp_path / "n0", tmp_path / "n1"]
+    save(roots, 50, seed=2)
+    for suffix in ("checkpoint-50/__1_0.distcp", f"checkpoint-50/{m.manifest_name(1)}"):
+        proxy.fail(is_key(suffix, "PUT"), 500, 1, "InternalError", landed=True)
+    client = s3_bucket.server.client(proxy.url)
+    upload_directly(s3_bucket, roots[1], 50, client=client)
+    upload_directly(s3_bucket, roots[0], 50)
+    assert restored(s3_bucket, tmp_path / "fresh") == (50, shards_of(50, 2))
+
+
+def test_a_store_that_refuses_the_precondition_header_gets_the_writes_without_it(
+    s3_bucket, proxy, tmp_path
+):
+    """A store answering If-None-Match with 501 NotImplemented: one failed attempt, then every
+    write goes without the header (one warning), and the checkpoint is committed."""
+    roots = [tmp_path / "n0", tmp_path / "n1"]
+    save(roots, 50, seed=2)
+    proxy.fail(is_key("checkpoint-50/__1_0.distcp", "PUT"), 501, 1, "NotImplemented")
+    client = s3_bucket.server.client(proxy.url)
+    with pytest.raises(SidecarError, match="does not take If-None-Match"):
+        upload_directly(s3_bucket, roots[1], 50, client=client)
+    upload_directly(s3_bucket, roots[1], 50, client=client)
+    upload_directly(s3_bucket, roots[0], 50)
+    assert restored(s3_bucket, tmp_path / "fresh") == (50, shards_of(50, 2))
+
+
+def test_a_late_upload_of_a_save_the_next_round_resumed_below_is_never_committed(
+    s3_bucket, tmp_path
+):
+    """The old pod's trainer saved 60 and was stopped; the next pod's restore listed S3 before
+    that save had any manifest there, took 50 and pinned it. The old pod's upload of 60 (same
+    lineage) finishes afterwards: it is not committed (it would outrank the live run's saves).
+    A pin from before the trainer was stopped (a restore by hand while it trained) does not
+    count, nor does any pin while the trainer runs."""
+    base = [tmp_path / "b0", tmp_path / "b1"]
+    save(base, 50, seed=1)
+    old = [tmp_path / "o0", tmp_path / "o1"]
+    save(old, 60, seed=2)
+    for root in base:
+        upload_directly(s3_bucket, root, 50)
+    stopped = time.time()
+    assert restored(s3_bucket, tmp_path / "next", keep_pin=True) == (50, shards_of(50, 1))
+    with pytest.raises(StaleSaveError, match="resumed below it"):
+        upload_directly(s3_bucket, old[0], 60, superseded_after=stopped)
+    assert remote(s3_bucket).committed_steps() == [50]
+    upload_directly(s3_bucket, old[0], 60, superseded_after=time.time())
+    upload_directly(s3_bucket, old[1], 60)
+    assert remote(s3_bucket).committed_steps() == [50, 60]

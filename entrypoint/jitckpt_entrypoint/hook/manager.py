@@ -282,12 +282,16 @@ class CheckpointManager:
             session.log.warning("cannot record why training stopped: %s", exc)
 
     def resuming_from(self, path: str) -> None:
-        """The script resumes from `path` itself: its saves carry on that checkpoint's lineage
-        (when it is one of ours), unless that lineage has a newer save (a rollback: a new one)."""
+        """Collective: the script resumes from `path` itself: its saves carry on that
+        checkpoint's lineage (when it is one of ours), unless that lineage has a newer save on
+        any node (a rollback, or what the restore saw in S3: a new lineage)."""
         session = self.session
         lineage = resume.lineage_of(path)
         step = step_of(os.path.basename(os.path.normpath(path)))
-        tip = None if lineage is None or step is None else resume.tip(session, step, lineage)
+        tips = session.control.all_gather(
+            None if lineage is None or step is None else resume.tip(session, step, lineage)
+        )
+        tip = max((t for t in tips if t is not None), default=None)
         session.lineage = lineage if tip is None else None
         if tip is not None and step is not None:
             self._say_branch(step, tip)
