@@ -156,8 +156,8 @@ OPTIONS = (
         INTEGER,
         "newest committed checkpoints to keep in S3; 0 = keep all",
         check=at_least(0, "a whole number >= 0 (0 keeps every checkpoint)"),
-        doc="newest committed checkpoints of the run kept in S3 (another run's on the prefix "
-        "are left alone); `0` keeps all",
+        doc="committed checkpoints of the run's lineage kept in S3, its highest steps (another "
+        "lineage's on the prefix are left alone); `0` keeps all",
     ),
     Option(
         "metrics_port",
