@@ -321,19 +321,15 @@ class Restorer:
         holds a save of, committed or not, when it is above `resumed` (the checkpoint the
         trainer will resume from): such a save may still be completed by an attempt's late
         upload, and a run resuming below it must begin a new lineage to come first (the
-        rollback rule, hook/resume.py). Directories without node 0's manifest are read whole."""
+        rollback rule, hook/resume.py). By node 0's manifest, the one read of every step: a
+        step only other nodes uploaded cannot be completed without node 0's, and a late upload
+        of it meets the round's pin (uploader.py)."""
         tip = None
         if resumed is not None:
-            steps, heads = self._listed
-            above = [s for s in steps if s > resumed.step]
+            _, heads = self._listed
+            above = [h.step for h in heads.values() if h.step > resumed.step]
             for step in sorted(above, reverse=True):
-                head = heads.get(step)
-                lineages = (
-                    {head.lineage}
-                    if head is not None
-                    else {man.lineage for man in self.remote.load(step).manifests.values()}
-                )
-                if resumed.lineage in lineages:
+                if heads[step].lineage == resumed.lineage:
                     tip = status.LineageTip(resumed.lineage, step)
                     break
         try:
