@@ -23,6 +23,7 @@ at least as fast. Then the sidecar's RSS and CPU while idle (after start-up, and
 upload).
 
     .venv/bin/python bench/bench_s3.py [--store moto|rgw|rgw-http] [--size-mib 1024] [--runs 3]
+    (--size-mib 8192 for the 8 GiB row: start-up no longer dominates)
                                        [--tune] [--no-idle]
 
 --tune runs every candidate setting once on a smaller checkpoint to choose the tuned rows.
@@ -161,7 +162,7 @@ class Store:
 
 
 @contextlib.contextmanager
-def s3_store(name: str, tmp: Path) -> Iterator[Store]:
+def s3_store(name: str, tmp: Path, size_mib: int = 1024) -> Iterator[Store]:
     if name == "moto":
         with moto_server(tmp) as endpoint:
             yield Store("moto", endpoint)
@@ -172,7 +173,10 @@ def s3_store(name: str, tmp: Path) -> Iterator[Store]:
     if rgw.missing_binaries():
         raise SystemExit(f"--store {name} needs Ceph: {rgw.INSTALL_HINT}")
     keys = CREDENTIALS["AWS_ACCESS_KEY_ID"], CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
-    with rgw.running(tmp / "ceph", *keys) as cluster:
+    # The OSD holds the restore source and one upload at a time (each deleted and collected):
+    # a sparse file, so only what is written takes disk.
+    block = max(20 * rgw.GiB, (3 * size_mib * 1024**2 + 4 * rgw.GiB))
+    with rgw.running(tmp / "ceph", *keys, block_size=block) as cluster:
         rss = ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in cluster.rss().items())
         print(f"Ceph RGW up in {cluster.start_seconds:.1f} s (RSS {rss})", file=sys.stderr)
         if name == "rgw":
@@ -648,7 +652,7 @@ def main() -> None:
         src = write_checkpoint(work, args.size_mib)
         store_tmp = work / "store"
         store_tmp.mkdir()
-        with s3_store(args.store, store_tmp) as store:
+        with s3_store(args.store, store_tmp, args.size_mib) as store:
             client = s3_client(store)
             client.create_bucket(Bucket=BUCKET)
             restore_prefix = seed_restore_prefix(store, src, work)
