@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 from pathlib import Path
@@ -216,41 +215,6 @@ def test_variant_jit_saves_and_resumes(spawn, base_env, jdir, label, args, stop_
     assert resumed_from(rerun) == step
     assert max(steps_seen(rerun, 0)) == total
     assert manifest(jdir, total)["kind"] in ("final", "periodic")
-
-
-def evaluations(proc) -> dict[int, float]:
-    found = re.finditer(r"^eval (\d+) (\S+)$", proc.output(), re.MULTILINE)
-    return {int(m.group(1)): float(m.group(2)) for m in found}
-
-
-def test_load_best_model_at_end_picks_as_hf_does_and_the_last_step_is_saved_as_it_trained(
-    spawn, base_env, jdir, tmp_path
-):
-    """Epoch evaluations, load_best_model_at_end. (1) The last epoch is the best: training's
-    final save waits for its evaluation, as HF's epoch save does, so HF loads that checkpoint
-    (a save before it left HF an older best). (2) save_strategy="best", the first epoch is the
-    best: HF does not save the last step, so it is saved before the best model is loaded:
-    its weights are the trained ones (the same as in run 1), not the best's."""
-    args = ("--epochs", "3", "--samples", "64", "--eval-strategy", "epoch")
-    proc = finish(spawn, base_env, hf(*args, "--save-strategy", "epoch", "--load-best", "lowest"))
-    evals = evaluations(proc)
-    assert sorted(evals) == [8, 16, 24], proc.output()
-    assert min(evals, key=evals.__getitem__) == 24, evals  # the case: the last is the best
-    assert proc.expect(r"^best (\S+)$").group(1) == "checkpoint-24"
-    assert manifest(jdir, 24)["kind"] == "final"
-    trained = final_weights(jdir, 24)
-
-    env = {**base_env, "JITCKPT_DIR": str(tmp_path / "second")}
-    second = tmp_path / "second"
-    second.mkdir()
-    proc = finish(spawn, env, hf(*args, "--save-strategy", "best", "--load-best", "highest"))
-    assert evaluations(proc) == evals  # the same training
-    assert proc.expect(r"^best (\S+)$").group(1) == "checkpoint-8"
-    assert checkpoint_steps(second) == [8, 24]
-    assert manifest(second, 24)["kind"] == "final"
-    weights = final_weights(second, 24)
-    assert weights.keys() == trained.keys()
-    assert all(torch.equal(weights[k], trained[k]) for k in trained)
 
 
 def test_plain_pytorch_loop_with_the_public_api_jit_saves_and_resumes(spawn, base_env, jdir):
