@@ -481,7 +481,7 @@ def test_resuming_the_newest_checkpoint_carries_its_lineage_on(tmp_path):
     assert manager.session.lineage == lineage
 
 
-def test_resuming_below_a_newer_save_of_the_lineage_begins_a_new_lineage(tmp_path, capfd):
+def test_resuming_below_a_newer_save_of_the_lineage_begins_a_new_lineage(tmp_path):
     """8 is on the volume but cannot be loaded (one node's part of it missing: its manifest of
     node 1 is gone here); the run resumes from 5 and its saves begin a new lineage, which the
     restore then prefers to 8's whatever the steps."""
@@ -492,7 +492,6 @@ def test_resuming_below_a_newer_save_of_the_lineage_begins_a_new_lineage(tmp_pat
         m.Manifest(8, "periodic", 1, 2, 2, (), lineage=lineage).to_bytes()
     )
     assert manager.resume() == 5
-    assert "below checkpoint-8 of the same lineage" in capfd.readouterr().err
     manager.commit_written(write_ckpt(session, 6), 6)
     assert session.lineage not in (None, lineage)
 
