@@ -35,7 +35,7 @@ import stat
 import time
 from typing import Any, Callable, Optional
 
-from jitckpt_entrypoint.protocol import atomic
+from jitckpt_entrypoint.protocol import atomic, durable
 
 FORMAT_VERSION = 1
 """`save_id`, `lineage` and `reads` are optional fields of version 1: manifests written before
@@ -204,14 +204,17 @@ def _safe_relpath(path: str) -> str:
 def list_files(
     directory: str, prune: Optional[Callable[[str, str], bool]] = None
 ) -> dict[str, int]:
-    """Every regular file under `directory` (relative path -> size) but manifests and temp files;
-    `prune(parent, name)` leaves out the subdirectory `name` of `parent` when it is true."""
+    """Every regular file under `directory` (relative path -> size) but manifests, temp files and
+    a restore's unsynced marker; `prune(parent, name)` leaves out the subdirectory `name` of
+    `parent` when it is true."""
     found: dict[str, int] = {}
     for dirpath, dirnames, filenames in os.walk(directory):
         rel_dir = os.path.relpath(dirpath, directory)
         dirnames[:] = sorted(d for d in dirnames if prune is None or not prune(dirpath, d))
         for name in sorted(filenames):
             if is_manifest_name(name) or atomic.is_temp_name(name):
+                continue
+            if rel_dir == "." and name == durable.UNSYNCED:
                 continue
             st = os.lstat(os.path.join(dirpath, name))
             if not stat.S_ISREG(st.st_mode):
