@@ -135,7 +135,7 @@ def manager_with_async(root: Path):
 def async_save(manager, step: int, weight: torch.Tensor, gate: threading.Event) -> None:
     """An async save of {"w": weight} whose big file waits for `gate`, checking for a cancel
     every 10 ms as direct_write does before every chunk."""
-    from jitckpt_entrypoint.hook.manager import SaveParts
+    from jitckpt_entrypoint.hook.saves import SaveParts
 
     def writers(path: str, host: dict, threads: int, check) -> list:
         def write() -> None:
@@ -150,8 +150,10 @@ def async_save(manager, step: int, weight: torch.Tensor, gate: threading.Event) 
         Path(path).mkdir(parents=True, exist_ok=True)
         Path(path, "small.json").write_text("{}")
 
-    pending = manager.begin_save(step)
-    manager.save_async(pending, SaveParts(write_small, {"w": weight}, set, writers, lambda: None))
+    pending = manager.saver.begin_save(step)
+    manager.saver.save_async(
+        pending, SaveParts(write_small, {"w": weight}, set, writers, lambda: None)
+    )
 
 
 def test_an_async_save_commits_the_state_at_its_step_in_the_background(tmp_path: Path):
@@ -170,7 +172,7 @@ def test_an_async_save_commits_the_state_at_its_step_in_the_background(tmp_path:
     assert validity.committed(manager.checkpoint_dir(5)) is not None
     assert torch.equal(torch.load(Path(manager.checkpoint_dir(5), "w.pt")), torch.zeros(4))
     assert manager.is_committed(5)
-    assert [step for step, _ in manager.blocking] == [5]
+    assert [step for step, _ in manager.saver.blocking] == [5]
 
 
 def test_a_stop_at_a_newer_step_cancels_the_save_being_written_and_removes_it(tmp_path: Path):
@@ -185,12 +187,12 @@ def test_a_stop_at_a_newer_step_cancels_the_save_being_written_and_removes_it(tm
     assert time.monotonic() - started < 5  # the gate never opened: the check stopped it
     assert not Path(manager.checkpoint_dir(5)).exists()
     assert not manager.is_committed(5)
-    assert manager.begin_save(7).kind == "jit"  # type: ignore[union-attr]
+    assert manager.saver.begin_save(7).kind == "jit"  # type: ignore[union-attr]
 
 
 def test_a_stop_at_a_newer_step_commits_a_save_that_is_already_written(tmp_path: Path):
     """A save whose files are all written when the stop comes is committed, not thrown away."""
-    from jitckpt_entrypoint.hook.manager import SaveParts, State
+    from jitckpt_entrypoint.hook.saves import SaveParts, State
 
     manager = manager_with_async(tmp_path)
     written = threading.Event()
@@ -204,9 +206,9 @@ def test_a_stop_at_a_newer_step_commits_a_save_that_is_already_written(tmp_path:
 
         return [write]
 
-    save = manager.begin_save(5)
+    save = manager.saver.begin_save(5)
     assert save is not None
-    manager.save_async(
+    manager.saver.save_async(
         save,
         SaveParts(
             lambda p: Path(p).mkdir(parents=True), {"w": torch.ones(2)}, set, writers, lambda: None
@@ -225,7 +227,7 @@ def test_a_sigterm_during_an_async_save_that_fails_does_not_claim_a_jit_checkpoi
 ):
     """SIGTERM arrives during the save of step 5 and its background write fails: step 5 is
     not a JIT checkpoint (no record, no exit); training goes on to stop at the next step."""
-    from jitckpt_entrypoint.hook.manager import SaveParts
+    from jitckpt_entrypoint.hook.saves import SaveParts
     from jitckpt_entrypoint.protocol import status
 
     manager = manager_with_async(tmp_path)
@@ -238,8 +240,8 @@ def test_a_sigterm_during_an_async_save_that_fails_does_not_claim_a_jit_checkpoi
 
         return [write]
 
-    pending = manager.begin_save(5)
-    manager.save_async(
+    pending = manager.saver.begin_save(5)
+    manager.saver.save_async(
         pending,
         SaveParts(lambda path: Path(path).mkdir(parents=True), {}, set, writers, lambda: None),
     )
@@ -272,7 +274,7 @@ def test_what_the_next_forward_changes_is_copied_before_the_save_returns():
 def test_an_async_save_of_a_batchnorm_model_holds_the_statistics_of_its_step(tmp_path: Path):
     """The background copy starts late (a busy node): the checkpoint still holds the step's
     running statistics, not the next forward's."""
-    from jitckpt_entrypoint.hook.manager import SaveParts
+    from jitckpt_entrypoint.hook.saves import SaveParts
     from jitckpt_entrypoint.hook.snapshot import Staging
 
     manager = manager_with_async(tmp_path)
@@ -290,11 +292,11 @@ def test_an_async_save_of_a_batchnorm_model_holds_the_statistics_of_its_step(tmp
     def writers(path: str, host: dict, threads: int, check) -> list:
         return [lambda: torch.save(host["model"], Path(path, "model.pt"))]
 
-    save = manager.begin_save(5)
+    save = manager.saver.begin_save(5)
     assert save is not None
     Staging.run = late_run  # type: ignore[method-assign]
     try:
-        manager.save_async(
+        manager.saver.save_async(
             save,
             SaveParts(
                 lambda p: Path(p).mkdir(parents=True),

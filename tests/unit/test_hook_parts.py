@@ -199,7 +199,7 @@ def test_commit_writes_the_manifest_stages_hard_links_and_records_the_save(tmp_p
     manager = manager_for(tmp_path, "s3://bucket/run")
     session = manager.session
     path = write_ckpt(session, 7)
-    pending = manager.begin_save(7)
+    pending = manager.saver.begin_save(7)
     assert pending is not None
     assert status.read_save_start(session.layout.status).step == 7  # type: ignore[union-attr]
     manager.saved(7)
@@ -213,7 +213,7 @@ def test_commit_writes_the_manifest_stages_hard_links_and_records_the_save(tmp_p
     assert event is not None
     assert (event.kind, event.step, event.bytes) == ("periodic", 7, 150)
     assert manager.is_committed(7)
-    assert manager.begin_save(7) is None  # never written into again
+    assert manager.saver.begin_save(7) is None  # never written into again
 
 
 def test_local_mode_does_not_stage(tmp_path):
@@ -229,7 +229,7 @@ def test_the_save_of_the_agreed_stop_step_is_the_jit_checkpoint_and_ends_the_pro
     manager = manager_for(tmp_path)
     codes = no_exit(manager)
     manager.stop_at(4)
-    assert manager.begin_save(4).kind == "jit"  # type: ignore[union-attr]
+    assert manager.saver.begin_save(4).kind == "jit"  # type: ignore[union-attr]
     write_ckpt(manager.session, 4)
     with pytest.raises(ExitedError):
         manager.saved(4)
@@ -288,7 +288,7 @@ def test_resume_picks_the_newest_committed_and_removes_newer_partials(tmp_path):
     assert manager.resume() == 10
     assert checkpoint_steps(session.layout.checkpoints) == [5, 10]
     assert manager.is_committed(10)
-    assert manager.begin_save(10) is None
+    assert manager.saver.begin_save(10) is None
 
 
 def test_resume_is_off_with_jitckpt_resume_0_unless_the_script_asks(tmp_path):

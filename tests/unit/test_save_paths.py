@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from jitckpt_entrypoint.config import Config
-from jitckpt_entrypoint.hook import fastpath, memory
-from jitckpt_entrypoint.hook.manager import CheckpointManager, SaveParts, State
+from jitckpt_entrypoint.hook import gates, memory
+from jitckpt_entrypoint.hook.manager import CheckpointManager
+from jitckpt_entrypoint.hook.saves import SaveParts, State
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.topology import Topology
 from jitckpt_entrypoint.protocol import validity
@@ -73,9 +74,9 @@ def parts(writers: Any) -> SaveParts:
 
 def async_save(m: CheckpointManager, step: int, writers: Any) -> Any:
     """An async save of `step` written by `writers`, handed over (on_save) and drained."""
-    save = m.begin_save(step)
+    save = m.saver.begin_save(step)
     assert save is not None
-    m.save_async(save, parts(writers))
+    m.saver.save_async(save, parts(writers))
     m.saved(step)
     m.drain()
     return save
@@ -99,7 +100,7 @@ def test_a_trainers_own_save_on_a_full_disk_is_named_and_its_error_stays_its_own
     library's own error, as without jitckpt (its collectives may be half done on other ranks);
     the rerun's resume removes the partial directory."""
     m = manager(tmp_path, async_save=False)
-    save = m.begin_save(5)
+    save = m.saver.begin_save(5)
     assert save is not None
 
     def write() -> None:
@@ -107,7 +108,7 @@ def test_a_trainers_own_save_on_a_full_disk_is_named_and_its_error_stays_its_own
         raise ENOSPC
 
     with pytest.raises(OSError, match="No space left"):
-        m.write_own(save, write)
+        m.saver.write_own(save, write)
     (line,) = [x for x in hook_log if "no space left" in x]
     assert "checkpoint-5 not saved: no space left on /" in line
     assert "free); free space on the volume" in line
@@ -120,10 +121,10 @@ def test_a_trainers_own_save_on_a_full_disk_is_named_and_its_error_stays_its_own
 
 def test_any_other_error_of_the_trainers_own_save_is_the_librarys_own(tmp_path, hook_log):
     m = manager(tmp_path, async_save=False)
-    save = m.begin_save(5)
+    save = m.saver.begin_save(5)
     assert save is not None
     with pytest.raises(ValueError, match="the library's"):
-        m.write_own(save, lambda: (_ for _ in ()).throw(ValueError("the library's")))
+        m.saver.write_own(save, lambda: (_ for _ in ()).throw(ValueError("the library's")))
     assert not [x for x in hook_log if "no space left" in x]
 
 
@@ -132,7 +133,7 @@ def test_an_async_save_that_fails_is_removed_and_the_fast_paths_turn_off(tmp_pat
     save = async_save(m, 5, failing(RuntimeError("a bug in a fast path")))
     assert save.state is State.ABANDONED
     assert not Path(m.checkpoint_dir(5)).exists()
-    assert not m.async_on
+    assert not m.saver.async_on
     err = "\n".join(hook_log)
     assert "checkpoint-5 not saved: a bug in a fast path" in err
     assert "the Trainer's own save from now on: a fast save of checkpoint-5 failed" in err
@@ -143,7 +144,7 @@ def test_an_async_save_on_a_full_disk_keeps_the_fast_paths(tmp_path, hook_log):
     save = async_save(m, 5, failing(ENOSPC))
     assert save.state is State.ABANDONED
     assert not Path(m.checkpoint_dir(5)).exists()
-    assert m.async_on
+    assert m.saver.async_on
     assert "checkpoint-5 not saved: no space left on" in "\n".join(hook_log)
 
 
@@ -151,13 +152,15 @@ def test_an_exception_on_the_training_thread_part_of_an_async_save_never_reaches
     tmp_path,
 ):
     m = manager(tmp_path)
-    save = m.begin_save(5)
+    save = m.saver.begin_save(5)
     assert save is not None
 
     def broken_small(path: str) -> None:
         raise RuntimeError("cannot write the trainer state")
 
-    m.save_async(save, SaveParts(broken_small, {"w": torch.ones(2)}, set, failing(ENOSPC), dict))
+    m.saver.save_async(
+        save, SaveParts(broken_small, {"w": torch.ones(2)}, set, failing(ENOSPC), dict)
+    )
     m.saved(5)
     m.drain()
     assert save.state is State.ABANDONED
@@ -170,7 +173,7 @@ def test_a_jit_save_whose_fast_writer_fails_is_written_by_the_trainers_own_save(
     m = manager(tmp_path)
     m.session.training = True
     m.stop_at(7)
-    save = m.begin_save(7)
+    save = m.saver.begin_save(7)
     assert save is not None
     assert save.kind == "jit"
     own_calls = []
@@ -180,7 +183,7 @@ def test_a_jit_save_whose_fast_writer_fails_is_written_by_the_trainers_own_save(
         small(save.path)
         Path(save.path, "optimizer.pt").write_bytes(b"whole")
 
-    m.save_now(save, parts(failing(RuntimeError("fast writer broke"))), own)
+    m.saver.save_now(save, parts(failing(RuntimeError("fast writer broke"))), own)
     with pytest.raises(ExitedError) as exited:
         m.saved(7)
     assert exited.value.code == m.session.cfg.exit_code
@@ -195,7 +198,7 @@ def test_a_jit_save_frees_uncommitted_directories_when_the_disk_is_short(tmp_pat
         Path(m.checkpoint_dir(step)).mkdir()
         Path(m.checkpoint_dir(step), "optimizer.pt").write_bytes(b"x" * 100)
     monkeypatch.setattr(memory, "free_bytes", lambda _path: 10)
-    m._expected_bytes = 1000
+    m.saver._expected_bytes = 1000
     m.stop_at(7)
     assert not Path(m.checkpoint_dir(3)).exists()
     assert not Path(m.checkpoint_dir(4)).exists()
@@ -211,24 +214,24 @@ def test_a_state_the_fast_paths_do_not_cover_is_named():
         pass
 
     plain = {"model": {"w": torch.ones(2)}, "optimizer": {"state": {0: {"step": 3}}}}
-    assert fastpath.state_problem(plain) is None
+    assert gates.state_problem(plain) is None
     sub = {"optimizer": {"state": {0: {"exp_avg": torch.ones(2).as_subclass(Quantized)}}}}
-    assert "Quantized" in str(fastpath.state_problem(sub))
-    assert "meta" in str(fastpath.state_problem({"m": torch.empty(2, device="meta")}))
-    assert "holds tensors inside a Holder" in str(fastpath.state_problem({"o": Holder()}))
+    assert "Quantized" in str(gates.state_problem(sub))
+    assert "meta" in str(gates.state_problem({"m": torch.empty(2, device="meta")}))
+    assert "holds tensors inside a Holder" in str(gates.state_problem({"o": Holder()}))
 
 
 def test_versions_outside_the_tested_range_turn_the_fast_paths_off(monkeypatch):
     import sys
     import types
 
-    assert fastpath.version_problem() is None  # this venv is tested
+    assert gates.version_problem() is None  # this venv is tested
     fake = types.ModuleType("transformers")
     fake.__version__ = "6.0.0"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "transformers", fake)
-    assert "transformers 6.0.0 is newer than the newest tested" in str(fastpath.version_problem())
+    assert "transformers 6.0.0 is newer than the newest tested" in str(gates.version_problem())
     fake.__version__ = "4.40.2"  # type: ignore[attr-defined]
-    assert "older than the oldest tested" in str(fastpath.version_problem())
+    assert "older than the oldest tested" in str(gates.version_problem())
 
 
 def test_the_snapshots_of_a_nodes_local_ranks_add_up():
@@ -244,7 +247,7 @@ def test_the_writer_thread_and_the_training_thread_share_a_save_only_under_the_l
     m = manager(tmp_path)
     seen: list[State] = []
     gate = threading.Event()
-    save = m.begin_save(5)
+    save = m.saver.begin_save(5)
     assert save is not None
 
     def writers(path: str, host: dict, threads: int, check: Any) -> list:
@@ -256,7 +259,7 @@ def test_the_writer_thread_and_the_training_thread_share_a_save_only_under_the_l
         return [write]
 
     assert save.state is State.PLANNED
-    m.save_async(save, parts(writers))
+    m.saver.save_async(save, parts(writers))
     m.saved(5)
     gate.set()
     m.drain()
@@ -273,11 +276,11 @@ def test_a_serializers_own_error_on_a_full_disk_counts_as_a_full_disk(tmp_path, 
     monkeypatch.setattr(memory, "free_bytes", lambda _path: 4096)
     save = async_save(m, 5, failing(error))
     assert save.outcome == "disk full"
-    assert m.async_on
+    assert m.saver.async_on
     monkeypatch.undo()
     save = async_save(m, 10, failing(error))
     assert save.outcome == "failed"
-    assert not m.async_on
+    assert not m.saver.async_on
 
 
 def test_the_last_step_is_saved_and_committed_before_the_best_model_is_loaded(
@@ -362,9 +365,9 @@ def test_files_written_after_the_save_call_are_in_the_async_commit(tmp_path):
     import json
 
     m = manager(tmp_path)
-    save = m.begin_save(5)
+    save = m.saver.begin_save(5)
     assert save is not None
-    m.save_async(save, parts(lambda *_: []))
+    m.saver.save_async(save, parts(lambda *_: []))
     Path(save.path, "entropy_ctrl_state.json").write_text("{}")  # after the save call
     m.saved(5)
     m.drain()
@@ -383,9 +386,9 @@ def test_a_snapshot_that_cannot_start_abandons_the_save_and_never_holds_training
 
     monkeypatch.setattr(Staging, "start", broken)
     m = manager(tmp_path)
-    save = m.begin_save(5)
+    save = m.saver.begin_save(5)
     assert save is not None
-    m.save_async(save, parts(lambda *_: []))
+    m.saver.save_async(save, parts(lambda *_: []))
     m.saved(5)
     m.before_update()  # the next optimizer step: nothing to wait for
     m.drain()

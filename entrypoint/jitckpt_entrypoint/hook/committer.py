@@ -17,50 +17,16 @@ Either way the last round is a barrier: no rank leaves before its node is done.
 
 from __future__ import annotations
 
-import dataclasses
-import errno
-import os
 from typing import Optional
 
-from jitckpt_entrypoint.hook import dcp_reads, memory
+from jitckpt_entrypoint.hook import dcp_reads
 from jitckpt_entrypoint.hook.control import ControlGroup
+from jitckpt_entrypoint.hook.saves import Outcome, Vote, outcome_of
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.topology import Topology
-from jitckpt_entrypoint.protocol import durable, status
+from jitckpt_entrypoint.protocol import durable
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.commit import commit_node, remove_checkpoint
-
-OK, CANCELLED, DISK_FULL, FAILED = "ok", "cancelled", "disk full", "failed"
-"""A rank's outcome of writing its part of a checkpoint."""
-
-
-LOW_SPACE = 16 << 20
-"""Free bytes under which a failed write is taken for a full disk whatever it raised."""
-
-
-def outcome_of(exc: BaseException, path: Optional[str] = None) -> str:
-    """DISK_FULL for a full disk or quota, else FAILED. Serializers do not all say so with
-    ENOSPC or EDQUOT: torch's zip writer raises "file write failed" and safetensors its own
-    error, so a write that failed with (almost) no space left on `path`'s volume counts too."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DISK_FULL
-    if path is not None and memory.free_bytes(os.path.dirname(os.path.abspath(path))) < LOW_SPACE:
-        return DISK_FULL
-    return FAILED
-
-
-@dataclasses.dataclass(frozen=True)
-class Vote:
-    """What every rank learned from one commit (the same on every rank)."""
-
-    committed: bool
-    outcomes: tuple[tuple[int, str], ...]
-    """(node, outcome) of every rank, by rank."""
-    event: Optional[status.SaveEvent] = None
-    """This node's save event (on each node's local rank 0, when committed)."""
-
-    def any(self, outcome: str, node: Optional[int] = None) -> bool:
-        return any(o == outcome and node in (None, n) for n, o in self.outcomes)
 
 
 def commit(
@@ -70,7 +36,7 @@ def commit(
     kind: str,
     started_at: float,
     *,
-    outcome: str = OK,
+    outcome: Outcome = Outcome.OK,
     control: Optional[ControlGroup] = None,
 ) -> Vote:
     """Collective (on `control`, the background writer's own group for its saves; the
@@ -78,7 +44,7 @@ def commit(
     topo, control = session.topo, control or session.control
     control.barrier()  # every rank finished writing its files (or failed to)
     holding = None
-    if topo.is_leader and outcome == OK:
+    if topo.is_leader and outcome == Outcome.OK:
         # Durable before the round below: on a shared volume every node writes every node's
         # manifests, so each node's data must be on disk before any node commits.
         try:
@@ -99,8 +65,8 @@ def commit(
     gathered = control.all_gather((topo.node, outcome, holding, drawn))
     save_id, session.lineage, reads = gathered[0][3]
     outcomes = tuple((node, o) for node, o, _, _ in gathered)
-    event, result = None, OK
-    written = all(o == OK for _, o in outcomes)
+    event, result = None, Outcome.OK
+    written = all(o == Outcome.OK for _, o in outcomes)
     if written and topo.is_leader:
         holdings = {node: files for node, _, files, _ in gathered if files is not None}
         try:
@@ -125,9 +91,9 @@ def commit(
             session.log.error("cannot commit %s: %s", ckpt_dir, exc)  # noqa: TRY400 - one line
             result = outcome_of(exc)
     results = control.all_gather(result)  # every node committed, or none keeps it
-    if written and all(r == OK for r in results):
+    if written and all(r == Outcome.OK for r in results):
         return Vote(True, outcomes, event)
-    outcomes = tuple((n, r if o == OK else o) for (n, o), r in zip(outcomes, results))
+    outcomes = tuple((n, r if o == Outcome.OK else o) for (n, o), r in zip(outcomes, results))
     if topo.is_leader:
         remove_checkpoint(ckpt_dir)
         if written:  # its commit may have staged it

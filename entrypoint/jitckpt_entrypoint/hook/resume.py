@@ -16,7 +16,7 @@ from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.topology import Topology
 from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
-from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
+from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps, step_of
 from jitckpt_entrypoint.protocol.manifest import read_manifests
 from jitckpt_entrypoint.protocol.validity import committed, complete_save, loadable, local_save
 
@@ -243,3 +243,61 @@ def start_over(session: Session) -> list[str]:
         "JITCKPT_RESUME=0: starting over; moved the earlier run's %s to %s", ", ".join(names), aside
     )
     return names
+
+
+def resuming_from(session: Session, path: str) -> None:
+    """Collective: the script resumes from `path` itself: its saves carry on that
+    checkpoint's lineage (when it is one of ours), unless that lineage has a newer save on
+    any node (a rollback, or what the restore saw in S3: a new lineage)."""
+    lineage = lineage_of(path)
+    step = step_of(os.path.basename(os.path.normpath(path)))
+    tips = session.control.all_gather(
+        None if lineage is None or step is None else tip(session, step, lineage)
+    )
+    newest = max((t for t in tips if t is not None), default=None)
+    session.lineage = lineage if newest is None else None
+    if newest is not None and step is not None:
+        _say_branch(session, step, newest)
+
+
+def resume(session: Session, *, asked: bool = False) -> tuple[Optional[int], list[str]]:
+    """Collective: the newest step committed on every node, or None; and the checkpoints a
+    start over removed. Directories past it, and uncommitted ones, are removed (training
+    writes those steps again; a partial one would hold a rotation slot). JITCKPT_RESUME=0
+    gives None unless the script `asked` for the newest checkpoint itself, and clears the
+    earlier run's checkpoints out of the way (`start_over`)."""
+    if not (asked or session.cfg.resume):
+        return None, start_over(session)
+    fetch_missing(session)
+    step = agreed_step(session)
+    lineage = None if step is None else lineage_of(session.layout.checkpoint_dir(step))
+    # Before remove_stale: the directories past the resume point are what tells.
+    tips = session.control.all_gather(
+        None if step is None or lineage is None else tip(session, step, lineage)
+    )
+    remove_stale(session, step)
+    newest = max((t for t in tips if t is not None), default=None)
+    session.lineage = lineage if newest is None else None
+    if newest is not None and step is not None:
+        _say_branch(session, step, newest)
+    if step is None:
+        if session.topo.rank == 0:
+            session.log.info(
+                "no committed checkpoint in %s: training from the start",
+                session.layout.checkpoints,
+            )
+        return None, []
+    if session.topo.rank == 0:
+        session.log.info("resuming from %s", session.layout.checkpoint_dir(step))
+    return step, []
+
+
+def _say_branch(session: Session, step: int, newest: int) -> None:
+    if session.topo.rank == 0:
+        session.log.info(
+            "resuming from %s, below %s of the same lineage (an attempt that could not be "
+            "resumed from, or a rollback): this run's saves begin a new lineage, which "
+            "restores prefer to that branch whatever their steps",
+            checkpoint_name(step),
+            checkpoint_name(newest),
+        )

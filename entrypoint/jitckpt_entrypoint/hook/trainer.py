@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 import weakref
 from types import ModuleType
 from typing import Any, Callable, Optional
@@ -34,7 +33,8 @@ from transformers.trainer_callback import TrainerCallback
 
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.hook import resume
-from jitckpt_entrypoint.hook.manager import CheckpointManager, Save, SaveParts, current
+from jitckpt_entrypoint.hook.manager import CheckpointManager, current
+from jitckpt_entrypoint.hook.saves import SaveParts, SaveRequest, Staged
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol.layout import step_of
 
@@ -73,20 +73,8 @@ def patch(module: ModuleType) -> None:
 
     @functools.wraps(original_save)
     def _save_checkpoint(self: Any, model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
-        step = self.state.global_step
-        if manager.should_skip(step):
-            return None  # JITCKPT_ASYNC_BUSY=skip and the last save is still being written
-        save = manager.begin_save(step)
-        if save is None:
-            return None  # committed already (epoch-end saves repeat the final step)
         own = functools.partial(original_save, self, model, trial, *args, **kwargs)
-        if manager.async_on and trial is None:
-            if not getattr(self, "is_fsdp_enabled", False):
-                return _save_ours(manager, self, save, own)
-            # FSDP: a JIT save is the Trainer's own, here and now
-            if save.kind == "periodic" and manager.use_fast(None):
-                return _save_fsdp(manager, self, save, own)
-        manager.write_own(save, own)
+        manager.save_step(_save_request(self, self.state.global_step, own, trial is None))
         return None
 
     if original_load_best is not None:
@@ -108,60 +96,41 @@ def patch(module: ModuleType) -> None:
     trainer_cls._jitckpt_patched = True
 
 
-def _save_ours(
-    manager: CheckpointManager, trainer: Any, save: Save, own: Callable[[], object]
-) -> None:
-    """The Trainer's checkpoint of this step in its own files and format, written by the
-    manager's writer: in the background (periodic), or here and now (JIT: nothing else runs
-    between the agreed step and the commit; final: nothing runs after it). A state the fast
-    paths do not cover (fastpath.py, probed on every rank) is the Trainer's own save, `own`."""
-    from jitckpt_entrypoint.hook import fastpath
-    from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
-
-    ckpt = TrainerCheckpoint(trainer)
-    try:
-        tensors = ckpt.tensors()
-        problem = fastpath.state_problem(tensors)
-    except Exception as exc:  # noqa: BLE001 - the Trainer's own save knows its state
-        tensors, problem = {}, f"cannot read the state to save ({exc!r:.80})"
-    if not manager.use_fast(problem):
-        manager.write_own(save, own)
-        return
-
-    def after_commit() -> None:
-        # HF's rotation, after our commit (HF rotates right after writing): the newest
-        # checkpoint, this one, is never among those it deletes.
-        if trainer.args.should_save:
-            rotate_checkpoints(trainer, ckpt.run_dir)
-
-    parts = SaveParts(ckpt.write_small, tensors, ckpt.deferrable, ckpt.writers, after_commit)
-    if save.kind == "periodic":
-        manager.save_async(save, parts)
-    else:
-        manager.save_now(save, parts, own)
-
-
-def _save_fsdp(
-    manager: CheckpointManager, trainer: Any, save: Save, own: Callable[[], object]
-) -> None:
-    """FSDP (sharded): the Trainer's own save with its DCP writes deferred to the manager's
-    writer (fsdp_checkpoint.py); HF's rotation after the commit."""
-    from jitckpt_entrypoint.hook.fsdp_checkpoint import DeferredSaves
-
-    started = time.monotonic()
+def _save_request(trainer: Any, step: int, own: Callable[[], object], ours: bool) -> SaveRequest:
+    """One save of the Trainer as the manager takes it: the Trainer's own save `own`, and
+    (`ours`: not a hyperparameter search's trial) the fast path's parts of it: the
+    Trainer's checkpoint in its own files and format, written by the manager's writer
+    (trainer_checkpoint.py); with FSDP (sharded), the Trainer's own save with its DCP writes
+    staged and written by the manager's writer (fsdp_checkpoint.py). HF's rotation runs after
+    the commit (HF rotates right after writing): the newest checkpoint, this one, is never
+    among those it deletes."""
+    if not ours:
+        return SaveRequest(step, own)
     run_dir = trainer._get_output_dir(trial=None)
-    with DeferredSaves(trainer) as deferred:
-        manager.write_own(save, own)
 
     def after_commit() -> None:
         if trainer.args.should_save:
             rotate_checkpoints(trainer, run_dir)
 
-    if manager.session.control.any_now(not deferred.staged):  # some rank could not stage
-        deferred.write_now()  # every rank, DCP's collectives on the training group as usual
-        after_commit()  # HF's rotation, where its own save would have run it
-        return
-    manager.save_staged(save, deferred.write, after_commit, started)
+    def parts() -> tuple[SaveParts, Optional[str]]:
+        from jitckpt_entrypoint.hook import gates
+        from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
+
+        ckpt = TrainerCheckpoint(trainer)
+        tensors = ckpt.tensors()
+        parts = SaveParts(ckpt.write_small, tensors, ckpt.deferrable, ckpt.writers, after_commit)
+        return parts, gates.state_problem(tensors)
+
+    def stage(write_own: Callable[[], object]) -> Staged:
+        from jitckpt_entrypoint.hook.fsdp_checkpoint import DeferredSaves
+
+        with DeferredSaves(trainer) as deferred:
+            write_own()
+        return Staged(deferred.staged, deferred.write, deferred.write_now, after_commit)
+
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return SaveRequest(step, own, stage=stage)
+    return SaveRequest(step, own, parts=parts)
 
 
 def rotate_checkpoints(trainer: Any, run_dir: str) -> None:

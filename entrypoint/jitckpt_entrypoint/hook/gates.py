@@ -1,4 +1,4 @@
-"""What the fast save paths cover, checked up front: library versions, and each save's state.
+"""Whether the fast save paths write a save: library versions, memory, each save's state.
 
 The fast paths (async snapshots, the writers that lay out torch's and safetensors' files
 themselves) were built and tested on the versions in TESTED, on plain dense tensors on the CPU
@@ -13,6 +13,9 @@ a state they do not cover is a probe's answer, never an exception in training.
   tensor subclass (torchao's quantized optimizer states, DTensor, fake or functional tensors),
   meta, sparse or quantized tensors, a device other than the CPU or CUDA, or tensors held inside
   an object that is not a dict, list or tuple (the snapshot would not copy them).
+- `Gates`: the decisions, the same on every rank: on or off when training starts (the checks
+  above, and whether the host snapshots fit in memory), per save from every rank's probe, and
+  off for the rest of the run once a probe refuses or a fast save fails.
 """
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ from __future__ import annotations
 import pickle
 import sys
 from typing import Any, Optional
+
+from jitckpt_entrypoint.hook import memory
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from jitckpt_entrypoint.hook.session import Session
 
 TESTED = {
     "torch": ((2, 7), (2, 13)),
@@ -32,6 +41,80 @@ NAMED = ("trl", "deepspeed")
 """Named in the start line with their versions; not gated (see the module doc)."""
 
 _PLAIN = (int, float, bool, str, bytes, type(None), complex)
+
+
+class Gates:
+    """The fast paths' on/off, decided alike on every rank (collectives on the training's
+    control group)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.decided_on = False
+        """On for this training (agreed when it started)."""
+        self._decided = False
+        """`decide` ran for this training (once per `train()`)."""
+        self._off: Optional[str] = None
+        """Why they were turned off mid-run (a probe, a failed fast save)."""
+
+    @property
+    def on(self) -> bool:
+        return self.decided_on and self._off is None
+
+    def decide(self, snapshot_bytes: int, unsupported: Optional[str], growth: int) -> bool:
+        """Collective, once per training: on every rank or none. Off with
+        JITCKPT_ASYNC_SAVE=0; when `unsupported` names why (the Trainer's set-up) or a
+        library's version is outside the tested range; or when the snapshots of this node's
+        local ranks (`snapshot_bytes` of host memory each), plus what training has yet to
+        allocate on each (`growth`: gradients and optimizer state not created yet, when they
+        live in host memory), do not fit into what the node and the container's cgroup leave
+        (one warning with the numbers)."""
+        session = self.session
+        if not session.cfg.async_save or self._decided:
+            return self.decided_on
+        self._decided = True
+        reason = unsupported or version_problem()
+        budget = memory.budget()
+        gathered = session.control.all_gather(
+            (session.topo.node, reason, snapshot_bytes + growth, budget.available, budget.limit)
+        )
+        reason = next((r for _, r, _, _, _ in gathered if r), None)
+        node_bytes = sum(b for n, _, b, _, _ in gathered if n == session.topo.node)
+        short = memory.short_node([(n, b, memory.Budget(a, lim)) for n, _, b, a, lim in gathered])
+        if reason is not None or short is not None:
+            if session.topo.rank == 0:
+                log = session.log.info if reason else session.log.warning
+                log("checkpoints are the Trainer's own save: %s", reason or short)
+            return False
+        self.decided_on = True
+        if session.topo.rank == 0:
+            session.log.info(
+                "async periodic saves on (%s): %.1f MB host snapshot per save on this node",
+                versions_line(),
+                (node_bytes - growth * session.topo.local_world_size) / 1e6,
+            )
+        return True
+
+    def use(self, problem: Optional[str]) -> bool:
+        """Collective, while on: whether they write this save, on every rank. `problem`: why
+        this rank's state is not theirs (`state_problem`), or None; a state any rank's probe
+        refuses turns them off for the rest of the run, with one line."""
+        problems = self.session.control.all_gather(problem)
+        found = next((p for p in problems if p), None)
+        if found is not None:
+            self.turn_off(f"{found} (rank {problems.index(found)})")
+        return self.on
+
+    def turn_off(self, reason: str) -> None:
+        if self._off is None:
+            self._off = reason
+            if self.session.topo.rank == 0:
+                self.session.log.info(
+                    "checkpoints are the Trainer's own save from now on: %s", reason
+                )
+
+    def reset(self) -> None:
+        """Training ended: the next one (a second Trainer, a second stage) decides afresh."""
+        self.decided_on, self._decided, self._off = False, False, None
 
 
 def version_of(name: str) -> Optional[str]:

@@ -1,0 +1,445 @@
+"""One save, from the adapter's request to committed or abandoned: the hook's save pipeline.
+
+The checkpoint manager (manager.py) owns the lifecycle (training, resume, the JIT stop) and
+hands every save here through one call, `save_step` (the Trainer's; the plain loop's `save`
+and `save_dcp_async` begin and write through `begin_save` and `write_own`). A save (saves.py's
+`Save`) moves through named states, changed only under `lock`:
+
+- PLANNED: `begin_save`, on the training thread: a step already committed is skipped (a crash
+  while overwriting one would leave a manifest in front of torn files), the kind is picked, the
+  sidecar is told a save started (its save-peak sampler).
+- written by one of three ways, each ending in this rank's outcome (ok, cancelled, disk full,
+  failed): `write_own` (the Trainer's own save or the plain loop's write, on the training
+  thread: its errors are the library's own and propagate, as without jitckpt, a full disk
+  named in one line first), `save_now` (the JIT save's fast path: the Trainer's files written
+  here from the live tensors), `save_async` (periodic saves' fast path: the small files here,
+  a host copy planned, the rest on the background writer, inflight.py). The fast paths catch
+  everything after the Trainer's one collective (`store_flos`, which every rank passes first):
+  never an exception into training. Whether they write a save is the gates' (gates.py).
+- COMMITTED or ABANDONED: `saved` (committer.commit, collective, with every rank's outcome):
+  committed when every rank wrote, else the directory is removed on every node (no rotation
+  slot, no resume point, no space held). A full disk is reported in one line (volume, bytes
+  needed, bytes free); a fast path that failed turns the fast paths off for the rest of the
+  run (the Trainer's own save from then on, one line); a JIT save that failed is written again
+  by the Trainer's own save, after what can be freed (uncommitted directories) is freed.
+
+Threads: the training thread owns `_pending`, `_skipped` and the gates; the background writer
+commits the save in flight; every `Save.state`, `_committed` and `blocking` change under
+`lock`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from jitckpt_entrypoint.hook import committer, memory
+from jitckpt_entrypoint.hook.cadence import Cadence
+from jitckpt_entrypoint.hook.control import ControlGroup
+from jitckpt_entrypoint.hook.gates import Gates
+from jitckpt_entrypoint.hook.inflight import InFlight
+from jitckpt_entrypoint.hook.records import Records
+from jitckpt_entrypoint.hook.saves import (
+    Outcome,
+    Save,
+    SaveParts,
+    SaveRequest,
+    Staged,
+    State,
+    Vote,
+    outcome_of,
+)
+from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.protocol.commit import remove_checkpoint, withdraw
+from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
+from jitckpt_entrypoint.protocol.validity import committed
+
+
+class Saver:
+    def __init__(
+        self, session: Session, cadence: Cadence, records: Records, kind_of: Callable[[int], str]
+    ) -> None:
+        self.session = session
+        self.cadence = cadence
+        self.records = records
+        self._kind_of = kind_of
+        """The kind of a step's save (jit, final, periodic): the manager's stop and end."""
+        self.lock = threading.Lock()
+        self._committed: set[int] = set()
+        """Steps committed (or resumed from) in this process; identical on every rank."""
+        self._pending: Optional[Save] = None
+        """The save begun on the training thread, until `saved` or the background writer."""
+        self.inflight = InFlight(session, self.lock, self._commit)
+        """The async save handed to the background writer, until drained."""
+        self.gates = Gates(session)
+        """Whether the fast paths write a save (agreed on every rank)."""
+        self._phases = ""
+        """Where `save_now`'s time went (small files, big files), for the commit's log."""
+        self._expected_bytes = 0
+        """About what one checkpoint takes on this node's volume (for a full disk's report)."""
+        self._skipped: set[int] = set()
+        self.periodic = 0
+        """Periodic saves begun in this process (the same on every rank): save requests'
+        tokens (the manager's step agreement)."""
+        self.blocking: list[tuple[int, float]] = []
+        """(step, seconds the training thread was held) of every async save, in order."""
+
+    def is_committed(self, step: int) -> bool:
+        with self.lock:
+            return step in self._committed
+
+    def checkpoint_dir(self, step: int) -> str:
+        return self.session.layout.checkpoint_dir(step)
+
+    def resumed(self, step: Optional[int], removed: list[int]) -> None:
+        """Training resumes from `step` (committed); `removed` steps are gone."""
+        with self.lock:
+            self._committed.difference_update(removed)
+            if step is not None:
+                self._committed.add(step)
+
+    def training_ended(self) -> None:
+        """The next `train()` decides its fast paths afresh."""
+        self._skipped.clear()
+        self.gates.reset()
+
+    def saved(self, step: int, path: Optional[str] = None) -> float:
+        """Collective, after every rank wrote `step` (or skipped it): commit it (an async save
+        of it: the background writer commits it now); the seconds its save took when it was
+        committed here, else 0."""
+        save, self._pending = self._pending, None
+        inflight = self.inflight.save
+        if inflight is not None and inflight.step == step:
+            inflight.ready.set()  # the background writer commits it now
+            return 0.0
+        if step in self._skipped:
+            self._remove_skipped(step)
+            return 0.0
+        if self.is_committed(step):
+            return 0.0
+        if save is None or save.step != step:  # written without begin_save
+            save = Save(step, self._kind_of(step), path or self.checkpoint_dir(step), time.time())
+        seconds = self._commit(save)
+        if self._retries(save):
+            seconds = self._retry_own(save)
+        return seconds
+
+    def save_dcp(self, save: Save, start: Callable[[str, Any], Any]) -> None:
+        """Training thread, after `begin_save`: DCP's own `async_save` (inflight.py)."""
+        self._pending = None
+        self.inflight.save_dcp(save, start)
+
+    def save_step(self, request: SaveRequest) -> None:
+        """Training thread, the one call an adapter makes to save a step (collective; `saved`
+        commits it once the library is done with the directory). Decides, alike on every
+        rank: skipped (JITCKPT_ASYNC_BUSY=skip), committed already (nothing to write), the
+        fast path's `parts` (async for a periodic save, now for a JIT or final one), a staged
+        write of the library's own save (`stage`, periodic only), or the library's own."""
+        if self.should_skip(request.step):
+            return
+        save = self.begin_save(request.step)
+        if save is None:
+            return
+        own, stage = request.own, request.stage
+        if self.async_on and request.parts is not None:
+            parts, problem = self._parts(request.parts)
+            if self.use_fast(problem) and parts is not None:
+                if save.kind == "periodic":
+                    self.save_async(save, parts)
+                else:
+                    self.save_now(save, parts, own)
+                return
+        elif (
+            self.async_on and stage is not None and save.kind == "periodic" and self.use_fast(None)
+        ):
+            self._save_staged(save, stage, own)
+            return
+        self.write_own(save, own)
+
+    def begin_save(self, step: int, path: Optional[str] = None) -> Optional[Save]:
+        """Training thread, before the files are written; None: `step` is committed, skip it.
+        Drains an async save in flight first (one save at a time)."""
+        self.inflight.drain()
+        self._skipped.discard(step)  # saved after all (training ended at a skipped step)
+        if self.is_committed(step):
+            return None
+        save = Save(step, self._kind_of(step), path or self.checkpoint_dir(step), time.time())
+        session = self.session
+        if session.topo.is_leader:
+            # A directory of the step from before (an earlier run's, a script that resumed
+            # from an older checkpoint itself) must not count as committed while this save
+            # rewrites it: its manifests go first.
+            withdraw(save.path)
+        self.records.save_started(step, save.started_at)
+        if save.kind == "periodic":
+            self.periodic += 1
+            save.measured = self.cadence.save_began(time.monotonic())
+        self._pending = save
+        return save
+
+    def write_own(self, save: Save, write: Callable[[], object]) -> None:
+        """Training thread: `write()` writes `save` the library's own way (the Trainer's own
+        save, the plain loop's `dcp.save`). Its errors are the library's own and propagate, as
+        they would without jitckpt: its collectives may be half done on the other ranks, so no
+        rank may carry on alone. A full disk is named in one line first; the partial directory
+        is removed when training resumes (resume.remove_stale)."""
+        try:
+            write()
+        except Exception as exc:
+            if outcome_of(exc, save.path) == Outcome.DISK_FULL:
+                root = self.session.layout.checkpoints
+                name = checkpoint_name(save.step)
+                needed = self._expected_bytes
+                self.session.log.error(memory.no_space(name, root, needed, False))  # noqa: TRY400
+            raise
+        self._advance(save, State.WRITTEN)
+
+    def enable_async(
+        self, snapshot_bytes: int, unsupported: Optional[str], growth: int = 0
+    ) -> bool:
+        """Collective, once when training starts: the fast paths on every rank or none
+        (gates.py, which says why not in one line)."""
+        if not self._expected_bytes:  # about what a checkpoint of this node takes
+            self._expected_bytes = snapshot_bytes * self.session.topo.local_world_size
+        on = self.gates.decide(snapshot_bytes, unsupported, growth)
+        if on:
+            self.inflight.start()
+        return on
+
+    @property
+    def async_on(self) -> bool:
+        return self.gates.on
+
+    def use_fast(self, problem: Optional[str]) -> bool:
+        """Collective, before a save the fast paths may write: whether they write this one, on
+        every rank (gates.py). `problem`: why this rank's state is not theirs, or None."""
+        if not self.gates.on:
+            self.inflight.stager = None  # its host buffers are not needed any more
+            return False
+        return self.gates.use(problem)
+
+    def should_skip(self, step: int) -> bool:
+        """Collective, before a periodic save (JITCKPT_ASYNC_BUSY=skip): True on every rank
+        when any rank's previous save is still being written; that step is then not saved."""
+        if self.session.cfg.async_busy != "skip" or not self.gates.decided_on:
+            return False
+        if self._kind_of(step) != "periodic" or self.is_committed(step):
+            return False  # a JIT or final save is never skipped
+        if not self.session.control.any_now(self.inflight.busy):
+            return False
+        self._skipped.add(step)
+        # What runs after the Trainer's save call (a subclass's extra files, callbacks) may
+        # write into the directory, as it would without jitckpt: it exists, and goes at `saved`.
+        os.makedirs(self.checkpoint_dir(step), exist_ok=True)
+        if self.session.topo.rank == 0:
+            self.session.log.info(
+                "skipping the save of step %d: the previous save is still being written", step
+            )
+        return True
+
+    def save_async(self, save: Save, parts: SaveParts) -> None:
+        """Training thread, after `begin_save`: small files and the copy of what the next
+        forward changes now, the rest in the background (inflight.py)."""
+        self._pending = None
+        self.inflight.save_async(save, parts)
+
+    def save_now(self, save: Save, parts: SaveParts, retry: Callable[[], object]) -> None:
+        """Training thread, after `begin_save`: the same parts as `save_async`, written now
+        from the live tensors (no copy; GPU state streams through direct_write's buffers), the
+        big files side by side. The JIT and final saves; `saved` commits it, then runs
+        `after_commit`. Should it fail on any rank, `retry` (the Trainer's own save) writes it
+        again: a JIT save always, after what can be freed is freed; a final save when the
+        fast path failed, not for a full disk (training is over: it ends as it would have)."""
+        from jitckpt_entrypoint.hook.writer import WRITERS, write_files
+
+        save.after_commit, save.retry = parts.after_commit, retry
+        started = time.monotonic()
+        small = started
+        try:
+            parts.write_small(save.path)
+            small = time.monotonic()
+            _sync_devices(parts.tensors)
+            write_files(parts.writers(save.path, parts.tensors, WRITERS, None))
+        except Exception as exc:  # noqa: BLE001 - never into training: the retry writes it
+            save.failed(exc)
+        if save.outcome == Outcome.OK:
+            self._advance(save, State.WRITTEN)
+        self._phases = (
+            f"small files {small - started:.2f} s, big files {time.monotonic() - small:.2f} s"
+        )
+
+    @staticmethod
+    def _parts(
+        make: Callable[[], tuple[Optional[SaveParts], Optional[str]]],
+    ) -> tuple[Optional[SaveParts], Optional[str]]:
+        """The fast path's parts of the save, or why this rank cannot give them."""
+        try:
+            return make()
+        except Exception as exc:  # noqa: BLE001 - the library's own save knows its state
+            return None, f"cannot read the state to save ({exc!r:.80})"
+
+    def _save_staged(
+        self,
+        save: Save,
+        stage: Callable[[Callable[[], object]], Staged],
+        own: Callable[[], object],
+    ) -> None:
+        """The library's own save `own` with its big writes staged (`stage`), written in the
+        background; when any rank could not stage, every rank writes now."""
+        started = time.monotonic()
+        staged = stage(lambda: self.write_own(save, own))
+        if self.session.control.any_now(not staged.staged):  # some rank could not stage
+            staged.write_now()  # every rank, DCP's collectives on the training group as usual
+            staged.after_commit()  # HF's rotation, where its own save would have run it
+            return
+        self._pending = None
+        self.inflight.save_staged(save, staged.write, staged.after_commit, started)
+
+    def _remove_skipped(self, step: int) -> None:
+        """Collective: a skipped save's directory (created for whatever writes into it after
+        the Trainer's save call) is removed, holding no rotation slot."""
+        self.session.control.barrier()
+        if self.session.topo.is_leader:
+            remove_checkpoint(self.checkpoint_dir(step))
+
+    def _advance(self, save: Save, state: State) -> None:
+        with self.lock:
+            save.state = state
+
+    def _commit(self, save: Save, control: Optional[ControlGroup] = None) -> float:
+        """Collective (on `control`, the training's by default): commit `save`, or abandon it
+        when any rank's outcome is not ok; returns the seconds from its start to the end."""
+        try:
+            self._commit_or_abandon(save, control)
+        finally:  # whatever raised (HF's rotation), the next time-based save is not held up
+            if save.kind == "periodic":
+                blocked = save.blocked if save.job is not None else None
+                self.cadence.save_finished(save.measured, time.monotonic(), blocked)
+        return time.time() - save.started_at
+
+    def _commit_or_abandon(self, save: Save, control: Optional[ControlGroup]) -> None:
+        """The vote, then the commit (and its after_commit) or the abandon and its report."""
+        session, step = self.session, save.step
+        started = time.monotonic()
+        vote = committer.commit(
+            session,
+            save.path,
+            step,
+            save.kind,
+            save.started_at,
+            outcome=save.outcome,
+            control=control,
+        )
+        save.vote = vote
+        if vote.committed:
+            with self.lock:
+                save.state = State.COMMITTED
+                self._committed.add(step)
+            self.records.advisory(self.records.announce)
+            self._log_committed(save, vote, time.monotonic() - started)
+            if save.after_commit is not None:
+                save.after_commit()
+        else:
+            self._advance(save, State.ABANDONED)
+            self._report_abandoned(save, vote)
+        if save.job is not None:
+            with self.lock:
+                self.blocking.append((step, save.blocked))
+
+    def _log_committed(self, save: Save, vote: Vote, commit_seconds: float) -> None:
+        event = vote.event
+        if event is None:
+            return
+        self._expected_bytes = event.bytes
+        if save.job is not None:
+            detail = f", async: training blocked {save.blocked:.3f} s"
+        elif self._phases:  # written on this thread by save_now
+            detail = f": {self._phases}, commit (fsync, manifests) {commit_seconds:.2f} s"
+        else:
+            detail = ""
+        self._phases = ""
+        self.session.log.info(
+            "committed %s (%s, %.1f MB, %.2f s%s)",
+            checkpoint_name(save.step),
+            save.kind,
+            event.bytes / 1e6,
+            event.seconds,
+            detail,
+        )
+
+    def _report_abandoned(self, save: Save, vote: Vote) -> None:
+        """One line per cause: a full disk (each node's local rank 0, for its volume), a
+        failure (the rank it happened on), a cancel (rank 0). A fast path that failed is off
+        from now on (decided from the vote: the same on every rank)."""
+        session, name = self.session, checkpoint_name(save.step)
+        topo = session.topo
+        if save.outcome == Outcome.FAILED:
+            session.log.error("%s not saved: %s", name, save.error)
+        if topo.is_leader and vote.any(Outcome.DISK_FULL, topo.node):
+            needed = self._expected_bytes
+            session.log.error(memory.no_space(name, session.layout.checkpoints, needed, True))
+        if topo.rank == 0 and vote.any(Outcome.CANCELLED) and not vote.any(Outcome.FAILED):
+            session.log.info("%s abandoned uncommitted", name)
+        elif topo.rank == 0:
+            session.log.warning("%s abandoned uncommitted; its directory is removed", name)
+        fast = save.job is not None or save.retry is not None
+        if fast and vote.any(Outcome.FAILED):
+            self.gates.turn_off(f"a fast save of {name} failed")
+
+    @staticmethod
+    def _retries(save: Save) -> bool:
+        """Whether an abandoned save written now by the fast path is written again (the same on
+        every rank: decided from the vote)."""
+        if save.state is not State.ABANDONED or save.retry is None or save.vote is None:
+            return False
+        return save.kind == "jit" or save.vote.any(Outcome.FAILED)
+
+    def _retry_own(self, failed: Save) -> float:
+        """Collective: a save written now by the fast path failed somewhere; the Trainer's own
+        save writes it again, after uncommitted directories are freed."""
+        retry, failed.retry = failed.retry, None
+        self.make_room(failed.step, force=True)
+        save = Save(failed.step, failed.kind, failed.path, time.time())
+        save.after_commit = failed.after_commit
+        if self.session.topo.rank == 0:
+            self.session.log.info("writing %s with the Trainer's own save", failed.path)
+        if retry is not None:
+            self.write_own(save, retry)
+        return self._commit(save)
+
+    def make_room(self, step: int, force: bool = False) -> None:
+        """Before a JIT save: when the volume has less free space than a checkpoint takes,
+        remove the uncommitted checkpoint directories (this node's local rank 0)."""
+        session = self.session
+        if not session.topo.is_leader:
+            return
+        root = session.layout.checkpoints
+        if not force and memory.free_bytes(root) >= self._expected_bytes:
+            return
+        freed = []
+        for other in checkpoint_steps(root):
+            path = self.checkpoint_dir(other)
+            if other != step and committed(path, session.topo.node) is None:
+                remove_checkpoint(path)
+                freed.append(checkpoint_name(other))
+        if freed:
+            session.log.info(
+                "removed uncommitted %s to make room for the JIT save (%s free)",
+                ", ".join(freed),
+                memory.gb(memory.free_bytes(root)),
+            )
+
+
+def _sync_devices(tree: dict[str, Any]) -> None:
+    """Wait for the work queued on the GPUs the state lives on (the optimizer step), before
+    other threads read it."""
+    import torch
+
+    from jitckpt_entrypoint.hook.snapshot import map_tree
+
+    devices: set[torch.device] = set()
+    map_tree(tree, lambda t: devices.add(t.device) if t.is_cuda else None)
+    for device in devices:
+        torch.cuda.synchronize(device)
