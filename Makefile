@@ -89,7 +89,8 @@ fmt: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# The README's configuration and metrics tables, written from the code (a unit test checks them).
+# The README's configuration table and docs/monitoring.md's metrics table, from the code
+# (a unit test checks them).
 docs: $(STAMP)
 	$(BIN)/python tools/readme_tables.py
 

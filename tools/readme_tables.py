@@ -1,13 +1,15 @@
-"""Write the README's generated tables from the code: `python tools/readme_tables.py [--check]`.
+"""Write the docs' generated tables from the code: `python tools/readme_tables.py [--check]`.
 
 Each table stands between `<!-- generated: NAME -->` and `<!-- end generated: NAME -->`:
 
-- `configuration`: every option of both commands (entrypoint/jitckpt_entrypoint/config.py,
-  sidecar/jitckpt_sidecar/config.py) through `settings.doc_rows`;
-- `metrics`: every metric the sidecar exports (sidecar/jitckpt_sidecar/metric_names.py).
+- `configuration` (README.md): every option of both commands
+  (entrypoint/jitckpt_entrypoint/config.py, sidecar/jitckpt_sidecar/config.py) through
+  `settings.doc_rows`;
+- `metrics` (docs/monitoring.md): every metric the sidecar exports
+  (sidecar/jitckpt_sidecar/metric_names.py).
 
-`--check` writes nothing and exits 1 naming the tables that differ (tests/unit runs it);
-without it the README is rewritten in place (`make docs`).
+`--check` writes nothing and exits 1 naming the files whose tables differ (tests/unit runs
+it); without it the files are rewritten in place (`make docs`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+MONITORING = ROOT / "docs" / "monitoring.md"
 
 CONFIG_HEADER = ("| variable | flag | read by | default | meaning |", "|---|---|---|---|---|")
 INTERNAL_ROWS = (
@@ -57,34 +60,45 @@ def metrics() -> list[str]:
     return rows
 
 
-TABLES: dict[str, Callable[[], list[str]]] = {
-    "configuration": configuration,
-    "metrics": metrics,
+TABLES: dict[str, tuple[Path, Callable[[], list[str]]]] = {
+    "configuration": (README, configuration),
+    "metrics": (MONITORING, metrics),
 }
 
 
-def render(text: str) -> str:
-    """The README with every generated table replaced by what the code says now."""
-    for name, build in TABLES.items():
+def render(path: Path, text: str) -> str:
+    """`text` (the file `path`) with each of its generated tables replaced by what the code
+    says now."""
+    for name, (where, build) in TABLES.items():
+        if where != path:
+            continue
         pattern = re.compile(
             rf"(<!-- generated: {name} -->\n).*?(<!-- end generated: {name} -->)", re.DOTALL
         )
         if not pattern.search(text):
-            raise SystemExit(f"readme_tables: README.md has no '<!-- generated: {name} -->' block")
+            raise SystemExit(
+                f"readme_tables: {path.name} has no '<!-- generated: {name} -->' block"
+            )
         table = "\n".join(build())
         text = pattern.sub(lambda m, table=table: f"{m.group(1)}{table}\n{m.group(2)}", text)
     return text
 
 
 def main(argv: list[str]) -> int:
-    text = README.read_text(encoding="utf-8")
-    new = render(text)
-    if "--check" in argv:
-        if new != text:
-            sys.stderr.write("readme_tables: README.md's tables are stale; run `make docs`\n")
-            return 1
-        return 0
-    README.write_text(new, encoding="utf-8")
+    stale = []
+    for path in dict.fromkeys(where for where, _ in TABLES.values()):
+        text = path.read_text(encoding="utf-8")
+        new = render(path, text)
+        if new == text:
+            continue
+        stale.append(path.relative_to(ROOT).as_posix())
+        if "--check" not in argv:
+            path.write_text(new, encoding="utf-8")
+    if stale and "--check" in argv:
+        sys.stderr.write(
+            f"readme_tables: the tables of {', '.join(stale)} are stale; run `make docs`\n"
+        )
+        return 1
     return 0
 
 

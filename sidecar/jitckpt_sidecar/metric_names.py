@@ -1,8 +1,8 @@
 """The metrics the sidecar exports, each defined once: name, type, HELP, labels, buckets.
 
 metrics.py builds its collectors from these definitions; k8s/monitoring/ (tests/k8s), the
-README's metrics table and every scrape in the tests are checked against them. Standard library
-only, so tools and docs can read it without prometheus_client.
+metrics table (docs/monitoring.md) and every scrape in the tests are checked against them.
+Standard library only, so tools and docs can read it without prometheus_client.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Metric:
     late gauge's samples, once known, carry some of them)."""
     buckets: tuple[float, ...] = ()
     doc: str = ""
-    """The README's meaning column (markdown); the HELP text when empty."""
+    """The metrics table's meaning column (markdown); the HELP text when empty."""
     late: bool = False
     """No sample until the value is known: "no JIT checkpoint yet" must not read as a 0 s
     SIGTERM-to-commit, nor "nothing restored yet" as step 0."""
