@@ -434,7 +434,7 @@ class Sidecar:
         jdir = self._jdir("sidecar-up")
         layout = commit_and_stage(jdir, src)
         now = time.time()
-        status.write_trainer(layout.status, status.TrainerStatus("b", 1, ("x",), now, None, now, 0))
+        status.TRAINER.write(layout.status, status.TrainerStatus("b", 1, ("x",), now, None, now, 0))
         env = {
             **self.env,
             "JITCKPT_DIR": str(jdir),

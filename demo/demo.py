@@ -90,7 +90,7 @@ class Demo:
         run.tap.start()
         self.say(f"{name}: created (empty emptyDir); sidecar /metrics at {run.tap.url}")
         pod.start()
-        run.ready = read_status(pod, status.SIDECAR_READY)
+        run.ready = read_status(pod, status.SIDECAR_READY.name)
         run.begin = resumed_from(pod)
         if run.ready.get("restore") == "s3":
             self.say(

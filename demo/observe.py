@@ -153,8 +153,8 @@ class PodRun:
         """Read what the pod left behind once it has exited."""
         self.ended_at = time.monotonic()
         self.tap.stop()
-        self.jit = read_status(self.pod, status.JIT)
-        self.ready = read_status(self.pod, status.SIDECAR_READY)
+        self.jit = read_status(self.pod, status.JIT.name)
+        self.ready = read_status(self.pod, status.SIDECAR_READY.name)
         steps = [e.step for e in events(self.pod.trainer) if e.kind == "step"]
         self.last_done = steps[-1] if steps else -1
         after = bucket.keys()

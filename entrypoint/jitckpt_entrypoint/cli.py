@@ -12,17 +12,17 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from jitckpt_entrypoint import __version__, final, grace, log, settings, supervisor
-from jitckpt_entrypoint.config import OPTIONS, Config, parse_s3_uri
+from jitckpt_entrypoint import __version__, final, grace, log, settings, shared_settings, supervisor
+from jitckpt_entrypoint.config import OPTIONS, Config
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.protocol import registry, status
 from jitckpt_entrypoint.protocol.layout import FINAL_NAME, Layout
+from jitckpt_entrypoint.shared_settings import parse_s3_uri
 from jitckpt_entrypoint.shutdown import Shutdown
 
 PROG = "jitckpt-entrypoint"
 USAGE = f"{PROG} [OPTIONS] -- COMMAND [ARG...]"
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
-DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 
 
 def _parser() -> settings.ArgumentParser:
@@ -70,9 +70,7 @@ def resolve_command(name: str, env: Mapping[str, str]) -> str:
 
 def prepare_dir(cfg: Config) -> Layout:
     """Create checkpoints/, staging/ and status/ and prove we can write there."""
-    layout = Layout(cfg.dir)
-    layout.prepare()
-    return layout
+    return shared_settings.prepare_dir(cfg.dir)
 
 
 def child_env(env: Mapping[str, str], cfg: Config, run_id: str) -> dict[str, str]:
@@ -116,7 +114,7 @@ def outcome(
     summary = f"training command {child.describe()}"
     if child.signal is not None:
         summary += f" (exit {child.status})"
-    refusal = status.read_refusal(layout.status, run_id)
+    refusal = status.REFUSAL.read(layout.status, run_id)
     if refusal is not None and child.status != 0:
         summary += f": {refusal.message}"
     if sigterm_at is not None:
@@ -129,7 +127,7 @@ def outcome(
 def model_location(cfg: Config, layout: Layout, run_id: str) -> str:
     """'; model in DIR[, uploading to s3://.../final/]' after training ended normally (staging
     the final model on the way in S3 mode), or '' when no Trainer finished training."""
-    record = status.read_output(layout.status, run_id)
+    record = status.OUTPUT.read(layout.status, run_id)
     if record is None:
         return ""
     where = f"; model in {record.output_dir}"
@@ -154,23 +152,6 @@ def model_location(cfg: Config, layout: Layout, run_id: str) -> str:
     )
     uri = parse_s3_uri(cfg.storage_uri)
     return f"{where}, uploading to s3://{uri.bucket}/{uri.key(FINAL_NAME)}/"
-
-
-def write_termination_log(path: str, line: str) -> None:
-    """Write the summary where Kubernetes looks; the default path only when it already exists."""
-    if not path:
-        return
-    flags = os.O_WRONLY | os.O_TRUNC | (0 if path == DEFAULT_TERMINATION_LOG else os.O_CREAT)
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError:
-        return
-    try:
-        os.write(fd, (line + "\n").encode())
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -208,13 +189,13 @@ def run(
         logger.debug("removed %s (left by a killed entrypoint)", stale)
     registry.open_run(layout.status, run_id)
     record = status.TrainerStatus(run_id, pid, tuple(command), started_at=time.time())
-    status.write_trainer(layout.status, record)
+    status.TRAINER.write(layout.status, record)
     env = child_env(os.environ, cfg, run_id)
 
     def on_sigterm(at: float) -> None:
         nonlocal record
         record = dataclasses.replace(record, sigterm_at=at)
-        status.write_trainer(layout.status, record)
+        status.TRAINER.write(layout.status, record)
 
     watch = Shutdown(cfg, layout.status, run_id, logger, on_sigterm=on_sigterm)
     logger.debug("running %s (run %s)", command, run_id)
@@ -225,7 +206,7 @@ def run(
         registry.close_run(layout.status, run_id)
     # After staging the final model: the sidecar drains until it sees exited_at.
     record = dataclasses.replace(record, exited_at=time.time(), exit_code=code, summary=summary)
-    status.write_trainer(layout.status, record)
-    write_termination_log(cfg.termination_log, summary)
+    status.TRAINER.write(layout.status, record)
+    log.write_termination_log(cfg.termination_log, summary)
     logger.info("%s; exiting %d", summary, code)
     return code

@@ -3,20 +3,16 @@
 The entrypoint resolves it once (bad values are a one-line error and exit 2 before anything
 starts) and passes every resolved value to the child as JITCKPT_* variables; the hook inside
 the training processes reads the same variables back with `from_env`. The options both
-components read (DIR, STORAGE_URI, GRACE_SECONDS, LOG_FORMAT, TERMINATION_LOG) are declared
-here once; the sidecar's table reuses them.
+components read (DIR, STORAGE_URI, GRACE_SECONDS, LOG_FORMAT, TERMINATION_LOG) are
+shared_settings.py's; this table and the sidecar's reuse them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from jitckpt_entrypoint.errors import JitckptError
-from jitckpt_entrypoint.protocol.layout import S3Uri
 from jitckpt_entrypoint.settings import (
     BOOLEAN,
     INTEGER,
@@ -30,44 +26,18 @@ from jitckpt_entrypoint.settings import (
     between,
     one_of,
     resolve,
-    rule,
     validate,
+)
+from jitckpt_entrypoint.shared_settings import (
+    DIR,
+    GRACE_SECONDS,
+    LOG_FORMAT,
+    STORAGE_URI,
+    TERMINATION_LOG,
 )
 
 SAVE_STRATEGIES = ("no", "steps", "epoch")
-LOG_FORMATS = ("text", "json")
 ASYNC_BUSY = ("wait", "skip")
-# S3 bucket naming rules (3-63 chars, lowercase, digits, dots, hyphens; starts/ends alnum).
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
-_USERINFO = re.compile(r"//[^/@]*@")
-
-
-def redact_userinfo(url: str) -> str:
-    """`url` with the user:password@ of its authority (a secret, maybe) replaced by ***@."""
-    return _USERINFO.sub("//***@", url)
-
-
-def parse_s3_uri(value: str, name: str = "JITCKPT_STORAGE_URI") -> S3Uri:
-    """Parse `s3://bucket[/prefix]`, or raise a one-line error that names `name`."""
-    if _USERINFO.search(value):  # s3a://KEY:SECRET@bucket (old Hadoop style): never echo it
-        raise JitckptError(
-            f"{name}={redact_userinfo(value)!r} carries credentials; use "
-            "s3://bucket/prefix and put them in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
-        )
-    if not value.startswith("s3://"):
-        raise JitckptError(f"{name}={value!r} is not an S3 URI; use s3://bucket/prefix")
-    bucket, _, prefix = value[len("s3://") :].partition("/")
-    if not _BUCKET.match(bucket) or ".." in bucket:
-        raise JitckptError(
-            f"{name}={value!r}: {bucket!r} is not a valid bucket name "
-            "(3-63 lowercase letters, digits, dots or hyphens); use s3://bucket/prefix"
-        )
-    prefix = prefix.strip("/")
-    if "//" in prefix:
-        raise JitckptError(
-            f"{name}={value!r} has an empty path segment ('//'); use s3://bucket/prefix"
-        )
-    return S3Uri(bucket, prefix)
 
 
 def shutdown_timeout_for(grace_seconds: int) -> int:
@@ -79,58 +49,6 @@ def shutdown_timeout_for(grace_seconds: int) -> int:
     """
     return max(1, grace_seconds * 3 // 4)
 
-
-def s3_uri_problem(value: str) -> Optional[str]:
-    """What parse_s3_uri says after the value it quotes, or None for a valid URI (a check)."""
-    try:
-        parse_s3_uri(value, "")
-    except JitckptError as exc:
-        return str(exc)[len(f"={redact_userinfo(value)!r}") :]
-    return None
-
-
-# --- options both components read -----------------------------------------------------------
-
-DIR = Option(
-    "dir",
-    TEXT,
-    "shared volume root (the emptyDir)",
-    # A relative one lands in the container's own layer, not on the volume shared with the other.
-    check=rule(os.path.isabs, "an absolute path to the shared volume, e.g. /mnt/jitckpt"),
-    doc="shared volume root (the emptyDir, same path in both containers); holds `checkpoints/`, "
-    "`staging/`, `status/`",
-)
-STORAGE_URI = Option(
-    "storage_uri",
-    TEXT,
-    "s3://bucket/prefix; empty = no upload",
-    check=lambda value: s3_uri_problem(value) if value else None,
-    show=redact_userinfo,
-    doc="`s3://bucket/prefix`. E: empty = local/PVC mode, nothing is staged for upload (so set it "
-    "on the trainer too). S: required; empty = `s3://$AWS_S3_BUCKET/jitckpt`",
-)
-GRACE_SECONDS = Option(
-    "grace_seconds",
-    INTEGER,
-    "the pod's terminationGracePeriodSeconds",
-    check=at_least(1, "the pod's terminationGracePeriodSeconds (>= 1)"),
-    doc="the pod's `terminationGracePeriodSeconds`. E: torchrun's shutdown timeout is 3/4 of it, "
-    "and the start-up estimate is checked against it. S: the drain ends a margin before it",
-)
-LOG_FORMAT = Option(
-    "log_format",
-    TEXT,
-    "text|json",
-    check=one_of(LOG_FORMATS, "text or json"),
-    doc="`text` or `json` log lines on stderr",
-)
-TERMINATION_LOG = Option(
-    "termination_log",
-    TEXT,
-    "summary file; empty = none",
-    doc="E: where the one-line summary goes. S: where the one-line reason of a failure goes (a "
-    "restore that failed, S3 refused). The default path only when it exists; empty = nowhere",
-)
 
 # --- the trainer side's ---------------------------------------------------------------------
 

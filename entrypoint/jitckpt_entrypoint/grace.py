@@ -46,7 +46,7 @@ def estimate(layout: Layout) -> Optional[Estimate]:
 
 def _upload_rate(layout: Layout) -> Optional[float]:
     """Bytes/s the sidecar measured (its restore), as a stand-in for the upload throughput."""
-    ready = status.read_sidecar_ready(layout.status)
+    ready = status.SIDECAR_READY.read(layout.status)
     rate = None if ready is None else ready.restore_bytes_per_second
     return rate if rate is not None and rate > 0 else None
 

@@ -1,9 +1,11 @@
-"""Logging set-up shared by both components: a component prefix, text or JSON lines."""
+"""Logging set-up shared by both components: a component prefix, text or JSON lines; the
+one-line termination message."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -40,3 +42,23 @@ def setup(component: str, fmt: str = "text", *, verbose: bool = False) -> loggin
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     root.propagate = False
     return logging.getLogger(f"jitckpt.{component}")
+
+
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+
+
+def write_termination_log(path: str, line: str) -> None:
+    """Write the summary where Kubernetes looks; the default path only when it already exists."""
+    if not path:
+        return
+    flags = os.O_WRONLY | os.O_TRUNC | (0 if path == DEFAULT_TERMINATION_LOG else os.O_CREAT)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError:
+        return
+    try:
+        os.write(fd, (line + "\n").encode())
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

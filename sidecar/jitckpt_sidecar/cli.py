@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
-from jitckpt_entrypoint import log, settings
+from jitckpt_entrypoint import log, settings, shared_settings
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.layout import Layout
@@ -118,9 +118,7 @@ def _command(
     logger = log.setup(PROG, cfg.log_format, verbose=verbose)
 
     def failed(line: str) -> None:
-        from jitckpt_entrypoint.cli import write_termination_log  # the failure path only
-
-        write_termination_log(cfg.termination_log, f"{PROG} {command}: {line}")
+        log.write_termination_log(cfg.termination_log, f"{PROG} {command}: {line}")
 
     try:
         return body(cfg, logger)
@@ -147,12 +145,10 @@ def _command(
 
 def prepare_dir(cfg: Config) -> Layout:
     """Create checkpoints/, staging/ and status/ and prove we can write there (exit 2 if not)."""
-    layout = Layout(cfg.dir)
     try:
-        layout.prepare()
+        return shared_settings.prepare_dir(cfg.dir)
     except JitckptError as exc:
         raise ConfigError(str(exc)) from None
-    return layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,9 +223,7 @@ def _run(cfg: Config, logger: logging.Logger) -> int:
     logger.info("started (pid %d): %s at %s", os.getpid(), cfg.uri, s3.endpoint_of(cfg))
     code = service.run()
     if code != 0 and service.failure:
-        from jitckpt_entrypoint.cli import write_termination_log
-
-        write_termination_log(cfg.termination_log, f"{PROG}: {service.failure}")
+        log.write_termination_log(cfg.termination_log, f"{PROG}: {service.failure}")
     # Leave now: a request stuck at the drain deadline must not hold the exit (s3transfer's
     # worker threads are joined at interpreter exit), and everything that matters is done.
     logging.shutdown()
@@ -260,7 +254,7 @@ def _restore(cfg: Config, logger: logging.Logger) -> int:
     readiness.set(result.source, result.step, result.seconds, result.bytes)
     with contextlib.suppress(OSError):  # the recovery metric's start; nothing else needs it
         record = status.PodRestore(process_start(), result.source, result.bytes)
-        status.write_pod_restore(layout.status, record)
+        status.POD_RESTORE.write(layout.status, record)
     # The trainer starts when this init container exits: skip the interpreter's teardown of
     # boto3's modules (measured 0.15 to 0.3 s); the ready file is already written durably.
     logging.shutdown()

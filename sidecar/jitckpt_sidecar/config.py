@@ -18,8 +18,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from jitckpt_entrypoint import config as trainer
-from jitckpt_entrypoint.config import parse_s3_uri, redact_userinfo
+from jitckpt_entrypoint import shared_settings as shared
 from jitckpt_entrypoint.protocol.layout import S3Uri
 from jitckpt_entrypoint.settings import (
     BOOLEAN,
@@ -39,6 +38,7 @@ from jitckpt_entrypoint.settings import (
     rule,
     validate,
 )
+from jitckpt_entrypoint.shared_settings import parse_s3_uri, redact_userinfo
 
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 DEFAULT_PREFIX = "jitckpt"
@@ -53,7 +53,7 @@ def _storage_uri_problem(value: str) -> Optional[str]:
     if not value:
         accepted = f"s3://bucket/prefix (or set {_BUCKET_FALLBACK} from a data connection)"
         return f" is invalid; use {accepted}"
-    return trainer.s3_uri_problem(value)
+    return shared.s3_uri_problem(value)
 
 
 _HOST_LABEL = re.compile(r"^(?!-)[a-z\d-]{1,63}(?<!-)$", re.IGNORECASE)
@@ -106,9 +106,9 @@ NODE_COUNT = Kind(
 _CONCURRENCY = between(1, 64, "a number from 1 to 64")
 
 OPTIONS = (
-    trainer.DIR,
+    shared.DIR,
     dataclasses.replace(
-        trainer.STORAGE_URI,
+        shared.STORAGE_URI,
         help=f"s3://bucket/prefix; empty = s3://${_BUCKET_FALLBACK}/{DEFAULT_PREFIX}",
         check=_storage_uri_problem,
         fallbacks=(Fallback(_BUCKET_FALLBACK, f"s3://{{}}/{DEFAULT_PREFIX}"),),
@@ -180,7 +180,7 @@ OPTIONS = (
         check=rule(lambda ratio: 0 < ratio <= 1, "a ratio in (0, 1]"),
         doc="used/capacity at which uploaded local checkpoints are deleted; in (0, 1]",
     ),
-    trainer.GRACE_SECONDS,
+    shared.GRACE_SECONDS,
     Option(
         "rescan_seconds",
         NUMBER,
@@ -251,9 +251,9 @@ OPTIONS = (
         "1 = exit once the trainer exited and everything is uploaded",
         doc="exit once the trainer exited and everything is uploaded",
     ),
-    trainer.LOG_FORMAT,
+    shared.LOG_FORMAT,
     dataclasses.replace(
-        trainer.TERMINATION_LOG,
+        shared.TERMINATION_LOG,
         help="where the one-line reason of a failure goes (the container's termination message); "
         "empty = nowhere",
     ),

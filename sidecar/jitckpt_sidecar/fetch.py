@@ -42,7 +42,7 @@ class Fetcher:
         """Start on a request not answered yet (one at a time)."""
         if self._thread is not None and self._thread.is_alive():
             return
-        request = status.read_fetch(self.status_dir)
+        request = status.FETCH.read(self.status_dir)
         if request is None:
             return
         key = (request.step, request.save_id, request.requested_at)
@@ -51,7 +51,7 @@ class Fetcher:
         self._handled = key
         if self.clock() - request.requested_at > status.FETCH_PATIENCE:
             return  # nobody waits for it any more
-        answer = status.read_fetched(self.status_dir)
+        answer = status.FETCHED.read(self.status_dir)
         if answer is not None and _key(answer) == key and answer.state != "fetching":
             return  # answered by this pod's sidecar before it restarted
         self._answer(key, "fetching")
@@ -68,7 +68,7 @@ class Fetcher:
         )
 
         def cancel() -> Optional[str]:  # SIGTERM, or nobody waits for it any more
-            request = status.read_fetch(self.status_dir)
+            request = status.FETCH.read(self.status_dir)
             if request is None or (request.step, request.save_id) != (step, save_id):
                 return "the trainer withdrew its request"
             return self.cancel()
@@ -83,7 +83,7 @@ class Fetcher:
         self._answer(key, "done", nbytes=result.fetched)
 
     def _answer(self, key: Key, state: str, *, error: str = "", nbytes: int = 0) -> None:
-        status.write_fetched(self.status_dir, status.Fetched(*key, state, error, nbytes))
+        status.FETCHED.write(self.status_dir, status.Fetched(*key, state, error, nbytes))
 
 
 def _key(record: status.Fetched) -> Key:

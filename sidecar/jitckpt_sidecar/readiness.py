@@ -20,7 +20,7 @@ class Readiness:
 
     def reset(self) -> None:
         """Forget a ready file left by an earlier sidecar in this pod: not ready until ours."""
-        status.remove_sidecar_ready(self.status_dir)
+        status.SIDECAR_READY.remove(self.status_dir)
 
     def set(self, source: str, step: Optional[int], seconds: float, nbytes: int = 0) -> None:
         """`restore_bytes_per_second` (S3 restores only) is what the entrypoint's grace-period
@@ -35,7 +35,7 @@ class Readiness:
             restore_bytes=nbytes,
             restore_bytes_per_second=rate,
         )
-        status.write_sidecar_ready(self.status_dir, record)
+        status.SIDECAR_READY.write(self.status_dir, record)
         self._ready.set()
 
     @property

@@ -50,7 +50,7 @@ from typing import Any, Callable, Optional
 
 from jitckpt_entrypoint.protocol import atomic, durable, status, validity
 from jitckpt_entrypoint.protocol import manifest as m
-from jitckpt_entrypoint.protocol.commit import remove_checkpoint
+from jitckpt_entrypoint.protocol.commit import commit_download
 from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name, checkpoint_steps
 from jitckpt_sidecar import checksum, downloads, transfers
 from jitckpt_sidecar.config import Config
@@ -333,7 +333,10 @@ class Restorer:
                     tip = status.LineageTip(resumed.lineage, step)
                     break
         try:
-            status.write_lineage_tip(self.layout.status, tip)
+            if tip is None:  # nothing above: no record
+                status.LINEAGE_TIP.remove(self.layout.status)
+            else:
+                status.LINEAGE_TIP.write(self.layout.status, tip)
         except OSError as exc:  # the hook then knows only what the volume shows
             self.log.warning("cannot record the newest save of the run in S3: %s", exc)
             return
@@ -508,14 +511,9 @@ class Restorer:
             self._move_in(tmp, final, [e.path for e in todo], name, into)
             atomic.fsync_dir(self.layout.checkpoints)
         else:
-            # A cache of S3: committed without waiting for writeback, marked with this boot's
-            # id (protocol/durable.py); the long-running sidecar syncs it later (settle).
-            durable.mark_unsynced(tmp)
-            for node in sorted(save):  # the commit: manifests after every file
-                m.write_manifest(tmp, save[node], durable=False)
-            if os.path.lexists(final):  # an uncommitted leftover, or an older save of the step
-                remove_checkpoint(final)
-            os.rename(tmp, final)
+            # A cache of S3: committed without waiting for writeback (protocol/commit.py); the
+            # long-running sidecar syncs it later (settle).
+            commit_download(tmp, final, [save[node] for node in sorted(save)])
         self._verified.pop(tmp, None)
         self.remote.remember(ckpt)
         seconds = self.monotonic() - started

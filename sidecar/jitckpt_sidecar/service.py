@@ -106,7 +106,7 @@ class Service:
             self.storage,
             threshold=cfg.disk_pressure_threshold,
             in_s3=self._in_s3,
-            node=lambda: status.read_node(layout.status),
+            node=lambda: status.NODE.read(layout.status),
             logger=logger,
             on_pruned=lambda _: self.metrics.storage.pruned.inc(),
             waiting=lambda: len(self.backlog),
@@ -166,7 +166,7 @@ class Service:
         memory.trim()
         self._restored_bytes = result.bytes
         pod_start, source, nbytes = self._started_at, result.source, result.bytes
-        init = status.read_pod_restore(self.layout.status)
+        init = status.POD_RESTORE.read(self.layout.status)
         if init is not None and result.source == "local":  # the init container restored it
             pod_start, source, nbytes = min(init.started_at, pod_start), init.source, init.bytes
         first = status.first_sidecar_in_pod(self.layout.status)
@@ -562,7 +562,7 @@ class Service:
     def _estimate(self) -> Optional[sizing.Estimate]:
         return sizing.estimate(
             self.layout,
-            status.read_node(self.layout.status),
+            status.NODE.read(self.layout.status),
             self.save_peaks.highest,
             self._restored_bytes,
         )

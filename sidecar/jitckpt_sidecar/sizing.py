@@ -83,7 +83,7 @@ class SavePeaks:
             if self._wake.wait(POLL_SECONDS):
                 self._changed = True
             self._wake.clear()
-            started = status.read_save_start(self.dir)
+            started = status.SAVING.read(self.dir)
             if started is None or started == self._seen:
                 now = time.monotonic()
                 if self._changed and now - self._rest_sampled >= SETTLE_SECONDS:
@@ -119,9 +119,9 @@ class SavePeaks:
         event = status.read_save_event(os.path.join(self.dir, status.save_event_name(started.step)))
         if event is not None and event.run_id == started.run_id:
             return True
-        if status.read_save_start(self.dir) != started:
+        if status.SAVING.read(self.dir) != started:
             return True
-        trainer = status.read_trainer(self.dir)
+        trainer = status.TRAINER.read(self.dir)
         return trainer is not None and (trainer.exited_at or 0.0) >= started.started_at
 
 

@@ -67,13 +67,13 @@ class StatusFeed:
             self._time_recovery(self.recovery)
 
     def _time_recovery(self, recovery: RecoveryMetrics) -> None:
-        first = status.read_first_step(self.dir)
+        first = status.FIRST_STEP.read(self.dir)
         if first is None or first.run_id == self._first_seen:
             return
         self._first_seen = first.run_id
         if first.finished_at < self._started_at:
             return  # before this sidecar started: not its to time
-        trainer = status.read_trainer(self.dir)
+        trainer = status.TRAINER.read(self.dir)
         trainer_start = (
             trainer.started_at if trainer is not None and trainer.run_id == first.run_id else None
         )
@@ -102,4 +102,4 @@ class StatusFeed:
 
     def trainer(self) -> Optional[status.TrainerStatus]:
         """trainer.json (started, SIGTERM received at, exited at), None before the first run."""
-        return status.read_trainer(self.dir)
+        return status.TRAINER.read(self.dir)

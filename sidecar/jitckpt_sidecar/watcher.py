@@ -53,7 +53,7 @@ class _StopRace(logging.Filter):
 _STOP_RACE = _StopRace()
 
 
-_QUIET = (f"/{status.PROGRESS}", f"/.{status.PROGRESS}.")
+_QUIET = (f"/{status.PROGRESS.name}", f"/.{status.PROGRESS.name}.")
 """status/progress.json is rewritten every second and read at scrape time: it wakes nothing."""
 
 

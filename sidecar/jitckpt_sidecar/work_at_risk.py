@@ -82,12 +82,12 @@ class WorkAtRisk:
     def measure(self) -> dict[str, Risk]:
         """Per durability, the work at risk now; empty while no trainer of the progress
         record's run is known (before its first progress, after a newer one started)."""
-        progress = status.read_progress(self.dir)
+        progress = status.PROGRESS.read(self.dir)
         if progress is None:
             return {}
         run = progress.run_id
-        trainer = status.read_trainer(self.dir)
-        first = status.read_first_step(self.dir)
+        trainer = status.TRAINER.read(self.dir)
+        first = status.FIRST_STEP.read(self.dir)
         if trainer is None or trainer.run_id != run or first is None or first.run_id != run:
             return {}
         now = trainer.exited_at if trainer.exited_at is not None else self.clock()

@@ -108,7 +108,7 @@ def commit(
 
 def remote(bucket: Bucket, client: Any = None) -> Remote:
     """The sidecar's view of `bucket`'s prefix: its listing, and the protocol's commit rule."""
-    from jitckpt_entrypoint.config import parse_s3_uri
+    from jitckpt_entrypoint.shared_settings import parse_s3_uri
     from jitckpt_sidecar.remote import Remote
 
     return Remote(client or bucket.client, parse_s3_uri(bucket.uri))
@@ -159,7 +159,7 @@ def write_trainer(
     layout = Layout(str(root))
     layout.ensure()
     now = time.time()
-    status.write_trainer(
+    status.TRAINER.write(
         layout.status,
         status.TrainerStatus(
             run_id="run",
@@ -245,4 +245,4 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def ready(root: Path) -> bool:
-    return status.read_sidecar_ready(Layout(str(root)).status) is not None
+    return status.SIDECAR_READY.read(Layout(str(root)).status) is not None

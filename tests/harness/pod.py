@@ -230,7 +230,7 @@ def finish_resumed_job(members: list[Pod], step: int) -> None:
     for pod in members:
         assert pod.finish().trainer == 0, pod.output()
     for pod in members:
-        ready = status.read_sidecar_ready(str(pod.jdir / "status"))
+        ready = status.SIDECAR_READY.read(str(pod.jdir / "status"))
         assert ready is not None, pod.output()
         assert (ready.restore, ready.step) == ("s3", step)
 

@@ -398,7 +398,7 @@ def test_an_abandoned_attempts_higher_step_never_wins_over_the_live_runs_saves(
     a60 = save(tmp_path, "a60", 60, seed=60)
     upload_directly(s3_bucket, a60[0], 60)
     assert restore(s3_bucket, tmp_path / "next").step == 50
-    tip = status.read_lineage_tip(Layout(str(tmp_path / "next")).status)
+    tip = status.LINEAGE_TIP.read(Layout(str(tmp_path / "next")).status)
     assert tip == status.LineageTip(OLD, 60)
     s3_bucket.delete(PIN_NAME)  # that round is over (its pin would hold retention off 50)
 
@@ -418,7 +418,7 @@ def test_an_abandoned_attempts_higher_step_never_wins_over_the_live_runs_saves(
     s3_bucket.delete(PIN_NAME)  # a new round
     result = restore(s3_bucket, tmp_path / "fresh")
     assert (result.source, result.step) == ("s3", 55)
-    assert status.read_lineage_tip(Layout(str(tmp_path / "fresh")).status) is None
+    assert status.LINEAGE_TIP.read(Layout(str(tmp_path / "fresh")).status) is None
 
 
 def test_retention_keeps_the_highest_steps_of_its_lineage_and_only_its_own_leftovers(

@@ -81,7 +81,7 @@ def test_restore_picks_the_newest_committed_checkpoint_and_passes_over_broken_on
     for node_files in originals[10]:
         for rel, content in node_files.items():
             assert (root / "checkpoints" / "checkpoint-10" / rel).read_bytes() == content, rel
-    ready = json.loads((root / "status" / status.SIDECAR_READY).read_text())
+    ready = json.loads((root / "status" / status.SIDECAR_READY.name).read_text())
     assert (ready["restore"], ready["step"]) == ("s3", 10)
     sizes = {f.path: f.size for man in manifests.values() for f in man.files}
     assert ready["restore_bytes"] == sum(sizes.values())
@@ -99,7 +99,7 @@ def test_restore_with_nothing_in_s3_is_ready_at_once(spawn, base_env, s3_bucket,
     proc = spawn([*SIDECAR, "restore"], env=s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}))
     assert proc.wait(60) == 0, proc.output()
     assert os.listdir(root / "checkpoints") == []
-    ready = json.loads((root / "status" / status.SIDECAR_READY).read_text())
+    ready = json.loads((root / "status" / status.SIDECAR_READY.name).read_text())
     assert (ready["restore"], ready["step"]) == ("none", None)
     assert "restore_bytes_per_second" not in ready
 
@@ -244,7 +244,7 @@ def test_sigterm_after_failed_restores_exits_1_with_the_error_as_termination_mes
     assert init.wait(30) == 1, init.output()
     message = termination_log.read_text()
     assert message.startswith("jitckpt-sidecar restore: access denied: GetObject on s3://")
-    assert not (root / "status" / status.SIDECAR_READY).exists()
+    assert not (root / "status" / status.SIDECAR_READY.name).exists()
 
 
 def test_a_sharded_checkpoint_is_restored_in_part_and_the_rest_fetched_when_the_trainer_asks(
@@ -293,7 +293,7 @@ def test_a_sharded_checkpoint_is_restored_in_part_and_the_rest_fetched_when_the_
     topo = Topology(rank=0, world_size=2, local_world_size=1, node=0, nodes=2)
     session = Session(Config.from_env({"JITCKPT_DIR": str(root)}), topo, "run")
     resume.fetch_missing(session)
-    answer = status.read_fetched(str(root / "status"))
+    answer = status.FETCHED.read(str(root / "status"))
     assert answer is not None, proc.output()
     assert answer.state == "done", proc.output()
     assert answer.bytes == 2 * 1024 * 1024  # node 0's shards: the rest was here

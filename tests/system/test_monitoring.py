@@ -107,7 +107,7 @@ def normal(run: Run, first: Pod, second: Pod, proxy: S3Proxy) -> None:
     jit = json.loads((first.jdir / "status" / "jit.json").read_text())["step"]
     slow.times = slow.hits
     second.start()
-    ready = json.loads((second.jdir / "status" / status.SIDECAR_READY).read_text())
+    ready = json.loads((second.jdir / "status" / status.SIDECAR_READY.name).read_text())
     assert (ready["restore"], ready["step"]) == ("s3", jit)
     wait_for(lambda: (value(second.metrics_port, uploaded) or 0) > jit + 50, 240, "two uploads")
     proxy.delay(manifest_put, 2.0, times=None)
@@ -363,14 +363,14 @@ def test_work_at_risk_fires_while_s3_fails_and_training_goes_on(
         prom.targets({pod.metrics_port: {"namespace": NS, "pod": "risk"}})
         folder = str(pod.jdir / "status")
         write_trainer(pod.jdir)  # run "run", as commit()'s save events
-        status.write_first_step(folder, status.FirstStep("run", 0, time.time()))
+        status.FIRST_STEP.write(folder, status.FirstStep("run", 0, time.time()))
 
         def train() -> None:
             step = 0
             try:
                 while not stop.wait(0.25):
                     step += 1
-                    status.write_progress(folder, status.Progress("run", step, time.time()))
+                    status.PROGRESS.write(folder, status.Progress("run", step, time.time()))
                     if step % 12 == 0:
                         commit([pod.jdir], step, [hf_files(step, big=64 * 1024)])
             except Exception as exc:  # noqa: BLE001 - raised again in the test's thread

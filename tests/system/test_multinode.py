@@ -29,7 +29,8 @@ def test_draining_one_node_stops_both_at_one_step_and_the_new_job_resumes_from_s
     assert node0.trainer is not None
     assert node0.trainer.wait(timeout=120) == 143, node0.output()
     steps = {
-        json.loads((p.jdir / "status" / status.JIT).read_text())["step"] for p in (node0, node1)
+        json.loads((p.jdir / "status" / status.JIT.name).read_text())["step"]
+        for p in (node0, node1)
     }
     assert len(steps) == 1, f"the nodes stopped at different steps: {steps}"
     step = steps.pop()

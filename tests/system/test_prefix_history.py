@@ -78,6 +78,6 @@ def test_two_attempts_that_each_uploaded_one_node_of_a_step_are_never_mixed(
         pod.start_sidecar()
     for pod in restored:
         pod.wait_ready()
-        ready = status.read_sidecar_ready(str(pod.jdir / "status"))
+        ready = status.SIDECAR_READY.read(str(pod.jdir / "status"))
         assert ready is not None
         assert (ready.restore, ready.step) == ("s3", 3), pod.output()

@@ -60,7 +60,7 @@ def test_uploads_and_a_restore_through_errors_resets_and_latency(pods, s3_bucket
     storm(proxy, "PUT")  # again, now on the drain of the JIT checkpoint
     out = first.terminate()
     assert (out.trainer, out.sidecar, out.sigkilled) == (143, 0, False), first.output()
-    jit = json.loads((first.jdir / "status" / status.JIT).read_text())["step"]
+    jit = json.loads((first.jdir / "status" / status.JIT.name).read_text())["step"]
     assert committed_in_s3(s3_bucket)[-1] == jit
     assert injected(proxy) == 2 * errors
 
@@ -72,7 +72,7 @@ def test_uploads_and_a_restore_through_errors_resets_and_latency(pods, s3_bucket
     errors = storm(proxy, "GET")
     second = pods(ARGS, s3_env=env).start()
     assert resumed_from(second) == jit
-    ready = json.loads((second.jdir / "status" / status.SIDECAR_READY).read_text())
+    ready = json.loads((second.jdir / "status" / status.SIDECAR_READY.name).read_text())
     assert (ready["restore"], ready["step"]) == ("s3", jit)
     assert injected(proxy) == 3 * errors
     assert retries(second) >= errors

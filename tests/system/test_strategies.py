@@ -96,7 +96,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def jit_step(pod: Pod) -> int:
-    return int(json.loads((pod.jdir / "status" / status.JIT).read_text())["step"])
+    return int(json.loads((pod.jdir / "status" / status.JIT.name).read_text())["step"])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -248,7 +248,7 @@ def test_a_sigterm_during_an_async_save_that_fails_does_not_claim_a_jit_checkpoi
     manager.saved(5)  # would exit the process if it took step 5 for a JIT checkpoint
     assert not manager.is_committed(5)
     assert validity.committed(manager.checkpoint_dir(5)) is None
-    assert not Path(manager.session.layout.status, status.JIT).exists()
+    assert not Path(manager.session.layout.status, status.JIT.name).exists()
     assert manager.stop_agreed()  # the flag is still set: the next step stops
 
 

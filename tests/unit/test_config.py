@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from jitckpt_entrypoint.config import Config, parse_s3_uri, shutdown_timeout_for
+from jitckpt_entrypoint.config import Config, shutdown_timeout_for
 from jitckpt_entrypoint.errors import JitckptError
+from jitckpt_entrypoint.shared_settings import parse_s3_uri
 
 
 def test_defaults_match_the_design_table():

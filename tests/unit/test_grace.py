@@ -49,7 +49,7 @@ def test_the_upload_counts_when_the_sidecar_measured_a_throughput(tmp_path):
     """With the sidecar's measured rate, save + upload must fit the grace period."""
     layout = make(tmp_path, 5, 100_000_000, 1.0)
     ready = status.SidecarReady(0.0, 1, "s3", 5, 10.0, 100_000_000, 10_000_000)
-    status.write_sidecar_ready(layout.status, ready)
+    status.SIDECAR_READY.write(layout.status, ready)
     est = grace.estimate(layout)
     assert est is not None
     assert est.upload_seconds == 10.0

@@ -201,7 +201,7 @@ def test_commit_writes_the_manifest_stages_hard_links_and_records_the_save(tmp_p
     path = write_ckpt(session, 7)
     pending = manager.saver.begin_save(7)
     assert pending is not None
-    assert status.read_save_start(session.layout.status).step == 7  # type: ignore[union-attr]
+    assert status.SAVING.read(session.layout.status).step == 7  # type: ignore[union-attr]
     manager.saved(7)
     assert validity.committed(path) is not None
     staged = Path(session.layout.staging, "checkpoint-7")
@@ -272,7 +272,7 @@ def test_retention_is_handed_to_the_sidecar_in_node_json(tmp_path):
     manager = manager_for(tmp_path)
     manager.retention(save_total_limit=3)
     manager.retention(best_step=20)
-    node = status.read_node(manager.session.layout.status)
+    node = status.NODE.read(manager.session.layout.status)
     assert node is not None
     assert (node.save_total_limit, node.best_step, node.nodes) == (3, 20, 1)
 
@@ -443,17 +443,17 @@ def test_a_rank_waits_for_the_sidecars_answer_to_its_own_request_only(tmp_path):
         return now[0]
 
     assert fetch.ask_sidecar(layout, 4, "s", clock=clock, poll=0) is None  # no sidecar
-    assert status.read_fetch(layout.status) is None
-    status.write_sidecar_ready(layout.status, status.SidecarReady(1.0, 1, "s3", 4, 1.0, 10))
-    status.write_fetched(layout.status, status.Fetched(4, "s", 900.0, "failed", "S3 was down"))
+    assert status.FETCH.read(layout.status) is None
+    status.SIDECAR_READY.write(layout.status, status.SidecarReady(1.0, 1, "s3", 4, 1.0, 10))
+    status.FETCHED.write(layout.status, status.Fetched(4, "s", 900.0, "failed", "S3 was down"))
     assert fetch.ask_sidecar(layout, 4, "s", clock=clock, poll=0) is None  # not answered
-    assert status.read_fetch(layout.status) is None  # withdrawn
+    assert status.FETCH.read(layout.status) is None  # withdrawn
 
     def sidecar() -> None:
-        while (request := status.read_fetch(layout.status)) is None:
+        while (request := status.FETCH.read(layout.status)) is None:
             time.sleep(0.01)
         key = (request.step, request.save_id, request.requested_at)
-        status.write_fetched(layout.status, status.Fetched(*key, "done", "", 2048))
+        status.FETCHED.write(layout.status, status.Fetched(*key, "done", "", 2048))
 
     thread = threading.Thread(target=sidecar)
     thread.start()
@@ -502,11 +502,11 @@ def test_a_save_above_the_restored_one_seen_in_s3_begins_a_new_lineage(tmp_path)
     manager, lineage = branch_setup(tmp_path)
     session = manager.session
     commit.remove_checkpoint(session.layout.checkpoint_dir(8))
-    status.write_lineage_tip(session.layout.status, status.LineageTip(lineage, 8))
+    status.LINEAGE_TIP.write(session.layout.status, status.LineageTip(lineage, 8))
     assert manager.resume() == 5
     manager.commit_written(write_ckpt(session, 6), 6)
     assert session.lineage not in (None, lineage)
-    status.write_lineage_tip(session.layout.status, status.LineageTip("another", 80))
+    status.LINEAGE_TIP.write(session.layout.status, status.LineageTip("another", 80))
     manager = CheckpointManager(session)
     assert manager.resume() == 6  # a tip of another lineage says nothing about this one
     new = session.lineage

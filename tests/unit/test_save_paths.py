@@ -23,27 +23,6 @@ from jitckpt_entrypoint.protocol import validity
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 
 
-@pytest.fixture
-def hook_log() -> Any:
-    """What the hook logs (its logger writes to stderr and does not propagate)."""
-    import logging
-
-    lines: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = Collect(logging.INFO)
-    logger = logging.getLogger("jitckpt.hook")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    yield lines
-    logger.removeHandler(handler)
-    logger.setLevel(level)
-
-
 class ExitedError(Exception):
     def __init__(self, code: int) -> None:
         super().__init__(code)

@@ -39,9 +39,9 @@ def training(
 ) -> None:
     """The status files of run `run` as the entrypoint and the hook write them while it trains:
     trainer.json (running), first-step.json, progress.json."""
-    status.write_trainer(d, status.TrainerStatus(run, 1, ("torchrun",), first_step_at - 5))
-    status.write_first_step(d, status.FirstStep(run, began_at, first_step_at))
-    status.write_progress(d, status.Progress(run, step, at))
+    status.TRAINER.write(d, status.TrainerStatus(run, 1, ("torchrun",), first_step_at - 5))
+    status.FIRST_STEP.write(d, status.FirstStep(run, began_at, first_step_at))
+    status.PROGRESS.write(d, status.Progress(run, step, at))
 
 
 def exposed(registry: CollectorRegistry) -> set[str]:
@@ -132,18 +132,18 @@ def test_recovery_is_timed_from_the_pod_start_then_from_each_trainer_restart(tmp
     d = str(tmp_path)
     feed = StatusFeed(d, metrics.checkpoints, metrics.recovery, logging.getLogger("test"))
     value = registry.get_sample_value
-    status.write_trainer(d, status.TrainerStatus("run-a", 1, ("x",), 104.0))
-    status.write_first_step(d, status.FirstStep("run-a", 40, 100.0))  # before the sidecar
+    status.TRAINER.write(d, status.TrainerStatus("run-a", 1, ("x",), 104.0))
+    status.FIRST_STEP.write(d, status.FirstStep("run-a", 40, 100.0))  # before the sidecar
     feed.restored(103.0, "s3", 5_000_000, own_start=103.0, first=True)  # the trainer at 104
     feed.poll()
     assert value("jitckpt_recovery_seconds", {"source": "s3"}) is None
-    status.write_first_step(d, status.FirstStep("run-a", 40, 115.5))
-    status.write_first_step(d, status.FirstStep("run-b", 40, 115.5))
+    status.FIRST_STEP.write(d, status.FirstStep("run-a", 40, 115.5))
+    status.FIRST_STEP.write(d, status.FirstStep("run-b", 40, 115.5))
     feed.poll()
     assert value("jitckpt_recovery_seconds", {"source": "s3"}) == 12.5
     assert value("jitckpt_recovery_bytes") == 5_000_000
-    status.write_trainer(d, status.TrainerStatus("run-c", 1, ("x",), 200.0))
-    status.write_first_step(d, status.FirstStep("run-c", 50, 203.0))
+    status.TRAINER.write(d, status.TrainerStatus("run-c", 1, ("x",), 200.0))
+    status.FIRST_STEP.write(d, status.FirstStep("run-c", 50, 203.0))
     with caplog.at_level(logging.INFO):
         feed.poll()
         feed.poll()
@@ -155,16 +155,16 @@ def test_recovery_is_timed_from_the_pod_start_then_from_each_trainer_restart(tmp
 
     restarted = StatusFeed(d, metrics.checkpoints, metrics.recovery)  # the sidecar restarted
     restarted.restored(250.0, "local", 0, own_start=250.0, first=False)
-    status.write_trainer(d, status.TrainerStatus("run-e", 1, ("x",), 240.0))
-    status.write_first_step(d, status.FirstStep("run-e", 60, 255.0))  # began before it
+    status.TRAINER.write(d, status.TrainerStatus("run-e", 1, ("x",), 240.0))
+    status.FIRST_STEP.write(d, status.FirstStep("run-e", 60, 255.0))  # began before it
     restarted.poll()
     assert value("jitckpt_recovery_seconds", {"source": "local"}) == 3.0  # unchanged
-    status.write_trainer(d, status.TrainerStatus("run-d", 1, ("x",), 260.0))
-    status.write_first_step(d, status.FirstStep("run-d", 60, 261.5))
+    status.TRAINER.write(d, status.TrainerStatus("run-d", 1, ("x",), 260.0))
+    status.FIRST_STEP.write(d, status.FirstStep("run-d", 60, 261.5))
     restarted.poll()
     assert value("jitckpt_recovery_seconds", {"source": "local"}) == 1.5
-    status.write_trainer(d, status.TrainerStatus("run-f", 1, ("x",), 270.0))
-    status.write_first_step(d, status.FirstStep("run-f", 0, 272.0))  # started over
+    status.TRAINER.write(d, status.TrainerStatus("run-f", 1, ("x",), 270.0))
+    status.FIRST_STEP.write(d, status.FirstStep("run-f", 0, 272.0))  # started over
     restarted.poll()
     assert value("jitckpt_recovery_seconds", {"source": "none"}) == 2.0
 
@@ -253,11 +253,11 @@ def test_work_at_risk_stops_at_the_trainers_exit_and_never_mixes_runs(tmp_path):
     feed.poll()
     metrics.uploads.uploaded(20, 1.0, 1)
     exited = status.TrainerStatus("a", 1, ("torchrun",), 95.0, exited_at=140.0, exit_code=137)
-    status.write_trainer(d, exited)
+    status.TRAINER.write(d, exited)
     clock.now = 400.0
     assert at_risk(registry) == {"s3": (25, 20.0), "volume": (5, 5.0)}
 
-    status.write_trainer(d, status.TrainerStatus("b", 1, ("torchrun",), 395.0))
+    status.TRAINER.write(d, status.TrainerStatus("b", 1, ("torchrun",), 395.0))
     assert at_risk(registry) == {}  # progress.json is still run a's
     training(d, "b", began_at=40, first_step_at=402.0, step=48, at=409.0)
     clock.now = 410.0

@@ -68,7 +68,7 @@ def test_save_peak_is_the_highest_usage_during_a_save_over_its_start(tmp_path: P
     peaks = sizing.SavePeaks(Storage(str(tmp_path), None), layout.status, logging.getLogger("t"))
     peaks.start()
     try:
-        status.write_save_start(layout.status, status.SaveStart("run", 7, time.time()))
+        status.SAVING.write(layout.status, status.SaveStart("run", 7, time.time()))
         peaks.wake()
         ckpt = Path(layout.checkpoint_dir(7))
         ckpt.mkdir()
@@ -91,7 +91,7 @@ def test_a_save_seen_after_its_commit_is_not_measured(tmp_path: Path):
     """A sidecar that starts after the save finished has no baseline: it measures nothing."""
     layout = Layout(str(tmp_path))
     layout.ensure()
-    status.write_save_start(layout.status, status.SaveStart("run", 3, time.time()))
+    status.SAVING.write(layout.status, status.SaveStart("run", 3, time.time()))
     status.write_save_event(layout.status, status.SaveEvent("periodic", 3, 0.0, 1.0, 10, "run"))
     peaks = sizing.SavePeaks(Storage(str(tmp_path), None), layout.status, logging.getLogger("t"))
     measured = threading.Event()
@@ -117,7 +117,7 @@ def test_bytes_a_save_wrote_before_the_sampler_saw_it_still_count(tmp_path: Path
         ckpt = Path(layout.checkpoint_dir(9))
         ckpt.mkdir()
         (ckpt / "model.safetensors").write_bytes(os.urandom(3 * MB))  # before saving.json is seen
-        status.write_save_start(layout.status, status.SaveStart("run", 9, time.time()))
+        status.SAVING.write(layout.status, status.SaveStart("run", 9, time.time()))
         peaks.wake()
         time.sleep(0.2)
         status.write_save_event(

@@ -42,9 +42,9 @@ def test_the_trainers_progress_record_wakes_nothing_but_other_status_files_do(tm
     """progress.json is rewritten every second (read at scrape time): no wake-up for it."""
     with watching(tmp_path) as (layout, woken):
         for step in range(3):
-            status.write_progress(layout.status, status.Progress("run", step, time.time()))
+            status.PROGRESS.write(layout.status, status.Progress("run", step, time.time()))
         assert not woken.wait(1)
-        status.write_save_start(layout.status, status.SaveStart("run", 3, time.time()))
+        status.SAVING.write(layout.status, status.SaveStart("run", 3, time.time()))
         assert woken.wait(10)
 
 

@@ -31,13 +31,13 @@ def test_save_events_are_pruned_to_the_newest(tmp_path, monkeypatch):
 def test_trainer_status_round_trips(tmp_path):
     """trainer.json parses back to the record that was written."""
     rec = status.TrainerStatus("r", 1, ("torchrun", "x.py"), 10.0, sigterm_at=11.0)
-    status.write_trainer(str(tmp_path), rec)
-    assert status.read_trainer(str(tmp_path)) == rec
+    status.TRAINER.write(str(tmp_path), rec)
+    assert status.TRAINER.read(str(tmp_path)) == rec
 
 
 def test_missing_or_torn_files_read_as_none(tmp_path):
     """A missing or half-written file is None, never an exception."""
-    assert status.read_trainer(str(tmp_path)) is None
+    assert status.TRAINER.read(str(tmp_path)) is None
     (tmp_path / "jit.json").write_text('{"run_id": ')
     assert status.read_jit(str(tmp_path)) is None
 
@@ -45,13 +45,13 @@ def test_missing_or_torn_files_read_as_none(tmp_path):
 def test_node_status_and_save_start_round_trip(tmp_path):
     """node.json and saving.json parse back to what the hook wrote; unset limits stay None."""
     node = status.NodeStatus("r", 1, 2, None, best_step=40)
-    status.write_node(str(tmp_path), node)
-    assert status.read_node(str(tmp_path)) == node
+    status.NODE.write(str(tmp_path), node)
+    assert status.NODE.read(str(tmp_path)) == node
     start = status.SaveStart("r", 50, 123.5)
-    status.write_save_start(str(tmp_path), start)
-    assert status.read_save_start(str(tmp_path)) == start
+    status.SAVING.write(str(tmp_path), start)
+    assert status.SAVING.read(str(tmp_path)) == start
     (tmp_path / "node.json").write_text('{"run_id": "r", "node": "x"}')
-    assert status.read_node(str(tmp_path)) is None
+    assert status.NODE.read(str(tmp_path)) is None
 
 
 def test_a_record_reads_back_with_defaults_for_missing_optional_keys_and_none_otherwise(tmp_path):
@@ -80,12 +80,12 @@ def test_sidecar_ready_round_trips_and_names_a_rate_only_for_s3_restores(tmp_pat
     """sidecar-ready.json holds restore_bytes_per_second only when the sidecar measured one
     (what the entrypoint's grace estimate reads); removing it makes the sidecar not ready."""
     local = status.SidecarReady(1.0, 7, "local", 10, 0.01, 0)
-    status.write_sidecar_ready(str(tmp_path), local)
-    assert "restore_bytes_per_second" not in (tmp_path / status.SIDECAR_READY).read_text()
-    assert status.read_sidecar_ready(str(tmp_path)) == local
+    status.SIDECAR_READY.write(str(tmp_path), local)
+    assert "restore_bytes_per_second" not in (tmp_path / status.SIDECAR_READY.name).read_text()
+    assert status.SIDECAR_READY.read(str(tmp_path)) == local
     s3 = status.SidecarReady(1.0, 7, "s3", 10, 2.0, 10**9, 5 * 10**8)
-    status.write_sidecar_ready(str(tmp_path), s3)
-    assert status.read_sidecar_ready(str(tmp_path)) == s3
-    status.remove_sidecar_ready(str(tmp_path))
-    status.remove_sidecar_ready(str(tmp_path))  # already gone: not an error
-    assert status.read_sidecar_ready(str(tmp_path)) is None
+    status.SIDECAR_READY.write(str(tmp_path), s3)
+    assert status.SIDECAR_READY.read(str(tmp_path)) == s3
+    status.SIDECAR_READY.remove(str(tmp_path))
+    status.SIDECAR_READY.remove(str(tmp_path))  # already gone: not an error
+    assert status.SIDECAR_READY.read(str(tmp_path)) is None

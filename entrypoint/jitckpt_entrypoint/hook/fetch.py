@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from typing import Callable, Optional
 
@@ -64,14 +63,14 @@ def _ask(
     poll: float,
 ) -> Optional[status.Fetched]:
     name = checkpoint_name(step)
-    if status.read_sidecar_ready(layout.status) is None:
+    if status.SIDECAR_READY.read(layout.status) is None:
         return None  # no sidecar in this pod (local mode), or not started
     started = clock()
     key = _request(layout, step, save_id, started)
     answer: Optional[status.Fetched] = None
     while True:
-        answer = status.read_fetched(layout.status)
-        current = status.read_fetch(layout.status)
+        answer = status.FETCHED.read(layout.status)
+        current = status.FETCH.read(layout.status)
         if current is not None and (current.step, current.save_id) == (step, save_id):
             key = _key(current)  # another rank of this node asked again: one request
         if answer is not None and _key(answer) == key and answer.state != "fetching":
@@ -109,21 +108,21 @@ def _key(record: status.Fetch | status.Fetched) -> Key:
 
 def _request(layout: Layout, step: int, save_id: str, now: float) -> Key:
     """The key of a pending request for this save (another rank's), or of a new one."""
-    current = status.read_fetch(layout.status)
+    current = status.FETCH.read(layout.status)
     if current is not None and (current.step, current.save_id) == (step, save_id):
-        answer = status.read_fetched(layout.status)
+        answer = status.FETCHED.read(layout.status)
         answered = answer is not None and _key(answer) == _key(current)
         fresh = now - current.requested_at < status.FETCH_PATIENCE
         if fresh and not (answered and answer is not None and answer.state != "fetching"):
             return _key(current)
     request = status.Fetch(step, save_id, now)
-    status.write_fetch(layout.status, request)
+    status.FETCH.write(layout.status, request)
     return _key(request)
 
 
 def _withdraw(layout: Layout, key: Key) -> None:
     """Remove a request nobody answers any more, so a sidecar never acts on it late."""
-    current = status.read_fetch(layout.status)
+    current = status.FETCH.read(layout.status)
     if current is not None and _key(current) == key:
         with contextlib.suppress(OSError):
-            os.unlink(os.path.join(layout.status, status.FETCH))
+            status.FETCH.remove(layout.status)

@@ -60,7 +60,7 @@ class Records:
         )
         with self._lock:
             if node != self._announced:
-                status.write_node(session.layout.status, node)
+                status.NODE.write(session.layout.status, node)
                 self._announced = node
 
     def step_finished(self, step: int, began_at: int) -> None:
@@ -74,13 +74,13 @@ class Records:
         try:
             if not self._first_step_recorded:
                 self._first_step_recorded = True
-                status.write_first_step(
+                status.FIRST_STEP.write(
                     session.layout.status, status.FirstStep(session.run_id, began_at, now)
                 )
             tick = time.monotonic()  # a wall clock set back must not stop the records
             if tick - self._progress_at >= status.PROGRESS_SECONDS:
                 self._progress_at = tick
-                status.write_progress(
+                status.PROGRESS.write(
                     session.layout.status, status.Progress(session.run_id, step, now)
                 )
         except Exception as exc:  # noqa: BLE001 - only metrics depend on them
@@ -91,7 +91,7 @@ class Records:
         session = self.session
         if session.topo.is_leader:
             start = status.SaveStart(session.run_id, step, started_at)
-            self.advisory(status.write_save_start, session.layout.status, start)
+            self.advisory(status.SAVING.write, session.layout.status, start)
 
     def output(self, output_dir: str, step: int) -> None:
         """The output_dir whose content becomes the final model after exit 0 (world rank 0)."""
@@ -100,7 +100,7 @@ class Records:
             return
         record = status.OutputRecord(session.run_id, os.path.abspath(output_dir), step, time.time())
         try:
-            status.write_output(session.layout.status, record)
+            status.OUTPUT.write(session.layout.status, record)
         except OSError as exc:  # the model is still saved; only its upload is lost
             session.log.warning("cannot record output_dir for the final model: %s", exc)
 
@@ -111,7 +111,7 @@ class Records:
         if not self._writes:
             return
         try:
-            status.write_refusal(session.layout.status, status.Refusal(session.run_id, message))
+            status.REFUSAL.write(session.layout.status, status.Refusal(session.run_id, message))
         except OSError as exc:  # the traceback still says it
             session.log.warning("cannot record why training stopped: %s", exc)
 

@@ -46,7 +46,7 @@ def tip(session: Session, step: int, lineage: str) -> Optional[int]:
             manifests = read_manifests(os.path.join(root, checkpoint_name(other)))
             if any(man.lineage == lineage for man in manifests.values()):
                 found.append(other)
-    seen = status.read_lineage_tip(session.layout.status)
+    seen = status.LINEAGE_TIP.read(session.layout.status)
     if seen is not None and seen.lineage == lineage and seen.step > step:
         found.append(seen.step)
     return max(found, default=None)

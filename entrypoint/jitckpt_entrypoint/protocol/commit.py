@@ -6,8 +6,9 @@ the directory is made durable (durable.sync_tree: every file and directory fsync
 path wrote them), every node's manifest is written into the checkpoint directory, this node's
 last (a node's volume holds all manifests, so either node may tell whether the checkpoint is
 committed); this node's owned files and then its manifest are hard-linked into staging/ for
-the sidecar; a save event is recorded. `remove_checkpoint` undoes a commit before it deletes
-any file, so a half-deleted checkpoint is never committed.
+the sidecar; a save event is recorded. `commit_download` commits a checkpoint the sidecar's
+restore downloaded (a cache of S3: marked with the boot id instead of fsynced). `remove_checkpoint`
+undoes a commit before it deletes any file, so a half-deleted checkpoint is never committed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import errno
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from typing import Callable, Optional
 
 from jitckpt_entrypoint.protocol import atomic, durable, status
@@ -80,6 +82,21 @@ def commit_node(
     )
     status.write_save_event(layout.status, event)
     return event
+
+
+def commit_download(tmp: str, final: str, manifests: Iterable[m.Manifest]) -> None:
+    """Commit a checkpoint downloaded whole into `tmp` as `final`, with every node's manifest
+    (`manifests`). A cache of S3, whose durability is S3's: marked with this boot's id
+    (durable.mark_unsynced) before the manifests, which are written without fsync, so another
+    boot or node counts it uncommitted until the long-running sidecar synced it
+    (durable.settle). What `final` holds (an uncommitted leftover, an older save of the step) is
+    removed first, manifests first; then one rename."""
+    durable.mark_unsynced(tmp)
+    for manifest in manifests:  # the commit: manifests after every file
+        m.write_manifest(tmp, manifest, durable=False)
+    if os.path.lexists(final):
+        remove_checkpoint(final)
+    os.rename(tmp, final)
 
 
 def _reads_of(

@@ -11,12 +11,10 @@
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import re
 from typing import Optional
 
-from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.protocol import atomic
 
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -72,19 +70,12 @@ class Layout:
             os.makedirs(path, exist_ok=True)
 
     def prepare(self) -> None:
-        """ensure(), then prove this process can write there (a one-line error naming the fix)."""
-        try:
-            self.ensure()
-            probe = os.path.join(self.status, f".write-probe.{atomic.unique_suffix()}.tmp")
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.unlink(probe)
-        except OSError as exc:
-            reason = exc.strerror or errno.errorcode.get(exc.errno or 0, str(exc))
-            raise JitckptError(
-                f"JITCKPT_DIR={self.root!r} is not writable by uid {os.getuid()} ({reason}); "
-                "mount the shared emptyDir there (writable for the pod's UID) or set JITCKPT_DIR"
-            ) from None
+        """ensure(), then prove this process can write there (OSError if not)."""
+        self.ensure()
+        probe = os.path.join(self.status, f".write-probe.{atomic.unique_suffix()}.tmp")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.unlink(probe)
 
 
 def checkpoint_steps(directory: str) -> list[int]:

@@ -36,8 +36,11 @@
   for anything that waits on the volume rather than on /readyz, and for the entrypoint's
   grace-period estimate.
 
-Every file is written atomically (temp file, rename); times are Unix epoch seconds. A reader
-gets None for a file that is missing, torn or not of the record's shape.
+Each file is one `StatusFile` of the table below the records (name, record type, durable or
+not, one per run or one per volume) with one codec: `NODE.write(status_dir, record)`,
+`NODE.read(status_dir)`. Every file is written atomically (temp file, rename); times are Unix
+epoch seconds. A reader gets None for a file that is missing, torn or not of the record's
+shape.
 """
 
 from __future__ import annotations
@@ -48,25 +51,12 @@ import os
 import secrets
 import time
 import typing
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Generic, Optional, TypeVar
 
 from jitckpt_entrypoint.protocol import atomic, registry
 
-TRAINER = "trainer.json"
-JIT = "jit.json"
-OUTPUT = "output.json"
-SAVING = "saving.json"
-NODE = "node.json"
-SIDECAR_READY = "sidecar-ready.json"
-FIRST_STEP = "first-step.json"
-PROGRESS = "progress.json"
 PROGRESS_SECONDS = 1.0
 """The hook rewrites progress.json at most this often (a step's cost: one clock read)."""
-REFUSAL = "refusal.json"
-POD_RESTORE = "pod-restore.json"
-LINEAGE_TIP = "lineage-tip.json"
-FETCH = "fetch.json"
-FETCHED = "fetched.json"
 FETCH_PATIENCE = 1500.0
 """Seconds a fetch may take before the hook stops waiting and the sidecar ignores the request:
 under torch's default 30-minute collective timeout, which the other nodes' ranks wait in."""
@@ -302,111 +292,76 @@ def _converter(hint: Any) -> Callable[[Any], Any]:
     return typing.cast("Callable[[Any], Any]", hint)
 
 
-def write_trainer(status_dir: str, status: TrainerStatus) -> None:
-    write_record(os.path.join(status_dir, TRAINER), status, durable=False)
+@dataclasses.dataclass(frozen=True)
+class StatusFile(Generic[Record]):
+    """One status file: its name, its record's type, whether it is written durably, and whether
+    each run has its own (`run-<run id>/<name>`, registry.run_dir) rather than one per volume.
+    One codec for all (`write_record`, `read_record`)."""
+
+    name: str
+    record: type[Record]
+    durable: bool = False
+    per_run: bool = False
+    omit_none: tuple[str, ...] = ()
+    """Fields left out of the file when None (a reader takes their default)."""
+
+    def path(self, status_dir: str, run_id: str = "") -> str:
+        directory = registry.run_dir(status_dir, run_id) if self.per_run else status_dir
+        return os.path.join(directory, self.name)
+
+    def write(self, status_dir: str, record: Record) -> None:
+        """Write `record` atomically (into its run's directory: the record's `run_id`)."""
+        path = self.path(status_dir, getattr(record, "run_id", ""))
+        if self.per_run:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        obj = dataclasses.asdict(record)  # type: ignore[call-overload]
+        for name in self.omit_none:
+            if obj.get(name) is None:
+                obj.pop(name, None)
+        atomic.write_json(path, obj, durable=self.durable)
+
+    def read(self, status_dir: str, run_id: str = "") -> Optional[Record]:
+        """The record, or None when the file is missing, torn or of another shape."""
+        return read_record(self.path(status_dir, run_id), self.record)
+
+    def remove(self, status_dir: str, run_id: str = "") -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(status_dir, run_id))
 
 
-def read_trainer(status_dir: str) -> Optional[TrainerStatus]:
-    return read_record(os.path.join(status_dir, TRAINER), TrainerStatus)
+TRAINER = StatusFile("trainer.json", TrainerStatus)
+JIT = StatusFile("jit.json", JitRecord, durable=True)
+RUN_JIT = StatusFile("jit.json", JitRecord, durable=True, per_run=True)
+OUTPUT = StatusFile("output.json", OutputRecord, per_run=True)
+SAVING = StatusFile("saving.json", SaveStart)
+NODE = StatusFile("node.json", NodeStatus)
+REFUSAL = StatusFile("refusal.json", Refusal, per_run=True)
+POD_RESTORE = StatusFile("pod-restore.json", PodRestore)
+LINEAGE_TIP = StatusFile("lineage-tip.json", LineageTip, durable=True)
+FETCH = StatusFile("fetch.json", Fetch)
+FETCHED = StatusFile("fetched.json", Fetched)
+FIRST_STEP = StatusFile("first-step.json", FirstStep)
+PROGRESS = StatusFile("progress.json", Progress)
+SIDECAR_READY = StatusFile(
+    "sidecar-ready.json",
+    SidecarReady,
+    durable=True,
+    omit_none=("restore_bytes_per_second",),  # absent, as ever, when nothing was downloaded
+)
 
 
 def write_jit(status_dir: str, record: JitRecord) -> None:
-    mine = registry.run_dir(status_dir, record.run_id)
-    os.makedirs(mine, exist_ok=True)
-    write_record(os.path.join(mine, JIT), record, durable=True)
-    write_record(os.path.join(status_dir, JIT), record, durable=True)
+    """The run's own record, then the shared one (see the module doc)."""
+    RUN_JIT.write(status_dir, record)
+    JIT.write(status_dir, record)
 
 
 def read_jit(status_dir: str, run_id: Optional[str] = None) -> Optional[JitRecord]:
     """The shared JIT record; with `run_id`, that run's own record (None when it has none)."""
-    directory = status_dir if run_id is None else registry.run_dir(status_dir, run_id)
-    record = read_record(os.path.join(directory, JIT), JitRecord)
-    if record is None or (run_id is not None and record.run_id != run_id):
-        return None
-    return record
-
-
-def _write_run_record(status_dir: str, run_id: str, name: str, record: Any) -> None:
-    """`record` as `run-<run id>/<name>`: the run's own file."""
-    mine = registry.run_dir(status_dir, run_id)
-    os.makedirs(mine, exist_ok=True)
-    write_record(os.path.join(mine, name), record, durable=False)
-
-
-def _read_run_record(
-    status_dir: str, run_id: str, name: str, cls: type[Record]
-) -> Optional[Record]:
-    return read_record(os.path.join(registry.run_dir(status_dir, run_id), name), cls)
-
-
-def write_output(status_dir: str, record: OutputRecord) -> None:
-    _write_run_record(status_dir, record.run_id, OUTPUT, record)
-
-
-def read_output(status_dir: str, run_id: str) -> Optional[OutputRecord]:
-    return _read_run_record(status_dir, run_id, OUTPUT, OutputRecord)
-
-
-def write_save_start(status_dir: str, start: SaveStart) -> None:
-    write_record(os.path.join(status_dir, SAVING), start, durable=False)
-
-
-def read_save_start(status_dir: str) -> Optional[SaveStart]:
-    return read_record(os.path.join(status_dir, SAVING), SaveStart)
-
-
-def write_node(status_dir: str, node: NodeStatus) -> None:
-    write_record(os.path.join(status_dir, NODE), node, durable=False)
-
-
-def read_node(status_dir: str) -> Optional[NodeStatus]:
-    return read_record(os.path.join(status_dir, NODE), NodeStatus)
-
-
-def write_refusal(status_dir: str, record: Refusal) -> None:
-    _write_run_record(status_dir, record.run_id, REFUSAL, record)
-
-
-def read_refusal(status_dir: str, run_id: str) -> Optional[Refusal]:
-    return _read_run_record(status_dir, run_id, REFUSAL, Refusal)
-
-
-def write_pod_restore(status_dir: str, record: PodRestore) -> None:
-    write_record(os.path.join(status_dir, POD_RESTORE), record, durable=False)
-
-
-def read_pod_restore(status_dir: str) -> Optional[PodRestore]:
-    return read_record(os.path.join(status_dir, POD_RESTORE), PodRestore)
-
-
-def write_lineage_tip(status_dir: str, record: Optional[LineageTip]) -> None:
-    """Record `record`, or remove the record when None (the restore saw nothing above)."""
-    path = os.path.join(status_dir, LINEAGE_TIP)
-    if record is None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        return
-    write_record(path, record, durable=True)
-
-
-def read_lineage_tip(status_dir: str) -> Optional[LineageTip]:
-    return read_record(os.path.join(status_dir, LINEAGE_TIP), LineageTip)
-
-
-def write_fetch(status_dir: str, record: Fetch) -> None:
-    write_record(os.path.join(status_dir, FETCH), record, durable=False)
-
-
-def read_fetch(status_dir: str) -> Optional[Fetch]:
-    return read_record(os.path.join(status_dir, FETCH), Fetch)
-
-
-def write_fetched(status_dir: str, record: Fetched) -> None:
-    write_record(os.path.join(status_dir, FETCHED), record, durable=False)
-
-
-def read_fetched(status_dir: str) -> Optional[Fetched]:
-    return read_record(os.path.join(status_dir, FETCHED), Fetched)
+    if run_id is None:
+        return JIT.read(status_dir)
+    record = RUN_JIT.read(status_dir, run_id)
+    return record if record is not None and record.run_id == run_id else None
 
 
 def first_sidecar_in_pod(status_dir: str) -> bool:
@@ -417,38 +372,6 @@ def first_sidecar_in_pod(status_dir: str) -> bool:
     except FileExistsError:
         return False
     return True
-
-
-def write_first_step(status_dir: str, record: FirstStep) -> None:
-    write_record(os.path.join(status_dir, FIRST_STEP), record, durable=False)
-
-
-def read_first_step(status_dir: str) -> Optional[FirstStep]:
-    return read_record(os.path.join(status_dir, FIRST_STEP), FirstStep)
-
-
-def write_progress(status_dir: str, record: Progress) -> None:
-    write_record(os.path.join(status_dir, PROGRESS), record, durable=False)
-
-
-def read_progress(status_dir: str) -> Optional[Progress]:
-    return read_record(os.path.join(status_dir, PROGRESS), Progress)
-
-
-def write_sidecar_ready(status_dir: str, ready: SidecarReady) -> None:
-    obj = dataclasses.asdict(ready)
-    if ready.restore_bytes_per_second is None:
-        del obj["restore_bytes_per_second"]  # absent, as ever, when nothing was downloaded
-    atomic.write_json(os.path.join(status_dir, SIDECAR_READY), obj, durable=True)
-
-
-def read_sidecar_ready(status_dir: str) -> Optional[SidecarReady]:
-    return read_record(os.path.join(status_dir, SIDECAR_READY), SidecarReady)
-
-
-def remove_sidecar_ready(status_dir: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(status_dir, SIDECAR_READY))
 
 
 def save_event_name(step: int) -> str:

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Optional
 
 from jitckpt_entrypoint import config as trainer
+from jitckpt_entrypoint import shared_settings as shared
 from jitckpt_entrypoint.settings import (
     INTEGER,
     OPTIONAL_TEXT,
@@ -52,8 +53,8 @@ OPTIONS = (
         "storage_uri",
         TEXT,
         "where this job's checkpoints go (JITCKPT_STORAGE_URI)",
-        check=trainer.s3_uri_problem,  # required here: an empty one would stop the sidecar
-        show=trainer.STORAGE_URI.show,
+        check=shared.s3_uri_problem,  # required here: an empty one would stop the sidecar
+        show=shared.STORAGE_URI.show,
         flag_only=True,
         required=True,
         metavar="s3://BUCKET/PREFIX",
@@ -78,7 +79,7 @@ OPTIONS = (
         "grace_seconds",
         INTEGER,
         "terminationGracePeriodSeconds where a pod sets none",
-        check=trainer.GRACE_SECONDS.check,
+        check=shared.GRACE_SECONDS.check,
         flag_only=True,
         metavar="GRACE_SECONDS",
     ),

@@ -17,7 +17,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from jitckpt_entrypoint import config as trainer
+from jitckpt_entrypoint import shared_settings as shared
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.settings import Option, SettingError
 from jitckpt_sidecar import __version__
@@ -223,7 +223,7 @@ def _storage_uri(
     """The annotation's URI, else <prefix>/<namespace>/<job name>; SettingError when neither."""
     own = annotations.get(STORAGE_URI)
     if own is not None:
-        problem = trainer.s3_uri_problem(str(own))
+        problem = shared.s3_uri_problem(str(own))
         if problem:
             raise _setting_error(STORAGE_URI, f"{own!r}{problem}")
         return str(own)

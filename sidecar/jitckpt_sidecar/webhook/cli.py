@@ -12,8 +12,8 @@ import sys
 import threading
 from typing import Any, Optional
 
-from jitckpt_entrypoint import config as trainer
 from jitckpt_entrypoint import log, settings
+from jitckpt_entrypoint import shared_settings as shared
 from jitckpt_entrypoint.settings import INTEGER, NUMBER, OPTIONAL_TEXT, TEXT, Option, between
 from jitckpt_sidecar.errors import SidecarError
 from jitckpt_sidecar.inject.options import OPTIONS as INJECT_OPTIONS
@@ -56,7 +56,7 @@ OPTIONS = (
            check=between(0, 60, "0-60 seconds"), flag_only=True, metavar="SECONDS"),
     Option("storage_uri_prefix", OPTIONAL_TEXT,
            "pods without the jitckpt.io/storage-uri annotation use PREFIX/<namespace>/<job name>",
-           check=trainer.s3_uri_problem, show=trainer.STORAGE_URI.show, flag_only=True,
+           check=shared.s3_uri_problem, show=shared.STORAGE_URI.show, flag_only=True,
            metavar="s3://BUCKET/PREFIX"),
 )  # fmt: skip
 

@@ -108,7 +108,7 @@ def main() -> None:
                 m.write_manifest(view, manifest)
             layout = Layout(os.path.dirname(os.path.dirname(view)))
             layout.ensure()  # a sidecar is there to ask (played below by a thread)
-            status.write_sidecar_ready(layout.status, status.SidecarReady(0.0, 1, "s3", 1, 0, 0))
+            status.SIDECAR_READY.write(layout.status, status.SidecarReady(0.0, 1, "s3", 1, 0, 0))
             report[node] = sorted(part)
         print("views " + json.dumps({"union": sorted(union), "nodes": report}), flush=True)
     dist.barrier()
@@ -127,7 +127,7 @@ def main() -> None:
         assert same, f"rank {rank}: {key} differs after the load"
     print(f"rank {rank} ok", flush=True)
     layout = Layout(os.path.dirname(os.path.dirname(view)))
-    assert status.read_fetch(layout.status) is None, "a node's own part needed a fetch"
+    assert status.FETCH.read(layout.status) is None, "a node's own part needed a fetch"
     dist.barrier()
 
     # Another layout at the same size (a plain full model state, as a FULL_STATE_DICT load
@@ -140,7 +140,7 @@ def main() -> None:
     dcp.load(full, checkpoint_id=os.path.join(view, "pytorch_model_fsdp_0"))
     for key, value in full_model.items():
         assert torch.equal(full[key], value), f"rank {rank}: full {key} differs"
-    answer = status.read_fetched(layout.status)
+    answer = status.FETCHED.read(layout.status)
     assert answer is not None, "no fetch was asked"
     assert answer.state == "done", answer
     print(f"rank {rank} resharded ok", flush=True)
@@ -159,17 +159,17 @@ def node_view(node: int) -> str:
 
 def sidecar(layout: Layout, whole: str) -> None:
     """The sidecar's Fetcher, played: every missing file of the checkpoint, copied in."""
-    while (request := status.read_fetch(layout.status)) is None:
+    while (request := status.FETCH.read(layout.status)) is None:
         time.sleep(0.05)
     key = (request.step, request.save_id, request.requested_at)
-    status.write_fetched(layout.status, status.Fetched(*key, "fetching"))
+    status.FETCHED.write(layout.status, status.Fetched(*key, "fetching"))
     here = os.path.join(layout.checkpoints, "checkpoint-1")
     copied = 0
     for path in m.list_files(whole):
         if not os.path.exists(os.path.join(here, path)):
             shutil.copy(os.path.join(whole, path), os.path.join(here, path))
             copied += os.path.getsize(os.path.join(here, path))
-    status.write_fetched(layout.status, status.Fetched(*key, "done", "", copied))
+    status.FETCHED.write(layout.status, status.Fetched(*key, "done", "", copied))
 
 
 if __name__ == "__main__":
