@@ -48,14 +48,15 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from jitckpt_entrypoint.protocol import atomic, durable, status, validity
+from jitckpt_entrypoint.protocol import atomic, durable, validity
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.commit import commit_download
-from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name, checkpoint_steps
+from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name
 from jitckpt_sidecar import checksum, downloads, transfers
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.errors import SidecarError
-from jitckpt_sidecar.remote import Pin, Remote
+from jitckpt_sidecar.remote import Remote
+from jitckpt_sidecar.restore_choice import Chooser, PinnedGoneError, replaces
 from jitckpt_sidecar.s3 import describe, error_code, is_storage_error, is_transient
 
 TEMP_PREFIX = ".jitckpt-restore-"
@@ -75,10 +76,6 @@ class VerificationError(SidecarError):
 
 class ChangedError(SidecarError):
     """S3 changed under the restore (an object vanished or was replaced): list again."""
-
-
-class PinnedGoneError(SidecarError):
-    """The checkpoint another node's restore pinned is gone, and nothing newer is committed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +124,8 @@ class Restorer:
         self._verified: dict[str, set[tuple[str, Optional[str]]]] = {}
         """Temp directory -> (path, checksum) of the files in it already verified (kept across
         attempts)."""
-        self._listed: tuple[list[int], dict[int, m.Manifest]] = ([], {})
-        """The steps under the prefix and node 0's manifests, as `_choose` listed them last."""
-        self._failed: dict[tuple[int, str], int] = {}
-        """(step, save id) -> checksum failures: twice, and the checkpoint is passed over."""
+        self.choice = Chooser(remote, cfg, layout, logger, clock=clock, partial=partial)
+        """Which checkpoint (restore_choice.py)."""
 
     def run(self, cancel: Callable[[], Optional[str]] = lambda: None) -> RestoreResult:
         deadline = self.monotonic() + RESTORE_PATIENCE
@@ -185,20 +180,20 @@ class Restorer:
     def _run_once(self, cancel: Callable[[], Optional[str]]) -> RestoreResult:
         started = self.monotonic()
         self.layout.ensure()
-        local = self._newest_local()
-        chosen, pinned = self._choose()
-        if chosen is not None and not pinned and _replaces(chosen, local):
+        choice = self.choice
+        local = choice.newest_local()
+        chosen, pinned = choice.choose()
+        if chosen is not None and not pinned and replaces(chosen, local):
             # Only now: a restore that keeps the volume's own checkpoint must not pin (above).
-            chosen = self._pin(chosen)
+            chosen = choice.pin(chosen)
         self._remove_leftovers(keep=None if chosen is None else self._temp_dir(chosen))
-        downloads_it = chosen is not None and _replaces(chosen, local)
+        downloads_it = chosen is not None and replaces(chosen, local)
         resumed = chosen.save[0] if downloads_it and chosen and chosen.save else local
         if downloads_it and not pinned and chosen is not None:
             # Listed again after the pin: a late upload that committed a higher step of this
             # lineage before the pin is seen here, one after it sees the pin (uploader.py).
-            steps = self.remote.steps()
-            self._listed = (steps, self.remote.heads([s for s in steps if s > chosen.step]))
-        self._record_tip(resumed)
+            choice.list_above(chosen.step)
+        choice.record_tip(resumed)
         if chosen is not None and downloads_it:
             return self._download(chosen, cancel)
         self._remove_leftovers(keep=None)
@@ -246,178 +241,6 @@ class Restorer:
                 self.log.info("%s; listing again", exc)
         raise AssertionError("unreachable")
 
-    # -- which checkpoint --
-
-    def _newest_local(self) -> Optional[m.Manifest]:
-        """Node 0's manifest of the newest local checkpoint that is committed and holds what
-        this node loads (every file, unless _node_part applies), in the restore's order."""
-        found = []
-        for step in checkpoint_steps(self.layout.checkpoints):
-            path = self.layout.checkpoint_dir(step)
-            save = validity.committed(path)
-            if save is None and self._node_part(validity.local_save(path)) is not None:
-                save = validity.loadable(path, self.cfg.node_rank or 0, self.cfg.nnodes)
-            if save is not None:
-                found.append(save[0])
-        return max(found, key=validity.newness, default=None)
-
-    def _node_part(self, save: Optional[dict[int, m.Manifest]]) -> Optional[int]:
-        """This node's rank when it restores only what its ranks load: a long-running sidecar
-        (`partial`), its node rank and the job's node count known (JITCKPT_NODE_RANK,
-        JITCKPT_NNODES), and the checkpoint of that node count (at another count DCP reshards,
-        reading every file)."""
-        node, nodes = self.cfg.node_rank, self.cfg.nnodes
-        if not self.partial or not save or node is None or nodes is None:
-            return None
-        if nodes != save[0].nodes or node >= nodes:
-            return None
-        # A dynamic rendezvous numbers the nodes in its own order: the node rank of the pod is
-        # not the trainer's then.
-        if os.environ.get("PET_RDZV_BACKEND", "static") not in ("", "static"):
-            return None
-        return node
-
-    def _choose(self) -> tuple[Optional[validity.RemoteCheckpoint], bool]:
-        """The checkpoint this round restores, or None; and whether a pin chose it (else the
-        caller pins it with _pin, once it knows it downloads it)."""
-        steps = self.remote.steps()
-        heads = self.remote.heads(steps)
-        self._listed = (steps, heads)
-        pin = self.remote.pinned(self.clock())
-        if pin is not None and any(h.created_at > pin.pinned_at for h in heads.values()):
-            pin = None  # training saved after it: that round is over
-        if pin is not None and self._failed.get((pin.step, pin.save_id), 0) >= 2:
-            # Its object in S3 fails the checksum: no node can have restored it, so there is no
-            # floor to keep.
-            pin = None
-        if pin is not None:
-            ckpt = self.remote.load(pin.step)
-            if ckpt.committed and ckpt.save_id == pin.save_id:
-                self.log.info(
-                    "restoring %s: pinned by the first restore of this round, %.0f s ago",
-                    checkpoint_name(pin.step),
-                    self.clock() - pin.pinned_at,
-                )
-                return ckpt, True
-        best = self._best(heads, floor=None if pin is None else (pin.lineage, pin.step))
-        if best is None:
-            if pin is not None:
-                raise PinnedGoneError(
-                    f"{checkpoint_name(pin.step)}, which another node restored, is no longer "
-                    "committed in S3 and nothing newer is; not falling back below it"
-                )
-            return None, False
-        for step in sorted(set(steps) - set(heads), reverse=True):
-            if step > best.step:
-                self.log.info(
-                    "skipping %s in S3: not committed (no manifest of node 0)",
-                    checkpoint_name(step),
-                )
-        self._say_passed_over(heads, best)
-        return best, False
-
-    def _record_tip(self, resumed: Optional[m.Manifest]) -> None:
-        """Tell the trainer (status.LineageTip) the newest step of `resumed`'s lineage that S3
-        holds a save of, committed or not, when it is above `resumed` (the checkpoint the
-        trainer will resume from): such a save may still be completed by an attempt's late
-        upload, and a run resuming below it must begin a new lineage to come first (the
-        rollback rule, hook/resume.py). By node 0's manifest, the one read of every step: a
-        step only other nodes uploaded cannot be completed without node 0's, and a late upload
-        of it meets the round's pin (uploader.py)."""
-        tip = None
-        if resumed is not None:
-            _, heads = self._listed
-            above = [h.step for h in heads.values() if h.step > resumed.step]
-            for step in sorted(above, reverse=True):
-                if heads[step].lineage == resumed.lineage:
-                    tip = status.LineageTip(resumed.lineage, step)
-                    break
-        try:
-            if tip is None:  # nothing above: no record
-                status.LINEAGE_TIP.remove(self.layout.status)
-            else:
-                status.LINEAGE_TIP.write(self.layout.status, tip)
-        except OSError as exc:  # the hook then knows only what the volume shows
-            self.log.warning("cannot record the newest save of the run in S3: %s", exc)
-            return
-        if tip is not None:
-            self.log.info(
-                "S3 also holds %s of this run (not restored: not committed, or passed over); the "
-                "trainer begins a new lineage from %s, so its saves come first",
-                checkpoint_name(tip.step),
-                checkpoint_name(resumed.step if resumed else 0),
-            )
-
-    def _pin(self, best: validity.RemoteCheckpoint) -> validity.RemoteCheckpoint:
-        """Pin `best` for the other nodes' restores; returns what this restore downloads (another
-        node's choice when it pinned at the same moment)."""
-        try:
-            written = self.remote.pin(best, self.clock())
-        except Exception as exc:
-            if is_storage_error(exc) and is_transient(exc):
-                raise
-            self.log.warning(
-                "cannot pin %s for the other nodes' restores (%s); restoring it unpinned",
-                checkpoint_name(best.step),
-                describe(exc, self.cfg, "PutObject", str(self.remote.uri)),
-            )
-            return best
-        again = self.remote.pinned(self.clock())
-        if again is not None and (again.step, again.save_id) != (written.step, written.save_id):
-            return self._follow(again) or best
-        return best
-
-    def _best(
-        self, heads: dict[int, m.Manifest], floor: Optional[tuple[str, int]]
-    ) -> Optional[validity.RemoteCheckpoint]:
-        for head in sorted(heads.values(), key=validity.newness, reverse=True):
-            if floor is not None and validity.newness(head) < floor:
-                break
-            if self._failed.get((head.step, head.save_id), 0) >= 2:
-                continue
-            ckpt = self.remote.load(head.step)
-            found = validity.s3_problems(ckpt)
-            if found:
-                self.log.info(
-                    "skipping %s in S3: not committed (%s)", checkpoint_name(head.step), found[0]
-                )
-                continue
-            return ckpt
-        return None
-
-    def _follow(self, pin: Pin) -> Optional[validity.RemoteCheckpoint]:
-        """Another node pinned at the same moment: take its choice when it is committed."""
-        ckpt = self.remote.load(pin.step)
-        if ckpt.committed and ckpt.save_id == pin.save_id:
-            self.log.info(
-                "another node pinned %s at the same moment: restoring that one",
-                checkpoint_name(pin.step),
-            )
-            return ckpt
-        return None
-
-    def _say_passed_over(
-        self, heads: dict[int, m.Manifest], best: validity.RemoteCheckpoint
-    ) -> None:
-        """One line when S3 also holds an earlier run's checkpoints (not restored)."""
-        others = sorted(
-            {h.lineage for h in heads.values() if h.lineage != (best.lineage or "")},
-            reverse=True,
-        )
-        if not others:
-            return
-        newest = max(h.step for h in heads.values() if h.lineage == others[0])
-        self.log.info(
-            "%s also holds checkpoints of %d other run(s) (e.g. lineage %s, up to %s): not "
-            "restored; %s is of the newest run (lineage %s)",
-            self.remote.uri,
-            len(others),
-            others[0] or "from before lineages",
-            checkpoint_name(newest),
-            checkpoint_name(best.step),
-            best.lineage or "from before lineages",
-        )
-
     # -- the download --
 
     def _temp_dir(self, ckpt: validity.RemoteCheckpoint) -> str:
@@ -447,7 +270,7 @@ class Restorer:
             raise ChangedError(f"{name} is no longer committed in S3")
         tmp = self._temp_dir(ckpt)
         union = ckpt.files()
-        node = None if whole else self._node_part(save)
+        node = None if whole else self.choice.node_part(save)
         part = union if node is None else validity.node_files(save, node, union)
         files = sorted(part.values(), key=lambda e: e.size, reverse=True)
         total = sum(e.size for e in files)
@@ -596,8 +419,9 @@ class Restorer:
                 return
             os.unlink(path)
             failed = (ckpt.step, ckpt.save_id or "")
-            self._failed[failed] = self._failed.get(failed, 0) + 1
-            if self._failed[failed] >= 2:
+            failures = self.choice.failed
+            failures[failed] = failures.get(failed, 0) + 1
+            if failures[failed] >= 2:
                 self.log.warning(
                     "discarding %s from S3: %s, twice; trying an older one",
                     checkpoint_name(ckpt.step),
@@ -609,15 +433,6 @@ class Restorer:
 
 
 _NONE = m.FileEntry("", -1)
-
-
-def _replaces(chosen: validity.RemoteCheckpoint, local: Optional[m.Manifest]) -> bool:
-    """Whether restoring `chosen` downloads: the volume holds nothing as new, or holds another
-    save of its step (replaced: the nodes load one save)."""
-    if local is None:
-        return True
-    here, there = validity.newness(local), (chosen.lineage or "", chosen.step)
-    return here < there or (here == there and local.save_id != chosen.save_id)
 
 
 def _part_of(

@@ -6,9 +6,10 @@ restore succeeds or SIGTERM (the kubelet's startupProbe, a deleted pod) ends it 
 the error as the container's termination message.
 
 Threads: the main loop (scans staging/ and status/, prunes local checkpoints, decides when to
-exit), one upload worker (one checkpoint at a time, newest first, its parallelism inside the
-TransferManager), the save-peak sampler (samples the volume while the trainer saves), the
-watchdog observer (only wakes the main loop and the sampler) and the HTTP server.
+exit: drain.py), one upload worker (upload_worker.py: one checkpoint at a time, newest first,
+its parallelism inside the TransferManager), the save-peak sampler (samples the volume while
+the trainer saves), the watchdog observer (only wakes the main loop and the sampler) and the
+HTTP server.
 
 Drain: after SIGTERM the sidecar keeps uploading until the trainer has exited
 (status/trainer.json has exited_at) and nothing is left to upload, or until the grace period
@@ -29,7 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from jitckpt_entrypoint.protocol import durable, status, validity
 from jitckpt_entrypoint.protocol.layout import FINAL_NAME, Layout, checkpoint_name, checkpoint_steps
-from jitckpt_sidecar import memory, s3, sizing, staging, transfers
+from jitckpt_sidecar import drain, memory, s3, sizing, staging, transfers
 from jitckpt_sidecar.backlog import Backlog
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.fetch import Fetcher
@@ -41,18 +42,14 @@ from jitckpt_sidecar.remote import Remote
 from jitckpt_sidecar.restore import Restorer, RestoreResult
 from jitckpt_sidecar.retention import Retention
 from jitckpt_sidecar.server import MetricsServer
-from jitckpt_sidecar.staging import Staged
 from jitckpt_sidecar.status_feed import StatusFeed
-from jitckpt_sidecar.uploader import RestagedError, StaleSaveError, Uploader, superseded
+from jitckpt_sidecar.upload_worker import DRAIN_MAX_BACKOFF, UploadWorker
+from jitckpt_sidecar.uploader import Uploader, superseded
 from jitckpt_sidecar.watcher import Watcher
 from jitckpt_sidecar.work_at_risk import WorkAtRisk
 
 DRAIN_POLL = 0.5
 """Seconds between drain checks (trainer.json is also watched; this is the safety net)."""
-WORKER_POLL = 5.0
-"""The idle worker's wake-up interval; new work and stopping wake it at once."""
-MAX_BACKOFF = 60.0
-DRAIN_MAX_BACKOFF = 1.0
 RESTORE_RETRY_MAX = 300.0
 """Seconds: the longest wait between start-up restore attempts (JITCKPT_RESTORE_RETRY_SECONDS
 is the first; it doubles after each failure, with jitter)."""
@@ -127,15 +124,24 @@ class Service:
             cancel=self._restore_cancel,
             describe=lambda exc: self._describe(exc, "the fetch"),
         )
+        self.worker = UploadWorker(
+            cfg,
+            backlog=self.backlog,
+            uploader=self.uploader,
+            remote=self.remote,
+            retention=self.retention,
+            pruner=self.pruner,
+            metrics=self.metrics,
+            trainer=self.feed.trainer,
+            wake=self.wake,
+            describe=self._describe,
+            logger=logger,
+        )
         self.watcher = Watcher(layout, self.wake, logger)
         self.server = server
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._sigterm_at: Optional[float] = None
-        self._preempt_for: Optional[int] = None
-        self._failures: dict[int, int] = {}
-        self._store_failures = 0
-        """Uploads failed by the store since the last success (its backoff, and preemption)."""
         self.failure: Optional[str] = None
         """Why the sidecar could not do its job: the container's termination message."""
         self._heartbeat: Optional[float] = None
@@ -183,7 +189,7 @@ class Service:
             "" if result.step is None else f" {checkpoint_name(result.step)}",
             self.layout.staging,
         )
-        worker = threading.Thread(target=self._work, name="jitckpt-upload", daemon=True)
+        worker = threading.Thread(target=self.worker.run, name="jitckpt-upload", daemon=True)
         settler = threading.Thread(target=self._settle, name="jitckpt-settle", daemon=True)
         try:
             self.watcher.start()
@@ -193,6 +199,7 @@ class Service:
             return self._loop()
         finally:
             self._stop.set()
+            self.worker.stop.set()
             self.final.stop()
             self.backlog.close()
             self.save_peaks.stop()
@@ -321,78 +328,87 @@ class Service:
             self.log.warning("pruning local checkpoints failed: %s", self._describe(exc, "prune"))
 
     def _exit_code(self, trainer: Optional[status.TrainerStatus]) -> Optional[int]:
-        trainer_known = trainer is not None
-        trainer_exited = trainer is not None and trainer.exited_at is not None
+        """The drain decision (drain.py), with its lines."""
+        since_sigterm = None
         if self._sigterm_at is not None:
-            if not self._said_draining:
-                self._said_draining = True
-                self.backlog.hurry(DRAIN_MAX_BACKOFF)
-                self.log.info(
-                    "SIGTERM: draining; uploading until the trainer has exited and nothing is "
-                    "left, at most %.1f s (JITCKPT_GRACE_SECONDS=%d minus a margin)",
-                    self.cfg.drain_seconds,
-                    self.cfg.grace_seconds,
-                )
-            if (trainer_exited or not trainer_known) and self._all_uploaded():
-                self.log.info(
-                    "drained: the trainer %s and every staged checkpoint is committed in S3%s; "
-                    "exiting 0",
-                    "exited" if trainer_known else "never started",
-                    self._model_location(),
-                )
-                return 0
-            elapsed = self.monotonic() - self._sigterm_at
+            since_sigterm = self.monotonic() - self._sigterm_at
             if trainer is not None and trainer.sigterm_at is not None:
                 # The pod's grace period began when the trainer got SIGTERM; a native sidecar
                 # gets its own SIGTERM only after the trainer has exited.
-                elapsed = max(elapsed, self.clock() - trainer.sigterm_at)
-            if elapsed >= self.cfg.drain_seconds:
-                pending = ", ".join(
-                    [s.name for s in self.backlog.pending()]
-                    + ([f"the final model ({FINAL_NAME}/)"] if self.final.pending() else [])
-                )
-                left = f"not committed in S3: {pending}" if pending else "nothing left to upload"
-                if trainer_known and not trainer_exited:
-                    left += ", but the trainer has not exited (its JIT checkpoint may be missing)"
-                self.log.error(
-                    "drain deadline reached %.1f s after SIGTERM (JITCKPT_GRACE_SECONDS=%d): %s; "
-                    "exiting 1",
-                    elapsed,
-                    self.cfg.grace_seconds,
-                    left,
-                )
-                return 1
-            in_flight, waiting = self.backlog.in_flight, self.backlog.waiting()
-            newest = waiting[0].step if waiting else None
-            if in_flight is not None and newest is not None and newest > in_flight.step:
-                if self._preempt_for != newest:
-                    self.log.info(
-                        "drain: %s is newer than %s in flight; pausing that upload to send it "
-                        "first",
-                        checkpoint_name(newest),
-                        in_flight.name,
-                    )
-                self._preempt_for = newest
-            return None
-        if trainer_exited and self._all_uploaded():
-            if self.cfg.exit_with_trainer:
-                self.log.info(
-                    "the trainer exited and everything is committed in S3%s; exiting 0 "
-                    "(JITCKPT_EXIT_WITH_TRAINER=1)",
-                    self._model_location(),
-                )
-                return 0
-            if not self._said_staying:
-                self._said_staying = True
-                self.log.info(
-                    "the trainer exited and everything is committed in S3%s; staying up until "
-                    "SIGTERM (a restarted trainer container needs us; JITCKPT_EXIT_WITH_TRAINER=1 "
-                    "exits here)",
-                    self._model_location(),
-                )
+                since_sigterm = max(since_sigterm, self.clock() - trainer.sigterm_at)
+        trainer_exited = trainer is not None and trainer.exited_at is not None
+        verdict = drain.decide(
+            since_sigterm=since_sigterm,
+            trainer_known=trainer is not None,
+            trainer_exited=trainer_exited,
+            all_uploaded=self._all_uploaded(),
+            drain_seconds=self.cfg.drain_seconds,
+            exit_with_trainer=self.cfg.exit_with_trainer,
+        )
+        if since_sigterm is not None and not self._said_draining:
+            self._said_draining = True
+            self.worker.draining = True
+            self.backlog.hurry(DRAIN_MAX_BACKOFF)
+            self.log.info(
+                "SIGTERM: draining; uploading until the trainer has exited and nothing is "
+                "left, at most %.1f s (JITCKPT_GRACE_SECONDS=%d minus a margin)",
+                self.cfg.drain_seconds,
+                self.cfg.grace_seconds,
+            )
+        if verdict is drain.Verdict.DRAINED:
+            self.log.info(
+                "drained: the trainer %s and every staged checkpoint is committed in S3%s; "
+                "exiting 0",
+                "exited" if trainer is not None else "never started",
+                self._model_location(),
+            )
+        elif verdict is drain.Verdict.DEADLINE:
+            pending = ", ".join(
+                [s.name for s in self.backlog.pending()]
+                + ([f"the final model ({FINAL_NAME}/)"] if self.final.pending() else [])
+            )
+            left = f"not committed in S3: {pending}" if pending else "nothing left to upload"
+            if trainer is not None and not trainer_exited:
+                left += ", but the trainer has not exited (its JIT checkpoint may be missing)"
+            self.log.error(
+                "drain deadline reached %.1f s after SIGTERM (JITCKPT_GRACE_SECONDS=%d): %s; "
+                "exiting 1",
+                since_sigterm,
+                self.cfg.grace_seconds,
+                left,
+            )
+        elif verdict is drain.Verdict.DRAINING:
+            self._preempt_newer()
+        elif verdict is drain.Verdict.TRAINER_DONE_EXIT:
+            self.log.info(
+                "the trainer exited and everything is committed in S3%s; exiting 0 "
+                "(JITCKPT_EXIT_WITH_TRAINER=1)",
+                self._model_location(),
+            )
+        elif verdict is drain.Verdict.TRAINER_DONE_STAY and not self._said_staying:
+            self._said_staying = True
+            self.log.info(
+                "the trainer exited and everything is committed in S3%s; staying up until "
+                "SIGTERM (a restarted trainer container needs us; JITCKPT_EXIT_WITH_TRAINER=1 "
+                "exits here)",
+                self._model_location(),
+            )
         elif not trainer_exited:
             self._said_staying = False
-        return None
+        return verdict.exit_code
+
+    def _preempt_newer(self) -> None:
+        """During the drain: a newer checkpoint waiting pauses the older upload in flight."""
+        in_flight, waiting = self.backlog.in_flight, self.backlog.waiting()
+        newest = waiting[0].step if waiting else None
+        if in_flight is not None and newest is not None and newest > in_flight.step:
+            if self.worker.preempt_for != newest:
+                self.log.info(
+                    "drain: %s is newer than %s in flight; pausing that upload to send it first",
+                    checkpoint_name(newest),
+                    in_flight.name,
+                )
+            self.worker.preempt_for = newest
 
     def _all_uploaded(self) -> bool:
         return self.backlog.idle() and not self.final.pending()
@@ -406,140 +422,6 @@ class Service:
         beat = self._heartbeat
         limit = max(120.0, 4 * self.cfg.rescan_seconds)
         return beat is None or self.monotonic() - beat < limit
-
-    # -- the upload worker --
-
-    def _work(self) -> None:
-        while not self._stop.is_set():
-            staged = self.backlog.take(timeout=WORKER_POLL)
-            if staged is not None:
-                self._upload(staged)
-
-    def _upload(self, staged: Staged) -> None:
-        if not staging.current(staged):  # removed, or staged again by another save, since
-            self._dropped(staged, "its staged directory holds another save of it by now")
-            return
-        try:
-            newer = superseded(self.remote, staged.manifest, self.cfg.s3_keep)
-        except Exception as exc:  # noqa: BLE001 - an unknown answer means upload it
-            self.log.debug("cannot tell whether %s is superseded: %s", staged.name, exc)
-            newer = None
-        if newer:
-            names = ", ".join(checkpoint_name(s) for s in newer)
-            self._skip(
-                staged,
-                f"{names} newer and committed in S3, so JITCKPT_S3_KEEP={self.cfg.s3_keep} "
-                "would delete it",
-            )
-            return
-        try:
-            report = self.uploader.upload(
-                staged,
-                cancel=lambda: self._cancel_reason(staged),
-                superseded_after=self._stopped_at(),
-            )
-        except StaleSaveError as exc:
-            self._skip(staged, str(exc))
-            return
-        except RestagedError as exc:
-            self._dropped(staged, str(exc))
-            return
-        except transfers.TransferCancelledError as exc:
-            self.log.info("paused the upload of %s: %s", staged.name, exc)
-            if self._preempt_for is not None and self._preempt_for > staged.step:
-                self._preempt_for = None
-            self.backlog.retry(staged, 0.0)
-            return
-        except Exception as exc:  # noqa: BLE001 - the worker must survive any failure; logged, counted, retried
-            attempt = self._failures.get(staged.step, 0) + 1
-            self._failures[staged.step] = attempt
-            store = s3.is_store_failure(exc)
-            if store:
-                self._store_failures += 1
-            delay = self._backoff(self._store_failures if store else attempt)
-            self.metrics.uploads.failed(0)
-            self.metrics.uploads.retries.inc()
-            self.log.error(
-                "upload of %s failed (attempt %d): %s; retrying in %.1f s%s",
-                staged.name,
-                attempt,
-                self._describe(exc, "upload"),
-                delay,
-                " (S3 is failing: every upload waits, then the newest goes first)" if store else "",
-            )
-            # A failing store pauses every upload, so that the newest goes first once it is
-            # back; backing off each checkpoint on its own would send them in the order their
-            # backoffs happen to end.
-            self.backlog.retry(staged, 0.0 if store else delay)
-            if store:
-                self.backlog.pause(delay)
-            return
-        self._failures.pop(staged.step, None)
-        self._store_failures = 0
-        self.metrics.uploads.uploaded(report.step, report.seconds, report.bytes_sent)
-        self.log.info(
-            "uploaded %s (node %d) to %s: %d files (%d already there), %.1f MB in %.1f s (%s)",
-            staged.name,
-            report.node,
-            self.remote.uri,
-            report.files,
-            report.files - report.files_sent,
-            report.bytes_total / transfers.MB,
-            report.seconds,
-            transfers.rate(report.bytes_sent, report.seconds),
-        )
-        staging.remove(staged)
-        self.backlog.done(staged)
-        self.pruner.forget()
-        try:
-            self.retention.apply(staged.manifest.lineage)
-        except Exception as exc:  # noqa: BLE001 - retention is retried after the next upload
-            self.log.warning(
-                "retention failed (retried after the next upload): %s",
-                self._describe(exc, "retention"),
-            )
-        memory.trim()
-        self.wake()  # pruning may now delete what just became safe to delete
-
-    def _skip(self, staged: Staged, why: str) -> None:
-        """Do not upload `staged`, on purpose: counted, its staged links removed."""
-        self.log.info("skipping %s: %s", staged.name, why)
-        self.metrics.uploads.skipped()
-        staging.remove(staged)
-        self.backlog.done(staged)
-
-    def _stopped_at(self) -> Optional[float]:
-        """When this pod's trainer was stopped (its SIGTERM, else its exit), None while it
-        trains: from then on another attempt may take over the run (uploader.py)."""
-        trainer = self.feed.trainer()
-        if trainer is None:
-            return None
-        return trainer.sigterm_at if trainer.sigterm_at is not None else trainer.exited_at
-
-    def _dropped(self, staged: Staged, why: str) -> None:
-        """`staged` is not what its step's staged directory holds any more: forget it; the
-        next scan offers what is there (another save of the step)."""
-        self.log.info("not uploading this save of %s: %s", staged.name, why)
-        self.backlog.drop(staged)
-        self.wake()
-
-    def _cancel_reason(self, staged: Staged) -> Optional[str]:
-        if self._stop.is_set():
-            return "the sidecar is stopping"
-        if self.backlog.replaced(staged):
-            return "the step was staged again by another save, which goes instead"
-        newer = self._preempt_for
-        if newer is not None and newer > staged.step:
-            return f"{checkpoint_name(newer)} is newer and goes first during the drain"
-        if self._store_failures:
-            waiting = self.backlog.waiting()
-            if waiting and waiting[0].step > staged.step:
-                return f"S3 is failing and {waiting[0].name} is newer: it goes first"
-        return None
-
-    def _backoff(self, attempt: int) -> float:
-        cap = DRAIN_MAX_BACKOFF if self._sigterm_at is not None else MAX_BACKOFF
-        return min(cap, 2.0 ** min(attempt, 10)) * random.uniform(0.5, 1.0)  # noqa: S311 - jitter
 
     # -- helpers --
 

@@ -1,0 +1,61 @@
+"""When the long-running sidecar exits (drain.decide): every combination of SIGTERM, the
+trainer's state and the uploads."""
+
+from __future__ import annotations
+
+import pytest
+
+from jitckpt_sidecar.drain import Verdict, decide
+
+
+def verdict(
+    since: float | None,
+    known: bool = True,
+    exited: bool = False,
+    uploaded: bool = True,
+    stay: bool = True,
+) -> Verdict:
+    return decide(
+        since_sigterm=since,
+        trainer_known=known,
+        trainer_exited=exited,
+        all_uploaded=uploaded,
+        drain_seconds=50.0,
+        exit_with_trainer=not stay,
+    )
+
+
+@pytest.mark.parametrize(
+    ("since", "known", "exited", "uploaded", "expected"),
+    [
+        (1.0, True, True, True, Verdict.DRAINED),  # the JIT checkpoint is up
+        (1.0, False, False, True, Verdict.DRAINED),  # no trainer ever started
+        (1.0, True, False, True, Verdict.DRAINING),  # the trainer is still saving its JIT
+        (1.0, True, True, False, Verdict.DRAINING),  # uploads pending
+        (50.0, True, True, False, Verdict.DEADLINE),
+        (50.0, True, False, True, Verdict.DEADLINE),  # the trainer never exited
+        (49.9, True, True, False, Verdict.DRAINING),
+        (500.0, True, True, True, Verdict.DRAINED),  # done beats a late deadline
+    ],
+)
+def test_after_sigterm(since, known, exited, uploaded, expected):
+    assert verdict(since, known, exited, uploaded) is expected
+
+
+def test_without_sigterm_a_finished_trainer_ends_the_sidecar_only_when_asked():
+    assert verdict(None, exited=True) is Verdict.TRAINER_DONE_STAY
+    assert verdict(None, exited=True, stay=False) is Verdict.TRAINER_DONE_EXIT
+    assert verdict(None, exited=True, uploaded=False, stay=False) is Verdict.TRAINING
+    assert verdict(None, exited=False, stay=False) is Verdict.TRAINING
+
+
+def test_exit_codes():
+    codes = {v: v.exit_code for v in Verdict}
+    assert codes == {
+        Verdict.TRAINING: None,
+        Verdict.DRAINING: None,
+        Verdict.DRAINED: 0,
+        Verdict.DEADLINE: 1,
+        Verdict.TRAINER_DONE_EXIT: 0,
+        Verdict.TRAINER_DONE_STAY: None,
+    }
