@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from jitckpt_entrypoint.hook import memory, torch_save
+from jitckpt_entrypoint.hook import room, torch_save
 from jitckpt_entrypoint.hook.snapshot import (
     Stager,
     UnsupportedStateError,
@@ -104,19 +104,19 @@ def test_parallel_writes_then_one_fsync_pass(tmp_path: Path):
 def test_the_memory_budget_is_the_smaller_of_the_node_and_the_cgroup(tmp_path: Path):
     (tmp_path / "proc").mkdir()
     (tmp_path / "proc" / "meminfo").write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
-    assert memory.budget(str(tmp_path)) == memory.Budget(4_096_000_000, None)
+    assert room.budget(str(tmp_path)) == room.Budget(4_096_000_000, None)
     cg = tmp_path / "sys" / "fs" / "cgroup"
     cg.mkdir(parents=True)
     (cg / "memory.max").write_text("2000000000\n")
     (cg / "memory.current").write_text("1500000000\n")
     (cg / "memory.stat").write_text("anon 1\ninactive_file 500000000\n")
-    budget = memory.budget(str(tmp_path))
-    assert budget == memory.Budget(1_000_000_000, 2_000_000_000)  # page cache is reclaimable
+    budget = room.budget(str(tmp_path))
+    assert budget == room.Budget(1_000_000_000, 2_000_000_000)  # page cache is reclaimable
     assert budget.fits(750_000_000)
     assert not budget.fits(750_000_001)
     assert budget.describe() == "1.00 GB available (cgroup limit 2.00 GB)"
     (cg / "memory.max").write_text("max\n")
-    assert memory.budget(str(tmp_path)).limit is None
+    assert room.budget(str(tmp_path)).limit is None
 
 
 def manager_with_async(root: Path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from jitckpt_entrypoint.config import Config
-from jitckpt_entrypoint.hook import gates, memory
+from jitckpt_entrypoint.hook import gates, room
 from jitckpt_entrypoint.hook.manager import CheckpointManager
 from jitckpt_entrypoint.hook.saves import SaveParts, State
 from jitckpt_entrypoint.hook.session import Session
@@ -176,7 +176,7 @@ def test_a_jit_save_frees_uncommitted_directories_when_the_disk_is_short(tmp_pat
     for step in (3, 4):
         Path(m.checkpoint_dir(step)).mkdir()
         Path(m.checkpoint_dir(step), "optimizer.pt").write_bytes(b"x" * 100)
-    monkeypatch.setattr(memory, "free_bytes", lambda _path: 10)
+    monkeypatch.setattr(room, "free_bytes", lambda _path: 10)
     m.saver._expected_bytes = 1000
     m.stop_at(7)
     assert not Path(m.checkpoint_dir(3)).exists()
@@ -214,11 +214,11 @@ def test_versions_outside_the_tested_range_turn_the_fast_paths_off(monkeypatch):
 
 
 def test_the_snapshots_of_a_nodes_local_ranks_add_up():
-    budget = memory.Budget(1_000_000_000, None)
+    budget = room.Budget(1_000_000_000, None)
     ranks = [(0, 300_000_000, budget), (0, 300_000_000, budget), (1, 300_000_000, budget)]
-    assert memory.short_node(ranks) is None
+    assert room.short_node(ranks) is None
     ranks.append((0, 300_000_000, budget))  # a third rank on node 0: 900 MB > 75% of 1 GB
-    assert "node 0's ranks need 900.0 MB" in str(memory.short_node(ranks))
+    assert "node 0's ranks need 900.0 MB" in str(room.short_node(ranks))
 
 
 def test_the_writer_thread_and_the_training_thread_share_a_save_only_under_the_lock(tmp_path):
@@ -252,7 +252,7 @@ def test_a_serializers_own_error_on_a_full_disk_counts_as_a_full_disk(tmp_path, 
     paths stay on); with space left it is a failure (they turn off)."""
     m = manager(tmp_path)
     error = RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
-    monkeypatch.setattr(memory, "free_bytes", lambda _path: 4096)
+    monkeypatch.setattr(room, "free_bytes", lambda _path: 4096)
     save = async_save(m, 5, failing(error))
     assert save.outcome == "disk full"
     assert m.saver.async_on

@@ -24,7 +24,7 @@ import pickle
 import sys
 from typing import Any, Optional
 
-from jitckpt_entrypoint.hook import memory
+from jitckpt_entrypoint.hook import room
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -73,13 +73,13 @@ class Gates:
             return self.decided_on
         self._decided = True
         reason = unsupported or version_problem()
-        budget = memory.budget()
+        budget = room.budget()
         gathered = session.control.all_gather(
             (session.topo.node, reason, snapshot_bytes + growth, budget.available, budget.limit)
         )
         reason = next((r for _, r, _, _, _ in gathered if r), None)
         node_bytes = sum(b for n, _, b, _, _ in gathered if n == session.topo.node)
-        short = memory.short_node([(n, b, memory.Budget(a, lim)) for n, _, b, a, lim in gathered])
+        short = room.short_node([(n, b, room.Budget(a, lim)) for n, _, b, a, lim in gathered])
         if reason is not None or short is not None:
             if session.topo.rank == 0:
                 log = session.log.info if reason else session.log.warning

@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from jitckpt_entrypoint.hook import committer, memory
+from jitckpt_entrypoint.hook import committer, room
 from jitckpt_entrypoint.hook.cadence import Cadence
 from jitckpt_entrypoint.hook.control import ControlGroup
 from jitckpt_entrypoint.hook.gates import Gates
@@ -192,7 +192,7 @@ class Saver:
                 root = self.session.layout.checkpoints
                 name = checkpoint_name(save.step)
                 needed = self._expected_bytes
-                self.session.log.error(memory.no_space(name, root, needed, False))  # noqa: TRY400
+                self.session.log.error(room.no_space(name, root, needed, False))  # noqa: TRY400
             raise
         self._advance(save, State.WRITTEN)
 
@@ -379,7 +379,7 @@ class Saver:
             session.log.error("%s not saved: %s", name, save.error)
         if topo.is_leader and vote.any(Outcome.DISK_FULL, topo.node):
             needed = self._expected_bytes
-            session.log.error(memory.no_space(name, session.layout.checkpoints, needed, True))
+            session.log.error(room.no_space(name, session.layout.checkpoints, needed, True))
         if topo.rank == 0 and vote.any(Outcome.CANCELLED) and not vote.any(Outcome.FAILED):
             session.log.info("%s abandoned uncommitted", name)
         elif topo.rank == 0:
@@ -416,7 +416,7 @@ class Saver:
         if not session.topo.is_leader:
             return
         root = session.layout.checkpoints
-        if not force and memory.free_bytes(root) >= self._expected_bytes:
+        if not force and room.free_bytes(root) >= self._expected_bytes:
             return
         freed = []
         for other in checkpoint_steps(root):
@@ -428,7 +428,7 @@ class Saver:
             session.log.info(
                 "removed uncommitted %s to make room for the JIT save (%s free)",
                 ", ".join(freed),
-                memory.gb(memory.free_bytes(root)),
+                room.gb(room.free_bytes(root)),
             )
 
 

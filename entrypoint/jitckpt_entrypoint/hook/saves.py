@@ -20,7 +20,7 @@ import os
 import threading
 from typing import Any, Callable, Optional
 
-from jitckpt_entrypoint.hook import memory
+from jitckpt_entrypoint.hook import room
 from jitckpt_entrypoint.protocol import status
 
 TYPE_CHECKING = False
@@ -56,7 +56,7 @@ def outcome_of(exc: BaseException, path: Optional[str] = None) -> Outcome:
     error, so a write that failed with (almost) no space left on `path`'s volume counts too."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return Outcome.DISK_FULL
-    if path is not None and memory.free_bytes(os.path.dirname(os.path.abspath(path))) < LOW_SPACE:
+    if path is not None and room.free_bytes(os.path.dirname(os.path.abspath(path))) < LOW_SPACE:
         return Outcome.DISK_FULL
     return Outcome.FAILED
 
