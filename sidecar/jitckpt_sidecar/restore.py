@@ -112,10 +112,7 @@ class Restorer:
             layout,
             logger,
         )
-        self.monotonic, self.clock, self.sleep, self.on_retry = monotonic, clock, sleep, on_retry
-        self.partial = partial
-        """Restore a sharded checkpoint in part (_node_part): only where a long-running sidecar
-        stays to fetch the rest when the trainer asks (the one-shot `restore` restores whole)."""
+        self.monotonic, self.sleep, self.on_retry = monotonic, sleep, on_retry
         self._moved = 0
         """Bytes downloaded by every attempt so far."""
         self._landed = 0

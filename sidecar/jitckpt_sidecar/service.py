@@ -159,6 +159,7 @@ class Service:
     def sigterm(self) -> None:
         if self._sigterm_at is None:
             self._sigterm_at = self.monotonic()
+        self.worker.draining = True  # short backoffs from now on
         self._wake.set()
 
     # -- the whole life --
@@ -347,7 +348,6 @@ class Service:
         )
         if since_sigterm is not None and not self._said_draining:
             self._said_draining = True
-            self.worker.draining = True
             self.backlog.hurry(DRAIN_MAX_BACKOFF)
             self.log.info(
                 "SIGTERM: draining; uploading until the trainer has exited and nothing is "

@@ -168,3 +168,17 @@ def test_a_jit_request_whose_fast_write_fails_is_written_by_the_own_save_and_exi
     assert exited.value.code == m.session.cfg.exit_code
     assert calls.seen == ["own"]
     assert committed(m, 11) == b"own"
+
+
+def test_each_training_starts_from_its_own_estimate_of_a_checkpoints_size(tmp_path):
+    """What a JIT save makes room for, and what a full disk's line says is needed: the
+    snapshot's size when a training decides its fast paths, then each commit's bytes."""
+    m = manager(tmp_path)  # enable_async(1000)
+    assert m.saver._expected_bytes == 1000
+    calls = Calls(m, 5)
+    m.save_step(SaveRequest(5, calls.own))
+    m.saved(5)
+    assert m.saver._expected_bytes == validity.committed(m.checkpoint_dir(5))[0].total_bytes
+    m.training_ended()
+    m.enable_async(7000, None)  # a second Trainer, a bigger model
+    assert m.saver._expected_bytes == 7000

@@ -51,7 +51,7 @@ class Gates:
         self.session = session
         self.decided_on = False
         """On for this training (agreed when it started)."""
-        self._decided = False
+        self.decided = False
         """`decide` ran for this training (once per `train()`)."""
         self._off: Optional[str] = None
         """Why they were turned off mid-run (a probe, a failed fast save)."""
@@ -69,9 +69,9 @@ class Gates:
         live in host memory), do not fit into what the node and the container's cgroup leave
         (one warning with the numbers)."""
         session = self.session
-        if not session.cfg.async_save or self._decided:
+        if not session.cfg.async_save or self.decided:
             return self.decided_on
-        self._decided = True
+        self.decided = True
         reason = unsupported or version_problem()
         budget = room.budget()
         gathered = session.control.all_gather(
@@ -114,7 +114,7 @@ class Gates:
 
     def reset(self) -> None:
         """Training ended: the next one (a second Trainer, a second stage) decides afresh."""
-        self.decided_on, self._decided, self._off = False, False, None
+        self.decided_on, self.decided, self._off = False, False, None
 
 
 def version_of(name: str) -> Optional[str]:

@@ -1,13 +1,13 @@
 """The one async save in flight: the background writer, its control group, the host copy.
 
-Owned by the checkpoint manager (manager.py), which hands it a save once the training thread's
-part is done; the commit callback it is built with is the manager's (`_commit`). At most one
-save is in flight: the manager drains it before the next save begins.
+Owned by the save pipeline (saver.py), which hands it a save once the training thread's part
+is done; the commit callback it is built with is the saver's (`_commit`). At most one save is
+in flight: it is drained before the next save begins.
 
 Threads: the training thread submits, waits for the host copy before the next optimizer step
 (`before_update`) and drains; the background writer (writer.py) copies, writes, votes and
 commits on its own control group, so its collectives never interleave with training's. A
-save's state changes under the manager's lock, handed in here.
+save's state changes under the saver's lock, handed in here.
 """
 
 from __future__ import annotations

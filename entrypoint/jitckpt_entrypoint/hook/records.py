@@ -39,10 +39,11 @@ class Records:
         self, *, save_total_limit: Optional[int] = None, best_step: Optional[int] = None
     ) -> None:
         """What the trainer keeps, for node.json (see `announce`)."""
-        if save_total_limit is not None:
-            self._save_total_limit = save_total_limit
-        if best_step is not None:
-            self._best_step = best_step
+        with self._lock:
+            if save_total_limit is not None:
+                self._save_total_limit = save_total_limit
+            if best_step is not None:
+                self._best_step = best_step
 
     def announce(self) -> None:
         """Tell this node's sidecar which node it is and what the trainer keeps (node.json):
@@ -51,14 +52,14 @@ class Records:
         session = self.session
         if not session.topo.is_leader:
             return
-        node = status.NodeStatus(
-            session.run_id,
-            session.topo.node,
-            session.topo.nodes,
-            self._save_total_limit,
-            self._best_step,
-        )
-        with self._lock:
+        with self._lock:  # the training thread and the background writer: the newest wins
+            node = status.NodeStatus(
+                session.run_id,
+                session.topo.node,
+                session.topo.nodes,
+                self._save_total_limit,
+                self._best_step,
+            )
             if node != self._announced:
                 status.NODE.write(session.layout.status, node)
                 self._announced = node

@@ -2,8 +2,9 @@
 
 The checkpoint manager (manager.py) owns the lifecycle (training, resume, the JIT stop) and
 hands every save here through one call, `save_step` (the Trainer's; the plain loop's `save`
-and `save_dcp_async` begin and write through `begin_save` and `write_own`). A save (saves.py's
-`Save`) moves through named states, changed only under `lock`:
+and `save_dcp_async` begin through `begin_save`, then write through `write_own` and
+`save_dcp`). A save (saves.py's `Save`) moves through named states, changed only under
+`lock`:
 
 - PLANNED: `begin_save`, on the training thread: a step already committed is skipped (a crash
   while overwriting one would leave a manifest in front of torn files), the kind is picked, the
@@ -128,8 +129,8 @@ class Saver:
 
     def save_dcp(self, save: Save, start: Callable[[str, Any], Any]) -> None:
         """Training thread, after `begin_save`: DCP's own `async_save` (inflight.py)."""
+        self.inflight.save_dcp(save, start)  # DCP's errors are its own: the save stays pending
         self._pending = None
-        self.inflight.save_dcp(save, start)
 
     def save_step(self, request: SaveRequest) -> None:
         """Training thread, the one call an adapter makes to save a step (collective; `saved`
@@ -201,9 +202,13 @@ class Saver:
     ) -> bool:
         """Collective, once when training starts: the fast paths on every rank or none
         (gates.py, which says why not in one line)."""
+        estimate = snapshot_bytes * self.session.topo.local_world_size
         if not self._expected_bytes:  # about what a checkpoint of this node takes
-            self._expected_bytes = snapshot_bytes * self.session.topo.local_world_size
+            self._expected_bytes = estimate
+        deciding = self.session.cfg.async_save and not self.gates.decided
         on = self.gates.decide(snapshot_bytes, unsupported, growth)
+        if deciding:  # this training's own estimate, until its first commit says better
+            self._expected_bytes = estimate
         if on:
             self.inflight.start()
         return on
@@ -242,8 +247,8 @@ class Saver:
     def save_async(self, save: Save, parts: SaveParts) -> None:
         """Training thread, after `begin_save`: small files and the copy of what the next
         forward changes now, the rest in the background (inflight.py)."""
-        self._pending = None
         self.inflight.save_async(save, parts)
+        self._pending = None
 
     def save_now(self, save: Save, parts: SaveParts, retry: Callable[[], object]) -> None:
         """Training thread, after `begin_save`: the same parts as `save_async`, written now
@@ -294,8 +299,8 @@ class Saver:
             staged.write_now()  # every rank, DCP's collectives on the training group as usual
             staged.after_commit()  # HF's rotation, where its own save would have run it
             return
-        self._pending = None
         self.inflight.save_staged(save, staged.write, staged.after_commit, started)
+        self._pending = None
 
     def _remove_skipped(self, step: int) -> None:
         """Collective: a skipped save's directory (created for whatever writes into it after

@@ -1,12 +1,12 @@
 """The hook's save vocabulary: a save's states and outcomes, its parts, the commit's vote.
 
-Plain data, imported by every part of the save pipeline (manager.py, inflight.py,
-committer.py) and importing none of them:
+Plain data, imported by every part of the save pipeline (saver.py, inflight.py, committer.py,
+manager.py, the adapters) and importing none of them:
 
     PLANNED --(async: host copy done)--> STAGED --(files written)--> WRITTEN --> COMMITTED
        \\________________________________________________________________/ \\--> ABANDONED
 
-A save's `state` changes only under the manager's one lock. Its `outcome` is this rank's
+A save's `state` changes only under the saver's one lock. Its `outcome` is this rank's
 result of writing its part, set by the thread that writes; the commit gathers every rank's
 (`Vote`) and commits only when all are OK.
 """
@@ -111,8 +111,9 @@ class Staged:
 @dataclasses.dataclass(frozen=True)
 class SaveRequest:
     """One save as an adapter hands it to the manager (`CheckpointManager.save_step`): the
-    ways it may be written. The manager decides which: skipped, committed already, the fast
-    path (`parts`, async or now), a staged write (`stage`), or the library's own (`own`)."""
+    ways it may be written. The save pipeline (saver.py) decides which: skipped, committed
+    already, the fast path (`parts`, async or now), a staged write (`stage`), or the
+    library's own (`own`)."""
 
     step: int
     own: Callable[[], object]

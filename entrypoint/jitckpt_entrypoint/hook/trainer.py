@@ -99,11 +99,11 @@ def patch(module: ModuleType) -> None:
 def _save_request(trainer: Any, step: int, own: Callable[[], object], ours: bool) -> SaveRequest:
     """One save of the Trainer as the manager takes it: the Trainer's own save `own`, and
     (`ours`: not a hyperparameter search's trial) the fast path's parts of it: the
-    Trainer's checkpoint in its own files and format, written by the manager's writer
-    (trainer_checkpoint.py); with FSDP (sharded), the Trainer's own save with its DCP writes
-    staged and written by the manager's writer (fsdp_checkpoint.py). HF's rotation runs after
-    the commit (HF rotates right after writing): the newest checkpoint, this one, is never
-    among those it deletes."""
+    Trainer's checkpoint in its own files and format (trainer_checkpoint.py), written by the
+    save pipeline (saver.py, inflight.py); with FSDP (sharded), the Trainer's own save with
+    its DCP writes staged and written by the background writer (fsdp_checkpoint.py). HF's
+    rotation runs after the commit (HF rotates right after writing): the newest checkpoint,
+    this one, is never among those it deletes."""
     if not ours:
         return SaveRequest(step, own)
     run_dir = trainer._get_output_dir(trial=None)
