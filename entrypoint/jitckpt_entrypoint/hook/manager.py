@@ -6,9 +6,9 @@ training ended) and *how to write* (the Trainer's own `_save_checkpoint`, its fi
 or `dcp.save`); this object decides what happens and keeps the books (which steps are
 committed, what the sidecar's retention must keep).
 
-Every save goes to the save pipeline (saver.py) through one call: `saver.save_step` (the
-Trainer's), `save` and `save_dcp_async` (the plain loop's); the manager commits it at `saved`
-and leaves when it was the JIT checkpoint.
+Every save goes to the save pipeline (saver.py) through one call: `save_step` (the
+Trainer's: a `SaveRequest`), `save` and `save_dcp_async` (the plain loop's); the manager commits
+it at `saved` and leaves when it was the JIT checkpoint.
 
 Threads and what they own:
 - the training thread: `_stop_step`, `_last_step`, the saver's pending save and gates; it
