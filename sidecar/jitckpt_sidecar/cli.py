@@ -161,9 +161,13 @@ class _Store:
     """Warnings about the bucket (versioning, Object Lock: retention frees no bytes)."""
 
 
-def _connect(cfg: Config, logger: logging.Logger, *, announce: bool = True) -> _Store:
+def _connect(
+    cfg: Config, logger: logging.Logger, *, announce: bool = True, notes: bool = True
+) -> _Store:
     """Probe S3 access (fast-failing client), then return the transfer client, made with the
-    checksum setting the probe found the store accepts (logged unless not `announce`)."""
+    checksum setting the probe found the store accepts (logged unless not `announce`), and
+    with `notes` the bucket's retention notes (not for the one-shot restore: they are about
+    what retention frees, and the long-running sidecar logs them)."""
     session = s3.new_session()
     if not cfg.s3_verify_tls:
         logger.warning(
@@ -192,11 +196,11 @@ def _connect(cfg: Config, logger: logging.Logger, *, announce: bool = True) -> _
     pool = cfg.upload_concurrency + cfg.download_concurrency + 4
     checksums = s3.WHEN_REQUIRED if refused else None
     client = s3.make_client(cfg, session, pool=pool, checksums=checksums)
-    notes = s3.retention_notes(client, cfg)
+    found = s3.retention_notes(client, cfg) if notes else []
     if announce:
-        for note in notes:
+        for note in found:
             logger.warning("%s", note)
-    return _Store(client, refused, notes)
+    return _Store(client, refused, found)
 
 
 def run_main(argv: list[str]) -> int:
@@ -243,7 +247,7 @@ def _restore(cfg: Config, logger: logging.Logger) -> int:
     from jitckpt_sidecar.restore import Restorer
 
     layout = prepare_dir(cfg)
-    client = _connect(cfg, logger).client
+    client = _connect(cfg, logger, notes=False).client
     stop: list[str] = []
     for signo in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signo, lambda signum, _frame: stop.append(signal.Signals(signum).name))

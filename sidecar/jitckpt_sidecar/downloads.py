@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
-from botocore.exceptions import IncompleteReadError
-from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
+from botocore.exceptions import IncompleteReadError, ReadTimeoutError, ResponseStreamingError
 
 from jitckpt_sidecar.checksum import Streamed
 from jitckpt_sidecar.errors import SidecarError
@@ -40,6 +40,15 @@ ATTEMPTS = 5
 BACKOFF = 0.2
 """Seconds before the second attempt of a GET; doubling, at most 5 s."""
 PART_SUFFIX = ".jitckpt-part"
+RETRYABLE_READ_ERRORS = (
+    socket.timeout,
+    ConnectionError,
+    ReadTimeoutError,
+    IncompleteReadError,
+    ResponseStreamingError,
+)
+"""A body's read that broke off: s3transfer's S3_RETRYABLE_DOWNLOAD_ERRORS (not imported from
+there: the restore never loads s3transfer, 0.1 s of its start-up)."""
 
 
 class DownloadsStoppedError(SidecarError):
@@ -145,7 +154,7 @@ class Downloads:
                     raise DownloadsStoppedError("download stopped")
                 try:
                     data = body.read(min(READ_SIZE, end - offset))
-                except S3_RETRYABLE_DOWNLOAD_ERRORS as exc:
+                except RETRYABLE_READ_ERRORS as exc:
                     raise _ReadError(offset, exc) from None
                 if self._stop.is_set():  # cut off during the read: over TLS, the bytes after
                     raise DownloadsStoppedError("download stopped")  # the cut are ciphertext

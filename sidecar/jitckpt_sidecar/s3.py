@@ -76,10 +76,12 @@ def endpoint_of(cfg: Config) -> str:
 
 
 def new_session() -> Any:
-    """A boto3 session: the credential chain and the loaded service models, shared by clients."""
-    import boto3
+    """A botocore session: the credential chain and the loaded service models, shared by
+    clients. botocore's, not boto3's: boto3's import also loads s3transfer and its resource
+    models (0.1-0.2 s of a restore's start-up), and its client is botocore's."""
+    import botocore.session
 
-    return boto3.session.Session()
+    return botocore.session.get_session()
 
 
 def make_client(
@@ -90,7 +92,7 @@ def make_client(
     pool: int = 10,
     checksums: Optional[str] = None,
 ) -> Any:
-    """A boto3 S3 client for `cfg`; each request is tried `attempts` (default
+    """A botocore S3 client for `cfg`; each request is tried `attempts` (default
     cfg.s3_max_attempts) times in botocore's standard mode (exponential backoff with full
     jitter, capped at 20 s, on throttling, 5xx and connection errors). `checksums`
     (WHEN_REQUIRED) overrides botocore's flexible-checksum settings for this client."""
@@ -133,7 +135,7 @@ def make_client(
     if not cfg.s3_verify_tls:
         verify = False
         warnings.filterwarnings("ignore", message="Unverified HTTPS request")
-    return session.client(
+    return session.create_client(
         "s3", endpoint_url=cfg.s3_endpoint or None, verify=verify, config=boto_cfg
     )
 
