@@ -15,6 +15,11 @@ gloo). With restarts asked for there (the static rendezvous never shares), the a
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch's own opt-out: the workers get their own store)
 unless the user set it; the restarted workers then resume from the newest checkpoint on the
 volume.
+
+A SIGTERM ends the agent with torch's SignalException, which Python prints as a traceback
+after the JIT save's log lines, though nothing failed that a user must read. Under the
+entrypoint the agent says it in one line instead and exits 1, the code torchrun's traceback
+gives (the entrypoint maps it to JITCKPT_EXIT_CODE when a JIT checkpoint was committed).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import signal
 import sys
 from types import ModuleType
 from typing import Any, Optional
@@ -83,10 +89,36 @@ def patch_launch_agent(launcher_api: ModuleType) -> None:
                     f"get their own TCPStore ({OWN_STORE_ENV}=1; a shared one can hand them the "
                     "previous round's addresses)\n"
                 )
-        return original(config, *args, **kwargs)
+        try:
+            return original(config, *args, **kwargs)
+        except Exception as exc:
+            if not (stopped_by_sigterm(exc) and under_entrypoint()):
+                raise
+            with contextlib.suppress(Exception):
+                sys.stderr.write(
+                    "jitckpt-hook[torchrun]: INFO the agent stopped on SIGTERM; exit 1, "
+                    "torchrun's code after a signal\n"
+                )
+            raise SystemExit(1) from None
 
     launch_agent._jitckpt_registers = True  # type: ignore[attr-defined]
     launcher_api.launch_agent = launch_agent  # type: ignore[attr-defined]
+
+
+def stopped_by_sigterm(exc: BaseException) -> bool:
+    """Whether `exc` is torch's SignalException for SIGTERM (the agent's orderly stop)."""
+    return type(exc).__name__ == "SignalException" and getattr(exc, "sigval", None) == (
+        signal.SIGTERM
+    )
+
+
+def under_entrypoint() -> bool:
+    """Whether this agent is the entrypoint's child (it set the run id)."""
+    try:
+        from jitckpt_entrypoint.protocol.status import RUN_ID_ENV
+    except Exception:  # noqa: BLE001 - then torch's own ending stands
+        return False
+    return bool(os.environ.get(RUN_ID_ENV))
 
 
 def register_agent(shutdown_timeout: Optional[int]) -> None:
