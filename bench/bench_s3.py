@@ -502,6 +502,7 @@ def measure(
     *,
     runs: int,
     restore_prefix: str,
+    uploads: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Median seconds per tool; the runs are interleaved so that drift hits every tool alike.
     Each run uploads with every tool (each upload deleted and garbage-collected at once), then
@@ -509,12 +510,17 @@ def measure(
     as tools, each tool restores first once and right after each other tool once): the store's
     work after a cleanup, and whatever one tool leaves behind for the next (measured: the
     sidecar's restore right after an `s5cmd` restore took 0.1-0.9 s longer than after its
-    own), fall on each tool alike."""
+    own), fall on each tool alike. Without `uploads` every tool only restores (upload cells
+    nan)."""
     raw: dict[str, dict[str, list[float]]] = {
         name: {"up": [], "down": [], "up_transfer": [], "down_transfer": []} for name, _, _ in tools
     }
     for i in range(runs):
         for name, up, _ in tools:
+            if not uploads:
+                raw[name]["up"].append(float("nan"))
+                raw[name]["up_transfer"].append(float("nan"))
+                continue
             prefix = f"up-{time.monotonic_ns()}-{i}"
             raw[name]["up"].append(up.upload(src, prefix))
             raw[name]["up_transfer"].append(getattr(up, "last_transfer", float("nan")))
@@ -642,7 +648,12 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tune", action="store_true", help="try every candidate once, then stop")
-    parser.add_argument("--tools", default="aws,s5cmd,sidecar", help="with --tune: which tools")
+    parser.add_argument(
+        "--tools", default="aws,s5cmd,sidecar", help="which tools (the floor always)"
+    )
+    parser.add_argument(
+        "--restore-only", action="store_true", help="no upload rows (an 8 GiB run in minutes)"
+    )
     parser.add_argument("--no-idle", action="store_true", help="skip the idle RSS/CPU part")
     parser.add_argument("--idle-seconds", type=float, default=30.0)
     args = parser.parse_args()
@@ -672,8 +683,17 @@ def main() -> None:
                 ("s5cmd tuned", S5cmd(store, S5CMD_TUNED_UP), S5cmd(store, S5CMD_TUNED_DOWN)),
                 (SIDECAR_ROW, sidecar, sidecar),
             ]
+            wanted = set(args.tools.split(","))
+            tools = [t for t in tools if t[0] == FLOOR or _kind(t[0]) in wanted]
             results = measure(
-                tools, src, work, client, store, runs=args.runs, restore_prefix=restore_prefix
+                tools,
+                src,
+                work,
+                client,
+                store,
+                runs=args.runs,
+                restore_prefix=restore_prefix,
+                uploads=not args.restore_only,
             )
             legend = [
                 f"aws tuned: upload {up_aws}; restore {down_aws} (AWS_CONFIG_FILE s3 section)",
@@ -689,6 +709,11 @@ def main() -> None:
             idle = [] if args.no_idle else idle_cost(store, src, work, args.idle_seconds)
 
     report(results, legend, idle, store.name, args)
+
+
+def _kind(row: str) -> str:
+    """The --tools name of a row: aws, s5cmd or sidecar."""
+    return "sidecar" if row == SIDECAR_ROW else row.split(maxsplit=1)[0]
 
 
 def report(
