@@ -58,6 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 FLOOR = "floor: raw HTTP(S) PUT/GET, all files in parallel"
 SIDECAR_ROW = "jitckpt-sidecar (defaults)"
+TOOL_NAMES = {"aws", "s5cmd", "sidecar"}
 AWS = str(VENV_BIN / "aws")
 S5CMD = str(VENV_BIN / "s5cmd")
 CREDENTIALS = {
@@ -657,6 +658,14 @@ def main() -> None:
     parser.add_argument("--no-idle", action="store_true", help="skip the idle RSS/CPU part")
     parser.add_argument("--idle-seconds", type=float, default=30.0)
     args = parser.parse_args()
+    wanted = set(args.tools.split(","))
+    if wanted - TOOL_NAMES or not (args.tune or ("sidecar" in wanted and wanted - {"sidecar"})):
+        parser.error(
+            f"--tools {args.tools!r}: comma-separated, of aws, s5cmd, sidecar "
+            "(the comparison needs the sidecar and another tool)"
+        )
+    if args.restore_only and args.tune:
+        parser.error("--restore-only compares restores; --tune tries every candidate itself")
 
     with tempfile.TemporaryDirectory(prefix="jitckpt-bench-") as tmp:
         work = Path(tmp)
@@ -683,7 +692,6 @@ def main() -> None:
                 ("s5cmd tuned", S5cmd(store, S5CMD_TUNED_UP), S5cmd(store, S5CMD_TUNED_DOWN)),
                 (SIDECAR_ROW, sidecar, sidecar),
             ]
-            wanted = set(args.tools.split(","))
             tools = [t for t in tools if t[0] == FLOOR or _kind(t[0]) in wanted]
             results = measure(
                 tools,

@@ -179,9 +179,10 @@ def _connect(
     except Exception as exc:
         if type(exc).__name__ != "InvalidRegionError":
             raise
+        region = session.get_config_variable("region")
         raise ConfigError(
-            f"the S3 region {session.region_name!r} is not a region name; set AWS_DEFAULT_REGION "
-            "(or AWS_REGION) to the bucket's region, e.g. us-east-1"
+            f"the S3 region {region!r} is not a region name; set AWS_DEFAULT_REGION "
+            "to the bucket's region, e.g. us-east-1"
         ) from None
     # An explicit AWS_REQUEST_CHECKSUM_CALCULATION is the user's choice: no silent switch.
     fallback = None
@@ -260,7 +261,7 @@ def _restore(cfg: Config, logger: logging.Logger) -> int:
         record = status.PodRestore(process_start(), result.source, result.bytes)
         status.POD_RESTORE.write(layout.status, record)
     # The trainer starts when this init container exits: skip the interpreter's teardown of
-    # boto3's modules (measured 0.15 to 0.3 s); the ready file is already written durably.
+    # botocore's modules (measured 0.15 to 0.3 s); the ready file is already written durably.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

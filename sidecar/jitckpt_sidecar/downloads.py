@@ -48,7 +48,7 @@ RETRYABLE_READ_ERRORS = (
     ResponseStreamingError,
 )
 """A body's read that broke off: s3transfer's S3_RETRYABLE_DOWNLOAD_ERRORS (not imported from
-there: the restore never loads s3transfer, 0.1 s of its start-up)."""
+there: the one-shot restore does not load s3transfer)."""
 
 
 class DownloadsStoppedError(SidecarError):

@@ -1,6 +1,6 @@
 """The S3 client, the start-up access probe, and one-line descriptions of S3 failures.
 
-Credentials, region and CA bundle follow boto3's own chain (AWS_ACCESS_KEY_ID /
+Credentials, region and CA bundle follow botocore's own chain (AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY, IRSA / web identity, AWS_DEFAULT_REGION, AWS_CA_BUNDLE); the endpoint
 comes from the config (which already fell back to AWS_ENDPOINT_URL* or AWS_S3_ENDPOINT).
 """
@@ -77,8 +77,8 @@ def endpoint_of(cfg: Config) -> str:
 
 def new_session() -> Any:
     """A botocore session: the credential chain and the loaded service models, shared by
-    clients. botocore's, not boto3's: boto3's import also loads s3transfer and its resource
-    models (0.1-0.2 s of a restore's start-up), and its client is botocore's."""
+    clients. botocore's, not boto3's: its client is botocore's, and boto3's import also loads
+    s3transfer, which the one-shot restore does not need."""
     import botocore.session
 
     return botocore.session.get_session()

@@ -18,8 +18,10 @@ volume.
 
 A SIGTERM ends the agent with torch's SignalException, which Python prints as a traceback
 after the JIT save's log lines, though nothing failed that a user must read. Under the
-entrypoint the agent says it in one line instead and exits 1, the code torchrun's traceback
-gives (the entrypoint maps it to JITCKPT_EXIT_CODE when a JIT checkpoint was committed).
+entrypoint torchrun's CLI says it in one line instead and exits 1, the code the traceback gives
+(the entrypoint maps it to JITCKPT_EXIT_CODE when a JIT checkpoint was committed); torch's
+`record` then writes no error file for it (TORCHELASTIC_ERROR_FILE, which an agent is rarely
+given).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def patch_launch_agent(launcher_api: ModuleType) -> None:
         try:
             return original(config, *args, **kwargs)
         except Exception as exc:
-            if not (stopped_by_sigterm(exc) and under_entrypoint()):
+            if not (stopped_by_sigterm(exc) and torchrun_cli() and under_entrypoint()):
                 raise
             with contextlib.suppress(Exception):
                 sys.stderr.write(
@@ -109,6 +111,16 @@ def stopped_by_sigterm(exc: BaseException) -> bool:
     """Whether `exc` is torch's SignalException for SIGTERM (the agent's orderly stop)."""
     return type(exc).__name__ == "SignalException" and getattr(exc, "sigval", None) == (
         signal.SIGTERM
+    )
+
+
+def torchrun_cli() -> bool:
+    """Whether this process is torchrun's own CLI (`torchrun`, `python -m torch.distributed.run`),
+    where the exception ends the process with 1. Not a launcher that calls torch's in-process
+    (`accelerate launch --debug` catches it and exits 0): its own handling stands."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    return os.path.basename(argv0) == "torchrun" or argv0.endswith(
+        os.path.join("torch", "distributed", "run.py")
     )
 
 
