@@ -105,22 +105,59 @@ def _reads_of(
     return {} if reads is None else {"shard_dirs": reads[0], "shard_reads": reads[1]}
 
 
+STAGING_TEMP = ".jitckpt-"
+"""Names under staging/ that are not staged checkpoints: one being built (`stage`), one being
+replaced or removed (`swap_out`); never read as ready."""
+
+
 def stage(layout: Layout, ckpt_dir: str, own: m.Manifest) -> str:
-    """Hard-link this node's owned files, then its manifest, into staging/ (no extra bytes)."""
+    """Hard-link this node's owned files, then its manifest, into staging/ (no extra bytes).
+
+    Built under a temporary name and renamed into place, an earlier staging of the step moved
+    aside first: the sidecar, which removes a staged directory once uploaded (`swap_out`), never
+    finds one half-built, and never removes this one in place of the earlier save it uploaded."""
     dest = layout.staged_dir(own.step)
-    if os.path.exists(dest):
-        remove_checkpoint(dest)
+    for leftover in _listdir(layout.staging):  # a staging killed halfway (one stager a node)
+        if leftover.startswith(f"{STAGING_TEMP}stage-"):
+            remove_checkpoint(os.path.join(layout.staging, leftover))
+    tmp = os.path.join(layout.staging, f"{STAGING_TEMP}stage-{os.path.basename(dest)}")
+    os.makedirs(tmp)
     for entry in own.owned:
-        target = os.path.join(dest, entry.path)
+        target = os.path.join(tmp, entry.path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         link_or_copy(os.path.join(ckpt_dir, entry.path), target)
-    os.makedirs(dest, exist_ok=True)
     link_or_copy(
         os.path.join(ckpt_dir, m.manifest_name(own.node)),
-        os.path.join(dest, m.manifest_name(own.node)),
+        os.path.join(tmp, m.manifest_name(own.node)),
     )
-    durable.sync_tree(dest)  # the links (a PVC outlives a node crash)
+    durable.sync_tree(tmp)  # the links (a PVC outlives a node crash)
+    for _ in range(3):  # the sidecar may put back a save it moved aside meanwhile (swap_out)
+        old = swap_out(dest)
+        if old is not None:
+            remove_checkpoint(old)
+        try:
+            os.rename(tmp, dest)
+            break
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    else:
+        raise OSError(errno.EEXIST, "kept reappearing while staging", dest)
+    atomic.fsync_dir(layout.staging)
     return dest
+
+
+def swap_out(path: str) -> Optional[str]:
+    """Move the directory at `path` aside, atomically, to a name of its own beside it (None
+    when there is none): whoever moved it owns what it held, and nothing else can stage or
+    remove it meanwhile."""
+    parent, name = os.path.split(path)
+    aside = os.path.join(parent, f"{STAGING_TEMP}aside-{name}-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return None
+    return aside
 
 
 def link_or_copy(src: str, dst: str) -> bool:
