@@ -190,7 +190,6 @@ class Service:
             "" if result.step is None else f" {checkpoint_name(result.step)}",
             self.layout.staging,
         )
-        staging.remove_leftovers(self.layout)  # what a killed sidecar had moved aside
         worker = threading.Thread(target=self.worker.run, name="jitckpt-upload", daemon=True)
         settler = threading.Thread(target=self._settle, name="jitckpt-settle", daemon=True)
         try:

@@ -16,7 +16,7 @@ from typing import Optional
 
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol import validity
-from jitckpt_entrypoint.protocol.commit import STAGING_TEMP, remove_checkpoint, swap_out
+from jitckpt_entrypoint.protocol.commit import remove_checkpoint, staging_lock
 from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_steps
 
 
@@ -85,34 +85,19 @@ def current(staged: Staged) -> bool:
     return now is not None and (now.save_id, now.created_at) == staged.save
 
 
+REMOVE_LOCK_WAIT = 30.0
+"""Seconds `remove` waits for the trainer's staging in progress before it leaves the directory
+for the next upload of the step to remove."""
+
+
 def remove(staged: Staged) -> None:
     """Drop the staged links, manifest first (a half-removed directory is never ready), only
     while the directory holds that save: the trainer may have staged the step again (that save
-    is still to be uploaded). The directory is moved aside first (commit.swap_out), then
-    checked: another save staged between a check and a removal in place would be lost. A save
-    moved aside that is not `staged`'s goes back, unless the step was staged again meanwhile
-    (then it is older than that one, and goes)."""
-    if not current(staged):
-        return
-    aside = swap_out(staged.path)
-    if aside is None:
-        return
-    if _holds(aside, staged):
-        remove_checkpoint(aside)
-        return
-    try:
-        os.rename(aside, staged.path)
-    except OSError:
-        remove_checkpoint(aside)
-
-
-def _holds(path: str, staged: Staged) -> bool:
-    """Whether the directory moved aside to `path` holds `staged`'s save, or no save at all."""
-    return all((x.save_id, x.created_at) == staged.save for x in m.read_manifests(path).values())
-
-
-def remove_leftovers(layout: Layout) -> None:
-    """Directories a killed sidecar moved aside (`remove`), at start."""
-    for name in sorted(os.listdir(layout.staging)):
-        if name.startswith(f"{STAGING_TEMP}aside-"):
-            remove_checkpoint(os.path.join(layout.staging, name))
+    is still to be uploaded). The check and the removal hold the staging lock, which the
+    trainer holds while it stages (commit.stage): a save staged between the two is never the
+    one removed. Without the lock in time (the trainer stuck in its staging), nothing is removed:
+    the bytes stay until the step's next upload or the pod's end, a lost save would be worse.
+    Where the filesystem has no locks, as before the lock existed."""
+    with staging_lock(os.path.dirname(os.path.normpath(staged.path)), REMOVE_LOCK_WAIT) as held:
+        if held is not False and current(staged):
+            remove_checkpoint(staged.path)

@@ -1,16 +1,19 @@
 """The trainer stages a step again while the sidecar removes the save of it it uploaded: the
-newer staging is never the one removed (commit.stage builds aside and renames into place;
-staging.remove moves the directory aside before it checks whose save it holds)."""
+newer staging is never the one removed (both hold the staging lock, commit.staging_lock)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from harness.checkpoints import commit, hf_files
+from jitckpt_entrypoint.protocol import commit as commit_module
 from jitckpt_entrypoint.protocol import validity
-from jitckpt_entrypoint.protocol.commit import STAGING_TEMP, remove_checkpoint
+from jitckpt_entrypoint.protocol.commit import STAGING_LOCK, remove_checkpoint, staging_lock
 from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar import staging
 
@@ -22,69 +25,70 @@ def save(root: Path, save_id: str) -> None:
     commit([root], 50, [hf_files(50, big=4096)], save_id=save_id)
 
 
-def restage_during_checks(monkeypatch: Any, root: Path, save_ids: list[str]) -> None:
-    """The trainer saves checkpoint-50 again right after each of the sidecar's next readiness
-    checks, one save id per check."""
-    real = validity.staged
-    pending = list(save_ids)
-
-    def check_then_restage(path: str, **kwargs: Any) -> Any:
-        result = real(path, **kwargs)
-        if pending:
-            save(root, pending.pop(0))
-        return result
-
-    monkeypatch.setattr(validity, "staged", check_then_restage)
+def staged_save(root: Path) -> str:
+    found = staging.read(Layout(str(root)).staged_dir(50))
+    return found.manifest.save_id if found else ""
 
 
-def staged_now(root: Path) -> tuple[list[str], str]:
-    layout = Layout(str(root))
-    found = staging.read(layout.staged_dir(50))
-    return sorted(os.listdir(layout.staging)), found.manifest.save_id if found else ""
-
-
-def test_a_save_staged_right_after_the_check_is_not_the_one_removed(tmp_path, monkeypatch):
+def test_a_save_staged_while_the_sidecar_removes_the_uploaded_one_stays_staged(
+    tmp_path, monkeypatch
+):
+    """The trainer's staging of B starts right after the sidecar found A still staged: it
+    waits for the lock, so the sidecar removes A, not B (unlocked, it removed B)."""
     save(tmp_path, "save-A")
     uploaded = staging.read(Layout(str(tmp_path)).staged_dir(50))
     assert uploaded is not None
     assert uploaded.manifest.save_id == "save-A"
-    restage_during_checks(monkeypatch, tmp_path, ["save-B"])
+    real = validity.staged
+    trainer: list[threading.Thread] = []
+
+    def check_then_restage(path: str, **kwargs: Any) -> Any:
+        result = real(path, **kwargs)
+        if not trainer:
+            trainer.append(threading.Thread(target=save, args=(tmp_path, "save-B")))
+            trainer[0].start()
+            time.sleep(0.3)  # unlocked, the staging of B is done by now
+        return result
+
+    monkeypatch.setattr(validity, "staged", check_then_restage)
     staging.remove(uploaded)
+    trainer[0].join(timeout=30)
     monkeypatch.undo()
-    assert staged_now(tmp_path) == (["checkpoint-50"], "save-B")
+    assert staged_save(tmp_path) == "save-B"
 
 
-def test_a_save_moved_aside_by_mistake_goes_back_unless_the_step_was_staged_again(
+def test_a_trainer_stuck_on_the_lock_stages_unlocked_and_a_sidecar_leaves_the_directory(
     tmp_path, monkeypatch
 ):
+    """A lock held longer than the trainer waits (a sidecar stuck in its removal) does not
+    stop the save: it stages unlocked. A sidecar that cannot get the lock removes nothing."""
     save(tmp_path, "save-A")
-    uploaded = staging.read(Layout(str(tmp_path)).staged_dir(50))
-    assert uploaded is not None
-    # B lands after the sidecar's check, C after it moved B aside: B is older than C, it goes.
-    restage_during_checks(monkeypatch, tmp_path, ["save-B"])
-    real_swap_out = staging.swap_out
-
-    def swap_out_then_restage(path: str) -> Any:
-        aside = real_swap_out(path)
-        save(tmp_path, "save-C")
-        return aside
-
-    monkeypatch.setattr(staging, "swap_out", swap_out_then_restage)
-    staging.remove(uploaded)
-    monkeypatch.undo()
-    assert staged_now(tmp_path) == (["checkpoint-50"], "save-C")
-
-
-def test_the_uploaded_save_is_removed_and_leftovers_of_killed_processes_go(tmp_path):
     layout = Layout(str(tmp_path))
-    save(tmp_path, "save-A")
     uploaded = staging.read(layout.staged_dir(50))
     assert uploaded is not None
-    staging.remove(uploaded)
-    assert staged_now(tmp_path) == ([], "")
-    for name in ("stage-checkpoint-40", "aside-checkpoint-30-7-1"):  # killed halfway
-        Path(layout.staging, STAGING_TEMP + name, "model.safetensors").parent.mkdir(parents=True)
-    staging.remove_leftovers(layout)  # the sidecar's start: what it had moved aside
-    assert staged_now(tmp_path) == ([f"{STAGING_TEMP}stage-checkpoint-40"], "")
-    save(tmp_path, "save-B")  # the trainer's next staging: what it had left
-    assert staged_now(tmp_path) == (["checkpoint-50"], "save-B")
+    monkeypatch.setattr(commit_module, "STAGE_LOCK_WAIT", 0.05)
+    monkeypatch.setattr(staging, "REMOVE_LOCK_WAIT", 0.05)
+    fd = os.open(os.path.join(layout.staging, STAGING_LOCK), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process's hold (its own open file)
+        staging.remove(uploaded)
+        assert staged_save(tmp_path) == "save-A"
+        save(tmp_path, "save-B")
+        assert staged_save(tmp_path) == "save-B"
+    finally:
+        os.close(fd)
+    again = staging.read(layout.staged_dir(50))
+    assert again is not None
+    staging.remove(again)
+    assert staged_save(tmp_path) == ""
+
+
+def test_without_a_lock_file_the_callers_go_on_as_before(tmp_path):
+    with staging_lock(str(tmp_path / "no-such-directory"), 0.01) as held:
+        assert held is None
+    with staging_lock(str(tmp_path), 0.01) as held:
+        assert held is True
+        with staging_lock(str(tmp_path), 0.01) as inner:
+            assert inner is False  # another open file of the same lock: busy
+    with staging_lock(str(tmp_path), 0.01) as held:
+        assert held is True

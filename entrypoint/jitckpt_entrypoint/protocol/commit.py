@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Callable, Optional
 
 from jitckpt_entrypoint.protocol import atomic, durable, status
@@ -105,59 +106,64 @@ def _reads_of(
     return {} if reads is None else {"shard_dirs": reads[0], "shard_reads": reads[1]}
 
 
-STAGING_TEMP = ".jitckpt-"
-"""Names under staging/ that are not staged checkpoints: one being built (`stage`), one being
-replaced or removed (`swap_out`); never read as ready."""
+STAGING_LOCK = ".jitckpt-lock"
+"""A file under staging/ whose exclusive flock the trainer holds while it stages a step, and
+the sidecar while it removes an uploaded save (staging_lock)."""
+STAGE_LOCK_WAIT = 5.0
+"""Seconds the trainer waits for the sidecar's removal in progress (milliseconds in practice)
+before it stages without the lock, as without a sidecar."""
 
 
 def stage(layout: Layout, ckpt_dir: str, own: m.Manifest) -> str:
-    """Hard-link this node's owned files, then its manifest, into staging/ (no extra bytes).
-
-    Built under a temporary name and renamed into place, an earlier staging of the step moved
-    aside first: the sidecar, which removes a staged directory once uploaded (`swap_out`), never
-    finds one half-built, and never removes this one in place of the earlier save it uploaded."""
+    """Hard-link this node's owned files, then its manifest, into staging/ (no extra bytes),
+    under the staging lock: the sidecar, removing an earlier save of the step it uploaded,
+    never removes this one instead (it checks whose save the directory holds under the lock)."""
     dest = layout.staged_dir(own.step)
-    for leftover in _listdir(layout.staging):  # a staging killed halfway (one stager a node)
-        if leftover.startswith(f"{STAGING_TEMP}stage-"):
-            remove_checkpoint(os.path.join(layout.staging, leftover))
-    tmp = os.path.join(layout.staging, f"{STAGING_TEMP}stage-{os.path.basename(dest)}")
-    os.makedirs(tmp)
-    for entry in own.owned:
-        target = os.path.join(tmp, entry.path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        link_or_copy(os.path.join(ckpt_dir, entry.path), target)
-    link_or_copy(
-        os.path.join(ckpt_dir, m.manifest_name(own.node)),
-        os.path.join(tmp, m.manifest_name(own.node)),
-    )
-    durable.sync_tree(tmp)  # the links (a PVC outlives a node crash)
-    for _ in range(3):  # the sidecar may put back a save it moved aside meanwhile (swap_out)
-        old = swap_out(dest)
-        if old is not None:
-            remove_checkpoint(old)
-        try:
-            os.rename(tmp, dest)
-            break
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-    else:
-        raise OSError(errno.EEXIST, "kept reappearing while staging", dest)
-    atomic.fsync_dir(layout.staging)
+    with staging_lock(layout.staging, STAGE_LOCK_WAIT):
+        if os.path.exists(dest):
+            remove_checkpoint(dest)
+        for entry in own.owned:
+            target = os.path.join(dest, entry.path)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            link_or_copy(os.path.join(ckpt_dir, entry.path), target)
+        os.makedirs(dest, exist_ok=True)
+        link_or_copy(
+            os.path.join(ckpt_dir, m.manifest_name(own.node)),
+            os.path.join(dest, m.manifest_name(own.node)),
+        )
+        durable.sync_tree(dest)  # the links (a PVC outlives a node crash)
     return dest
 
 
-def swap_out(path: str) -> Optional[str]:
-    """Move the directory at `path` aside, atomically, to a name of its own beside it (None
-    when there is none): whoever moved it owns what it held, and nothing else can stage or
-    remove it meanwhile."""
-    parent, name = os.path.split(path)
-    aside = os.path.join(parent, f"{STAGING_TEMP}aside-{name}-{os.getpid()}-{time.monotonic_ns()}")
+@contextlib.contextmanager
+def staging_lock(staging: str, wait: float) -> Iterator[Optional[bool]]:
+    """Hold the exclusive flock of `staging`/STAGING_LOCK (the kernel drops it when its holder
+    dies). Yields True when held; False when another process held it for `wait` seconds; None
+    where there is no lock to take (no such file can be made, or no locks on the filesystem):
+    then the caller goes on unlocked, as before the lock existed."""
     try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return None
-    return aside
+        fd = os.open(os.path.join(staging, STAGING_LOCK), os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        yield None
+        return
+    try:
+        yield _flock(fd, time.monotonic() + wait)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _flock(fd: int, deadline: float) -> Optional[bool]:
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        except OSError:  # no locks on this filesystem
+            return None
+        else:
+            return True
 
 
 def link_or_copy(src: str, dst: str) -> bool:
