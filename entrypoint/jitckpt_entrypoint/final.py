@@ -22,7 +22,12 @@ from typing import Optional
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.protocol import atomic, durable
 from jitckpt_entrypoint.protocol import manifest as m
-from jitckpt_entrypoint.protocol.commit import link_or_copy, remove_checkpoint
+from jitckpt_entrypoint.protocol.commit import (
+    STAGE_LOCK_WAIT,
+    link_or_copy,
+    remove_checkpoint,
+    staging_lock,
+)
 from jitckpt_entrypoint.protocol.layout import FINAL_NAME, Layout, step_of
 from jitckpt_entrypoint.protocol.status import OutputRecord
 
@@ -73,9 +78,10 @@ def stage(layout: Layout, record: OutputRecord) -> Optional[StagedFinal]:
             record.step, m.OUTPUT_KIND, node=0, nodes=1, world_size=1, files=entries
         )
         m.write_manifest(tmp, manifest)
-        if os.path.lexists(layout.final):
-            remove_checkpoint(layout.final)  # an earlier run's, not uploaded: this one wins
-        os.rename(tmp, layout.final)
+        with staging_lock(layout.staging, STAGE_LOCK_WAIT):  # not while the sidecar removes
+            if os.path.lexists(layout.final):  # the earlier model it uploaded (staging.remove)
+                remove_checkpoint(layout.final)  # an earlier run's, not uploaded: this one wins
+            os.rename(tmp, layout.final)
         atomic.fsync_dir(layout.staging)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -90,14 +90,18 @@ REMOVE_LOCK_WAIT = 30.0
 for the next upload of the step to remove."""
 
 
-def remove(staged: Staged) -> None:
+def remove(staged: Staged) -> bool:
     """Drop the staged links, manifest first (a half-removed directory is never ready), only
     while the directory holds that save: the trainer may have staged the step again (that save
     is still to be uploaded). The check and the removal hold the staging lock, which the
     trainer holds while it stages (commit.stage): a save staged between the two is never the
     one removed. Without the lock in time (the trainer stuck in its staging), nothing is removed:
     the bytes stay until the step's next upload or the pod's end, a lost save would be worse.
-    Where the filesystem has no locks, as before the lock existed."""
+    Where the filesystem has no locks, as before the lock existed. False only when the lock
+    was not had in time."""
     with staging_lock(os.path.dirname(os.path.normpath(staged.path)), REMOVE_LOCK_WAIT) as held:
-        if held is not False and current(staged):
+        if held is False:
+            return False
+        if current(staged):
             remove_checkpoint(staged.path)
+        return True

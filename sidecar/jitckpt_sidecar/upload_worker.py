@@ -142,7 +142,7 @@ class UploadWorker:
             report.seconds,
             transfers.rate(report.bytes_sent, report.seconds),
         )
-        staging.remove(staged)
+        self._unstage(staged)
         self.backlog.done(staged)
         self.pruner.forget()
         try:
@@ -159,8 +159,17 @@ class UploadWorker:
         """Do not upload `staged`, on purpose: counted, its staged links removed."""
         self.log.info("skipping %s: %s", staged.name, why)
         self.metrics.uploads.skipped()
-        staging.remove(staged)
+        self._unstage(staged)
         self.backlog.done(staged)
+
+    def _unstage(self, staged: Staged) -> None:
+        if not staging.remove(staged):
+            self.log.warning(
+                "%s stays staged: the trainer held the staging lock for %.0f s (its bytes are "
+                "freed by the step's next upload or the pod's end)",
+                staged.name,
+                staging.REMOVE_LOCK_WAIT,
+            )
 
     def _stopped_at(self) -> Optional[float]:
         """When this pod's trainer was stopped (its SIGTERM, else its exit), None while it

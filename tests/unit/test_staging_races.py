@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -41,17 +42,32 @@ def test_a_save_staged_while_the_sidecar_removes_the_uploaded_one_stays_staged(
     assert uploaded.manifest.save_id == "save-A"
     real = validity.staged
     trainer: list[threading.Thread] = []
+    waiting = threading.Event()
+
+    class Flock:  # fcntl as commit.py sees it: notes when a staging waits for the lock
+        def __getattr__(self, name: str) -> Any:
+            return getattr(fcntl, name)
+
+        def flock(self, fd: int, op: int) -> None:
+            try:
+                fcntl.flock(fd, op)
+            except BlockingIOError:
+                waiting.set()
+                raise
 
     def check_then_restage(path: str, **kwargs: Any) -> Any:
         result = real(path, **kwargs)
         if not trainer:
             trainer.append(threading.Thread(target=save, args=(tmp_path, "save-B")))
             trainer[0].start()
-            time.sleep(0.3)  # unlocked, the staging of B is done by now
+            # Locked, B's staging waits for the lock; unlocked, it is done within these 10 s.
+            waiting.wait(timeout=10)
         return result
 
+    monkeypatch.setattr(commit_module, "fcntl", Flock())
     monkeypatch.setattr(validity, "staged", check_then_restage)
-    staging.remove(uploaded)
+    assert staging.remove(uploaded)
+    assert waiting.is_set()
     trainer[0].join(timeout=30)
     monkeypatch.undo()
     assert staged_save(tmp_path) == "save-B"
@@ -71,7 +87,7 @@ def test_a_trainer_stuck_on_the_lock_stages_unlocked_and_a_sidecar_leaves_the_di
     fd = os.open(os.path.join(layout.staging, STAGING_LOCK), os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # another process's hold (its own open file)
-        staging.remove(uploaded)
+        assert not staging.remove(uploaded)
         assert staged_save(tmp_path) == "save-A"
         save(tmp_path, "save-B")
         assert staged_save(tmp_path) == "save-B"
@@ -79,7 +95,7 @@ def test_a_trainer_stuck_on_the_lock_stages_unlocked_and_a_sidecar_leaves_the_di
         os.close(fd)
     again = staging.read(layout.staged_dir(50))
     assert again is not None
-    staging.remove(again)
+    assert staging.remove(again)
     assert staged_save(tmp_path) == ""
 
 
@@ -92,3 +108,20 @@ def test_without_a_lock_file_the_callers_go_on_as_before(tmp_path):
             assert inner is False  # another open file of the same lock: busy
     with staging_lock(str(tmp_path), 0.01) as held:
         assert held is True
+
+
+def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path):
+    """A DataLoader worker forked while the background writer stages shares the lock's open
+    file: the lock is released explicitly, not by the close alone."""
+    with staging_lock(str(tmp_path), 1.0) as held:
+        assert held is True
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child only sleeps
+            time.sleep(5)
+            os._exit(0)
+    try:
+        with staging_lock(str(tmp_path), 0.5) as again:
+            assert again is True
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

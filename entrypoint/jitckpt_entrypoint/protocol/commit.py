@@ -141,15 +141,36 @@ def staging_lock(staging: str, wait: float) -> Iterator[Optional[bool]]:
     dies). Yields True when held; False when another process held it for `wait` seconds; None
     where there is no lock to take (no such file can be made, or no locks on the filesystem):
     then the caller goes on unlocked, as before the lock existed."""
-    try:
-        fd = os.open(os.path.join(staging, STAGING_LOCK), os.O_RDONLY | os.O_CREAT, 0o644)
-    except OSError:
+    fd = _open_lock(os.path.join(staging, STAGING_LOCK))
+    if fd is None:
         yield None
         return
+    held = None
     try:
-        yield _flock(fd, time.monotonic() + wait)
+        held = _flock(fd, time.monotonic() + wait)
+        yield held
     finally:
-        os.close(fd)  # releases the lock
+        if held:  # before the close: a child forked meanwhile shares the open file, and its
+            with contextlib.suppress(OSError):  # copy would keep the lock as long as it lives
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _open_lock(path: str) -> Optional[int]:
+    """The lock file, for writing where allowed (NFS's emulated flock needs it), made writable
+    by the other container's user (the trainer and the sidecar may run as different users)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:
+        try:
+            return os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+    except OSError:
+        return None
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, 0o666)  # the creator's umask took bits off; not its owner: already set
+    return fd
 
 
 def _flock(fd: int, deadline: float) -> Optional[bool]:
