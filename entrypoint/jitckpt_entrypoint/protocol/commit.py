@@ -150,8 +150,10 @@ def staging_lock(staging: str, wait: float) -> Iterator[Optional[bool]]:
         held = _flock(fd, time.monotonic() + wait)
         yield held
     finally:
-        if held:  # before the close: a child forked meanwhile shares the open file, and its
-            with contextlib.suppress(OSError):  # copy would keep the lock as long as it lives
+        # Unlocked before the close: a child forked meanwhile (a DataLoader worker) shares the
+        # open file, and would keep the lock for as long as it lives.
+        if held:
+            with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
