@@ -25,7 +25,9 @@ from jitckpt_entrypoint.settings import (
     at_least,
     between,
     one_of,
+    parse_duration,
     resolve,
+    rule,
     validate,
 )
 from jitckpt_entrypoint.shared_settings import (
@@ -38,6 +40,19 @@ from jitckpt_entrypoint.shared_settings import (
 
 SAVE_STRATEGIES = ("no", "steps", "epoch")
 ASYNC_BUSY = ("wait", "skip")
+
+
+def snapshot_every(text: str) -> Optional[tuple[Optional[float], Optional[int]]]:
+    """(seconds, None) for a duration, (None, steps) for "<N>steps", None for anything else."""
+    text = text.strip()
+    if text.endswith("steps") and text[:-5].isdigit():
+        steps = int(text[:-5])
+        return (None, steps) if steps >= 1 else None
+    try:
+        seconds = parse_duration(text)
+    except ValueError:
+        return None
+    return (seconds, None) if 0.1 <= seconds <= 7 * 86400 else None
 
 
 def shutdown_timeout_for(grace_seconds: int) -> int:
@@ -92,6 +107,28 @@ OPTIONS = (
         "it is written) and re-tuned after every save (logged when it changes); at least 30 s "
         "and the write time, never longer than `JITCKPT_SAVE_INTERVAL` (which wins over the "
         "30 s); the first save, to measure, after 60 s (or the interval, when shorter)",
+    ),
+    Option(
+        "memory_dir",
+        TEXT,
+        "a memory-backed directory (tmpfs) for snapshots in RAM; empty = none",
+        doc="a memory-backed directory shared by the trainer's containers (an emptyDir with "
+        "`medium: Memory`): the Trainer's state goes there every `JITCKPT_SNAPSHOT_INTERVAL`, "
+        "and a trainer that crashed (SIGKILL, OOM kill, an exception) resumes from it when it "
+        "is newer than the newest checkpoint on the volume. Empty: no snapshots; see "
+        "[the RAM tier](docs/how-it-works.md#the-ram-tier)",
+        default_doc="empty (none)",
+    ),
+    Option(
+        "snapshot_interval",
+        TEXT,
+        "how often the state goes to JITCKPT_MEMORY_DIR (30s, 2m, 50steps)",
+        check=rule(
+            lambda v: snapshot_every(v) is not None,
+            "a duration such as 30s or 2m, or a number of optimizer steps such as 50steps",
+        ),
+        doc="how often the Trainer's state goes to `JITCKPT_MEMORY_DIR`: a duration (`30s`, "
+        "`2m`; rank 0's clock, every rank the same step) or `<N>steps`",
     ),
     Option(
         "save_total_limit",
@@ -180,6 +217,10 @@ class Config:
     """Make Trainer.train() resume from the newest committed checkpoint."""
     async_save: bool = True
     """Write periodic Trainer saves from a host-memory snapshot on a background thread."""
+    memory_dir: str = ""
+    """A memory-backed directory for snapshots in RAM (the RAM tier); empty: none."""
+    snapshot_interval: str = "30s"
+    """How often a snapshot goes to memory_dir: a duration, or "<N>steps"."""
     async_busy: str = "wait"
     """A periodic save due while the previous one is still being written: wait for it, or skip."""
     grace_seconds: int = 30
@@ -199,6 +240,18 @@ class Config:
         if self.save_strategy is None and self.save_steps is not None:
             return "steps"
         return self.save_strategy
+
+    @property
+    def snapshot_seconds(self) -> Optional[float]:
+        """The snapshot interval in seconds (None: it counts steps)."""
+        every = snapshot_every(self.snapshot_interval)
+        return every[0] if every else None
+
+    @property
+    def snapshot_steps(self) -> Optional[int]:
+        """The snapshot interval in optimizer steps (None: it is a duration)."""
+        every = snapshot_every(self.snapshot_interval)
+        return every[1] if every else None
 
     @property
     def shutdown_timeout(self) -> int:

@@ -26,10 +26,11 @@ for call in range(60):
     if call < control.CALIBRATION_CALLS:
         time.sleep(float(sys.argv[1]))  # the step time calibration measures
     ask = call if rank == 0 and call in (13, 31) else 0  # a token; 31's round: any_now at 32
-    stop, save = group.agree(rank == 1 and call >= 45, ask)  # SIGTERM on rank 1 at 45
-    answers.append([call, stop, save])
+    snap = 100 + call if rank == 0 and call in (20, 31) else 0  # a snapshot's token
+    stop, save, snapshot = group.agree(rank == 1 and call >= 45, ask, snap)  # SIGTERM: 45
+    answers.append([call, stop, save, snapshot])
     if call == 32:
-        answers.append([call, "any_now", group.any_now(False)])
+        answers.append([call, "any_now", group.any_now(False), 0])
     if stop:
         break
 answers.append(["every", group.every, group.blocking])
@@ -57,10 +58,12 @@ def test_every_rank_gets_each_save_request_once_at_the_same_call(step: float):
     answers = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert answers[0] == answers[1]  # the same answers at the same calls
     *calls, (_, every, blocking) = answers[0]
-    saves = [call for call, kind, save in calls if kind != "any_now" and save]
-    tokens = [save for _, kind, save in calls if kind != "any_now" and save]
+    saves = [call for call, kind, save, _ in calls if kind != "any_now" and save]
+    tokens = [save for _, kind, save, _ in calls if kind != "any_now" and save]
     assert tokens == [13, 31], calls  # each request's own token, once
-    stops = [call for call, stop, _ in calls if stop is True]
+    snapshots = [snap for _, kind, _, snap in calls if kind != "any_now" and snap]
+    assert snapshots == [120, 131], calls  # the snapshots' tokens beside them, once each
+    stops = [call for call, stop, _, _ in calls if stop is True]
     if blocking:  # a round after every step: answered at the very step
         assert (saves, stops) == ([13, 31], [45]), calls
         return

@@ -67,7 +67,7 @@ def latest_checkpoint() -> Optional[str]:
 
     manager = current()
     step = manager.resume()
-    return None if step is None else manager.checkpoint_dir(step)
+    return None if step is None else manager.resumed_dir
 
 
 def load(state_dict: dict[str, Any], path: str) -> None:

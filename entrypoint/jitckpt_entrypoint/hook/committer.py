@@ -38,9 +38,11 @@ def commit(
     *,
     outcome: Outcome = Outcome.OK,
     control: Optional[ControlGroup] = None,
+    snapshot: bool = False,
 ) -> Vote:
     """Collective (on `control`, the background writer's own group for its saves; the
-    training's by default): commit `ckpt_dir`, or remove it when any rank's outcome is not OK."""
+    training's by default): commit `ckpt_dir`, or remove it when any rank's outcome is not OK.
+    `snapshot`: a snapshot in RAM (memory_tier.py): neither staged nor recorded as a save."""
     topo, control = session.topo, control or session.control
     control.barrier()  # every rank finished writing its files (or failed to)
     holding = None
@@ -81,11 +83,12 @@ def commit(
                 kind=kind,
                 started_at=started_at,
                 run_id=session.run_id,
-                stage_for_upload=bool(session.cfg.storage_uri),
+                stage_for_upload=bool(session.cfg.storage_uri) and not snapshot,
                 save_id=save_id,
                 lineage=session.lineage,
                 reads=_node_reads(reads, [node for node, _, _, _ in gathered], topo),
                 synced=True,
+                record=not snapshot,
             )
         except OSError as exc:
             session.log.error("cannot commit %s: %s", ckpt_dir, exc)  # noqa: TRY400 - one line
@@ -96,7 +99,7 @@ def commit(
     outcomes = tuple((n, r if o == Outcome.OK else o) for (n, o), r in zip(outcomes, results))
     if topo.is_leader:
         remove_checkpoint(ckpt_dir)
-        if written:  # its commit may have staged it
+        if written and not snapshot:  # its commit may have staged it
             remove_checkpoint(session.layout.staged_dir(step))
     return Vote(False, outcomes)
 

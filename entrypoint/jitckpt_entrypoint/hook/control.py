@@ -4,11 +4,12 @@ A separate group keeps our tiny messages off the training communicator (NCCL or 
 never reorder or block gradient all-reduces. Every method is collective: all ranks must call
 the same methods in the same order. With one process (no torch.distributed) they are local.
 
-The step agreement answers two questions at the same step on every rank: did any rank get
-SIGTERM (stop), and is a time-based periodic save due (save: rank 0's clock, cadence.py). Both
-ride in one MAX all-reduce of two numbers, so a due save costs no extra collective. A save
-request is a token (a positive number the caller picks, 0 for none), sent once and answered
-once: the caller can tell a request that a save made since has answered already.
+The step agreement answers three questions at the same step on every rank: did any rank get
+SIGTERM (stop), is a time-based periodic save due (save: rank 0's clock, cadence.py), and is a
+time-based snapshot to RAM due (snapshot: rank 0's clock, memory_tier.py). They ride in one MAX
+all-reduce of three numbers, so a due save costs no extra collective. A request is a token (a
+positive number the caller picks, 0 for none), sent once and answered once: the caller can tell
+a request that a save made since has answered already.
 
 The agreement is calibrated on the first CALIBRATION_CALLS steps (each with an async
 round). Then one blocking round carries every rank's median step time, and TIMED_ROUNDS more
@@ -60,10 +61,10 @@ class ControlGroup:
         """A blocking round after every step (long steps; decided by calibration)."""
         self._calibrated = False
         self._count = 0
-        self._carried = 0
-        """A save token that a blocking round (`any_now`) received: returned by the next agree."""
-        self._wanted = 0
-        """This rank's save token, not yet sent (agree's steps between rounds)."""
+        self._carried = (0, 0)
+        """Tokens (save, snapshot) a blocking round (`any_now`) received: the next agree's."""
+        self._wanted = (0, 0)
+        """This rank's tokens (save, snapshot), not yet sent (agree's steps between rounds)."""
         self.world_size = 1
         try:
             import torch.distributed as dist
@@ -83,18 +84,19 @@ class ControlGroup:
         """The gloo process group (None with one process)."""
         return self._group
 
-    def agree(self, stop: bool, save: int = 0) -> tuple[bool, int]:
-        """The async agreement, called once per optimizer step on every rank: (stop, save).
+    def agree(self, stop: bool, save: int = 0, snapshot: int = 0) -> tuple[bool, int, int]:
+        """The async agreement, called once per optimizer step on every rank: (stop, save,
+        snapshot).
 
-        Returns whether any rank had its stop flag set one round ago, and the largest save
-        token sent then (0: none), so every rank gets the same answer at the same step; then
-        starts the next round without waiting for it. The round started at step N has
-        finished long before step N+1 ends, so `wait()` is free. A save token is sent once,
+        Returns whether any rank had its stop flag set one round ago, and the largest save and
+        snapshot tokens sent then (0: none), so every rank gets the same answer at the same
+        step; then starts the next round without waiting for it. The round started at step N
+        has finished long before step N+1 ends, so `wait()` is free. A token is sent once,
         with the next round (stop is asked again every step).
         """
         if not self.distributed:
-            return stop, save
-        self._wanted = max(self._wanted, save)
+            return stop, save, snapshot
+        self._wanted = _most(self._wanted, (save, snapshot))
         self._count += 1
         if not self._calibrated:
             self._calls.append(time.monotonic())
@@ -103,20 +105,20 @@ class ControlGroup:
         elif self.blocking:
             return self._now(stop)
         elif self._count % self.every:
-            return False, self._take_carried()
+            return (False, *self._take_carried())
         stopped, due = self._collect()
         if not stopped:
             self._buffer = self._flags(stop, self._take_wanted())
             self._pending = self._dist.all_reduce(
                 self._buffer, op=self._dist.ReduceOp.MAX, group=self._group, async_op=True
             )
-        return stopped, due
+        return (stopped, *due)
 
     def stop_requested(self, local: bool) -> bool:
         """`agree` without a save flag: whether every rank stops at this step."""
         return self.agree(local)[0]
 
-    def _calibrate(self, stop: bool) -> tuple[bool, int]:
+    def _calibrate(self, stop: bool) -> tuple[bool, int, int]:
         """Blocking rounds: the flags with every rank's median step time, then a few timed
         ones (every rank in step now), then the slowest rank's quickest. Decides `blocking`
         and `every`."""
@@ -124,10 +126,10 @@ class ControlGroup:
 
         stopped, due = self._collect()
         if stopped:
-            return True, due
+            return (True, *due)
         times = self._calls
         step = statistics.median(b - a for a, b in zip(times, times[1:]))
-        flags = [1 if stop else 0, self._take_wanted(), int(step * 1e6)]
+        flags = [1 if stop else 0, *self._take_wanted(), int(step * 1e6)]
         both = torch.tensor(flags, dtype=torch.int64)
         self._dist.all_reduce(both, op=self._dist.ReduceOp.MAX, group=self._group)
         rounds = []
@@ -138,7 +140,7 @@ class ControlGroup:
         cost = torch.tensor([int(min(rounds) * 1e6)], dtype=torch.int64)
         self._dist.all_reduce(cost, op=self._dist.ReduceOp.MAX, group=self._group)
         self._calibrated, self._calls = True, []
-        step_us, round_us = max(1, int(both[2].item())), max(1, int(cost[0].item()))
+        step_us, round_us = max(1, int(both[3].item())), max(1, int(cost[0].item()))
         self.blocking = round_us <= BLOCKING_COST * step_us
         self.every = 1 if self.blocking else max(1, math.ceil(ROUND_SECONDS * 1e6 / step_us))
         self._count = 0
@@ -149,40 +151,42 @@ class ControlGroup:
                 step_us / 1e3,
                 round_us / 1e3,
             )
-        return bool(both[0].item()), max(due, int(both[1].item()))
+        return (bool(both[0].item()), *_most(due, (int(both[1].item()), int(both[2].item()))))
 
     def any_now(self, local: bool) -> bool:
         """Blocking agreement at a point where all ranks are in step anyway (after a save).
-        A due save of the round in flight is kept for the next `agree`."""
+        Due tokens of the round in flight are kept for the next `agree`."""
         if not self.distributed:
             return local
-        stop, due = self._now(local)
-        self._carried = max(self._carried, due)
+        stop, save, snapshot = self._now(local)
+        self._carried = _most(self._carried, (save, snapshot))
         return stop
 
-    def _now(self, stop: bool) -> tuple[bool, int]:
+    def _now(self, stop: bool) -> tuple[bool, int, int]:
         """One blocking round (with the result of the round in flight folded in)."""
         stopped, due = self._collect()
-        flags = self._flags(stop or stopped, max(due, self._take_wanted()))
+        flags = self._flags(stop or stopped, _most(due, self._take_wanted()))
         self._dist.all_reduce(flags, op=self._dist.ReduceOp.MAX, group=self._group)
-        return bool(flags[0].item()), int(flags[1].item())
+        return bool(flags[0].item()), int(flags[1].item()), int(flags[2].item())
 
-    def _collect(self) -> tuple[bool, int]:
-        """The result of the round in flight ((False, 0) when none is), with a save token
+    def _collect(self) -> tuple[bool, tuple[int, int]]:
+        """The result of the round in flight ((False, (0, 0)) when none is), with the tokens
         carried over from an `any_now`."""
         carried = self._take_carried()
         if self._pending is None:
             return False, carried
         self._pending.wait()
         self._pending = None
-        return bool(self._buffer[0].item()), max(carried, int(self._buffer[1].item()))
+        buffer = self._buffer
+        got = (int(buffer[1].item()), int(buffer[2].item()))
+        return bool(buffer[0].item()), _most(carried, got)
 
-    def _take_carried(self) -> int:
-        carried, self._carried = self._carried, 0
+    def _take_carried(self) -> tuple[int, int]:
+        carried, self._carried = self._carried, (0, 0)
         return carried
 
-    def _take_wanted(self) -> int:
-        wanted, self._wanted = self._wanted, 0
+    def _take_wanted(self) -> tuple[int, int]:
+        wanted, self._wanted = self._wanted, (0, 0)
         return wanted
 
     @staticmethod
@@ -192,10 +196,10 @@ class ControlGroup:
         return torch.tensor([1 if value else 0], dtype=torch.int32)
 
     @staticmethod
-    def _flags(stop: bool, save: int) -> Any:
+    def _flags(stop: bool, tokens: tuple[int, int]) -> Any:
         import torch
 
-        return torch.tensor([1 if stop else 0, save], dtype=torch.int64)
+        return torch.tensor([1 if stop else 0, *tokens], dtype=torch.int64)
 
     def barrier(self) -> None:
         if self.distributed:
@@ -224,6 +228,11 @@ class ControlGroup:
         if self._pending is not None:
             self._pending.wait()
             self._pending = _Done()
+
+
+def _most(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    """The larger of each token."""
+    return max(a[0], b[0]), max(a[1], b[1])
 
 
 class _Done:

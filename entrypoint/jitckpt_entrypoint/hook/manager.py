@@ -41,7 +41,7 @@ from jitckpt_entrypoint.hook import resume
 from jitckpt_entrypoint.hook.cadence import Cadence
 from jitckpt_entrypoint.hook.records import Records
 from jitckpt_entrypoint.hook.saver import Saver
-from jitckpt_entrypoint.hook.saves import SaveRequest
+from jitckpt_entrypoint.hook.saves import SaveParts, SaveRequest
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, step_of
 from jitckpt_entrypoint.protocol.manifest import KINDS
@@ -66,6 +66,10 @@ class CheckpointManager:
         self.records = Records(session)
         self.saver = Saver(session, self.cadence, self.records, self._kind_of)
         """One save from its request to committed or abandoned (saver.py)."""
+        self.tier = self.saver.tier
+        """Snapshots in RAM (memory_tier.py)."""
+        self.resumed_dir: Optional[str] = None
+        """The directory the last `resume` chose (a snapshot's in RAM, or the volume's)."""
 
     # -- bookkeeping --
 
@@ -92,6 +96,7 @@ class CheckpointManager:
         self._ended = False
         if not session.training:
             self.cadence.started()
+            self.tier.started()
             if self.cadence.active and session.topo.rank == 0:
                 session.log.info("time-based periodic saves: %s", self.cadence.describe())
         session.training_started()
@@ -128,9 +133,13 @@ class CheckpointManager:
 
     def resume(self, *, asked: bool = False) -> Optional[int]:
         """Collective: the newest step committed on every node, or None (resume.resume: what
-        it removes, when it starts over)."""
-        step, removed = resume.resume(self.session, asked=asked)
-        self.saver.resumed(step, [s for s in map(step_of, removed) if s is not None])
+        it removes, when it starts over); its directory is `resumed_dir`. A snapshot in RAM
+        resumed from is not committed on the volume: a save of its step is still made."""
+        step, path, removed = resume.resume(self.session, self.tier, asked=asked)
+        on_volume = path is None or path == self.checkpoint_dir(step or 0)
+        gone = [s for s in map(step_of, removed) if s is not None]
+        self.saver.resumed(step if on_volume else None, gone)
+        self.resumed_dir = path
         if step is not None:
             self._resumed_step = step
         return step
@@ -147,14 +156,17 @@ class CheckpointManager:
         # A request is a token: one more than the periodic saves so far. A save that began
         # since (save_steps' own, in the rounds a request travels) answered it already: every
         # rank has the same count, so every rank drops it alike (no back-to-back saves).
-        token = self.saver.periodic + 1 if session.topo.rank == 0 and cadence.due(now) else 0
+        rank0 = session.topo.rank == 0
+        token = self.saver.periodic + 1 if rank0 and cadence.due(now) else 0
+        snap = self.tier.token(now) if rank0 else 0
         jit = session.cfg.jit
-        if not (jit or cadence.active):
+        if not (jit or cadence.active or self.tier.timed):
             return False
-        stop, save = session.control.agree(jit and session.flag.is_set, token)
+        stop, save, snapshot = session.control.agree(jit and session.flag.is_set, token, snap)
         if save:
             cadence.agreed(now)
         self._save_due = save > self.saver.periodic and not stop
+        self.tier.agreed(snapshot)
         return stop and jit
 
     def save_due(self) -> bool:
@@ -162,6 +174,31 @@ class CheckpointManager:
         because JITCKPT_SAVE_INTERVAL (or the overhead budget's interval) has passed."""
         due, self._save_due = self._save_due, False
         return due
+
+    def snapshot(
+        self,
+        step: int,
+        make: Callable[[], tuple[Optional[SaveParts], Optional[str]]],
+        *,
+        saved: bool,
+        later: bool,
+    ) -> None:
+        """After `stop_agreed` and `save_due`, on every rank alike: snapshot `step` to RAM when
+        one is wanted (memory_tier.py), unless it is `saved` to the volume (no snapshot needed)
+        or must wait for what `later` comes in this step (an evaluation)."""
+        tier = self.tier
+        if not tier.wanted(step):
+            return
+        if saved:
+            tier.covered()
+        elif not later:
+            self.saver.save_snapshot(step, make)
+
+    def enable_snapshots(self, snapshot_bytes: int, fast: bool) -> bool:
+        """Collective, when training starts (after `enable_async`): snapshots to RAM on every
+        rank or none (memory_tier.py, one line why not). `fast`: this Trainer's periodic saves
+        take the fast path's parts."""
+        return self.tier.decide(snapshot_bytes, fast and self.saver.async_on)
 
     def stop_now(self) -> bool:
         """Blocking agreement where every rank is in step anyway (after a save, an evaluation)."""

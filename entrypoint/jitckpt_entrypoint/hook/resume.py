@@ -1,4 +1,5 @@
-"""Which checkpoint to resume from: the newest committed one every rank has."""
+"""Which checkpoint to resume from: the newest committed one every rank has, on the volume or
+in RAM (a snapshot in JITCKPT_MEMORY_DIR of a job of this size: memory_tier.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Optional
 
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.hook import fetch
+from jitckpt_entrypoint.hook.memory_tier import MemoryTier
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.topology import Topology
 from jitckpt_entrypoint.protocol import status
@@ -40,12 +42,17 @@ def tip(session: Session, step: int, lineage: str) -> Optional[int]:
     branch's, whatever their steps (an in-place restart that could not load the newest, an
     attempt's late upload completing a higher step, a rollback)."""
     found = []
-    root = session.layout.checkpoints
-    for other in checkpoint_steps(root):
-        if other > step:
-            manifests = read_manifests(os.path.join(root, checkpoint_name(other)))
-            if any(man.lineage == lineage for man in manifests.values()):
-                found.append(other)
+    memory = os.path.join(session.cfg.memory_dir, "checkpoints") if session.cfg.memory_dir else ""
+    for root in filter(None, (session.layout.checkpoints, memory)):
+        try:
+            steps = checkpoint_steps(root)
+        except OSError:  # JITCKPT_MEMORY_DIR unusable: memory_tier.decide says so
+            continue
+        for other in steps:
+            if other > step:
+                manifests = read_manifests(os.path.join(root, checkpoint_name(other)))
+                if any(man.lineage == lineage for man in manifests.values()):
+                    found.append(other)
     seen = status.LINEAGE_TIP.read(session.layout.status)
     if seen is not None and seen.lineage == lineage and seen.step > step:
         found.append(seen.step)
@@ -55,7 +62,15 @@ def tip(session: Session, step: int, lineage: str) -> Optional[int]:
 def _saves(checkpoints: str, topo: Topology, own_part: bool = False) -> list[SaveKey]:
     """(step, save id, lineage) of every checkpoint committed under `checkpoints` that this
     node can load (what its ranks read: validity.loadable), or of which it holds its own part."""
-    found = []
+    return list(_dirs(checkpoints, topo, own_part))
+
+
+def _dirs(
+    checkpoints: str, topo: Topology, own_part: bool = False, same_size: bool = False
+) -> dict[SaveKey, str]:
+    """`_saves` with each one's directory; `same_size`: only saves of a job of this size (a
+    snapshot in RAM is never used at another)."""
+    found = {}
     for step in checkpoint_steps(checkpoints):
         path = os.path.join(checkpoints, checkpoint_name(step))
         save = (
@@ -63,8 +78,11 @@ def _saves(checkpoints: str, topo: Topology, own_part: bool = False) -> list[Sav
             if own_part
             else loadable(path, topo.node, topo.nodes, topo.world_size)
         )
-        if save is not None:
-            found.append((step, save[0].save_id, save[0].lineage))
+        if save is None:
+            continue
+        if same_size and (save[0].world_size, save[0].nodes) != (topo.world_size, topo.nodes):
+            continue
+        found[(step, save[0].save_id, save[0].lineage)] = path
     return found
 
 
@@ -116,8 +134,24 @@ def _wanted(checkpoints: str, topo: Topology) -> Optional[tuple[int, str]]:
     return newest[1], newest[2]
 
 
+def _memory_dirs(memory: str, topo: Topology) -> dict[SaveKey, str]:
+    """The snapshots in RAM this node can resume from; none when the directory cannot be read
+    (memory_tier.decide says so in one line)."""
+    try:
+        return _dirs(memory, topo, same_size=True)
+    except OSError:
+        return {}
+
+
 def agreed_step(session: Session) -> Optional[int]:
-    """The highest step complete on every node (collective), or None.
+    """The highest step complete on every node (collective), or None (`agreed_save`'s step)."""
+    agreed = agreed_save(session)
+    return None if agreed is None else agreed[0]
+
+
+def agreed_save(session: Session, memory: str = "") -> Optional[tuple[int, str]]:
+    """The newest save complete on every node (collective), and its directory here, or None.
+    `memory`: JITCKPT_MEMORY_DIR's checkpoints, whose snapshots count too.
 
     Ranks never disagree on where to resume: each node reports the checkpoints it can load
     (every file its ranks read: all of them, or for a sharded save at its own size, its own
@@ -128,10 +162,13 @@ def agreed_step(session: Session) -> Optional[int]:
     only one, training stops with an error rather than silently starting over.
     """
     topo, checkpoints = session.topo, session.layout.checkpoints
+    here = _dirs(checkpoints, topo)
+    if memory:  # the volume's save of a step wins over a snapshot of it
+        here = {**_memory_dirs(memory, topo), **here}
     # The same save, not just the same step number: a volume may hold another save of a step
     # (an earlier attempt's) that the other nodes do not.
     reports = session.control.all_gather(
-        (_saves(checkpoints, topo), _newest(_saves(checkpoints, topo, own_part=True)))
+        (list(here), _newest(_saves(checkpoints, topo, own_part=True)))
     )
     common = set.intersection(*(set(c) for c, _ in reports)) if reports else set()
     best = _newest(common)
@@ -151,7 +188,7 @@ def agreed_step(session: Session) -> Optional[int]:
                 name,
                 checkpoint_name(step),
             )
-    return step
+    return None if best is None else (best[0], here[best])
 
 
 def zero_refusal(ckpt_dir: str, world_size: int, load_universal: bool) -> Optional[str]:
@@ -207,7 +244,7 @@ def remove_stale(session: Session, resume_step: Optional[int]) -> list[str]:
     return removed
 
 
-def start_over(session: Session) -> list[str]:
+def start_over(session: Session, tier: Optional[MemoryTier] = None) -> list[str]:
     """JITCKPT_RESUME=0: this run begins a new lineage, and the checkpoints on this node's
     volume are an earlier run's. Its saves must not land in their directories (a step both
     runs save would mix their files, or look committed by the earlier save's manifests). With
@@ -218,6 +255,8 @@ def start_over(session: Session) -> list[str]:
         return []
     session.started_over = True
     session.lineage = None
+    if tier is not None:
+        tier.clear()
     if not session.topo.is_leader:
         return []
     root = session.layout.checkpoints
@@ -260,22 +299,29 @@ def resuming_from(session: Session, path: str) -> None:
         _say_branch(session, step, newest)
 
 
-def resume(session: Session, *, asked: bool = False) -> tuple[Optional[int], list[str]]:
-    """Collective: the newest step committed on every node, or None; and the checkpoints a
-    start over removed. Directories past it, and uncommitted ones, are removed (training
-    writes those steps again; a partial one would hold a rotation slot). JITCKPT_RESUME=0
+def resume(
+    session: Session, tier: Optional[MemoryTier] = None, *, asked: bool = False
+) -> tuple[Optional[int], Optional[str], list[str]]:
+    """Collective: the newest step committed on every node, or None; its directory (on the
+    volume, or a snapshot's in RAM); and the checkpoints a start over removed. Directories past
+    it, and uncommitted ones, are removed (training writes those steps again; a partial one
+    would hold a rotation slot), and every snapshot but the one resumed from. JITCKPT_RESUME=0
     gives None unless the script `asked` for the newest checkpoint itself, and clears the
     earlier run's checkpoints out of the way (`start_over`)."""
     if not (asked or session.cfg.resume):
-        return None, start_over(session)
+        return None, None, start_over(session, tier)
     fetch_missing(session)
-    step = agreed_step(session)
-    lineage = None if step is None else lineage_of(session.layout.checkpoint_dir(step))
+    memory = tier.root if tier is not None else ""
+    agreed = agreed_save(session, memory)
+    step, path = (None, None) if agreed is None else agreed
+    lineage = None if path is None else lineage_of(path)
     # Before remove_stale: the directories past the resume point are what tells.
     tips = session.control.all_gather(
         None if step is None or lineage is None else tip(session, step, lineage)
     )
     remove_stale(session, step)
+    if tier is not None:
+        tier.remove_stale(path)
     newest = max((t for t in tips if t is not None), default=None)
     session.lineage = lineage if newest is None else None
     if newest is not None and step is not None:
@@ -286,10 +332,11 @@ def resume(session: Session, *, asked: bool = False) -> tuple[Optional[int], lis
                 "no committed checkpoint in %s: training from the start",
                 session.layout.checkpoints,
             )
-        return None, []
+        return None, None, []
     if session.topo.rank == 0:
-        session.log.info("resuming from %s", session.layout.checkpoint_dir(step))
-    return step, []
+        in_ram = " (a snapshot in RAM)" if path != session.layout.checkpoint_dir(step) else ""
+        session.log.info("resuming from %s%s", path, in_ram)
+    return step, path, []
 
 
 def _say_branch(session: Session, step: int, newest: int) -> None:

@@ -17,6 +17,9 @@ and `save_dcp_async` begin through `begin_save`, then write through `write_own` 
   a host copy planned, the rest on the background writer, inflight.py). The fast paths catch
   everything after the Trainer's one collective (`store_flos`, which every rank passes first):
   never an exception into training. Whether they write a save is the gates' (gates.py).
+- a snapshot in RAM (`save_snapshot`, memory_tier.py): the periodic fast path's parts written
+  the same way into JITCKPT_MEMORY_DIR, committed there by the background writer, never counted
+  as committed on the volume; a failed one turns snapshots off, not the fast paths.
 - COMMITTED or ABANDONED: `saved` (committer.commit, collective, with every rank's outcome):
   committed when every rank wrote, else the directory is removed on every node (no rotation
   slot, no resume point, no space held). A full disk is reported in one line (volume, bytes
@@ -31,6 +34,9 @@ commits the save in flight; every `Save.state`, `_committed` and `blocking` chan
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 import os
 import threading
 import time
@@ -41,6 +47,7 @@ from jitckpt_entrypoint.hook.cadence import Cadence
 from jitckpt_entrypoint.hook.control import ControlGroup
 from jitckpt_entrypoint.hook.gates import Gates
 from jitckpt_entrypoint.hook.inflight import InFlight
+from jitckpt_entrypoint.hook.memory_tier import MemoryTier
 from jitckpt_entrypoint.hook.records import Records
 from jitckpt_entrypoint.hook.saves import (
     Outcome,
@@ -76,6 +83,8 @@ class Saver:
         """The async save handed to the background writer, until drained."""
         self.gates = Gates(session)
         """Whether the fast paths write a save (agreed on every rank)."""
+        self.tier = MemoryTier(session)
+        """Snapshots in RAM (JITCKPT_MEMORY_DIR)."""
         self._phases = ""
         """Where `save_now`'s time went (small files, big files), for the commit's log."""
         self._expected_bytes = 0
@@ -112,7 +121,7 @@ class Saver:
         committed here, else 0."""
         save, self._pending = self._pending, None
         inflight = self.inflight.save
-        if inflight is not None and inflight.step == step:
+        if inflight is not None and inflight.step == step and not inflight.snapshot:
             inflight.ready.set()  # the background writer commits it now
             return 0.0
         if step in self._skipped:
@@ -158,6 +167,34 @@ class Saver:
             self._save_staged(save, stage, own)
             return
         self.write_own(save, own)
+
+    def save_snapshot(
+        self, step: int, make: Callable[[], tuple[Optional[SaveParts], Optional[str]]]
+    ) -> None:
+        """Training thread, collective, at a step every rank snapshots (memory_tier.py): the
+        fast path's parts of this step into JITCKPT_MEMORY_DIR, the big ones copied to host
+        memory and written there by the background writer, which commits them. Passed over
+        (the clock starts again) while a save is still being written: one save at a time, and
+        training must not wait for a slow one."""
+        tier = self.tier
+        if not (tier.on and self.gates.on):
+            return
+        tier.began()
+        if self.session.control.any_now(self.inflight.busy):
+            return
+        parts, problem = self._parts(make)
+        if not self.use_fast(problem) or parts is None:
+            return
+        self.inflight.drain()
+        try:
+            tier.prepare(step)
+        except OSError as exc:
+            self.session.log.warning("cannot clear %s: %s", tier.root, exc)
+        self.session.control.barrier()  # no rank writes into it before it is cleared
+        save = Save(step, "periodic", tier.path(step), time.time(), snapshot=True)
+        after = functools.partial(tier.committed, step)
+        self.inflight.save_async(save, dataclasses.replace(parts, after_commit=after))
+        save.ready.set()  # nothing else writes into a snapshot's directory
 
     def begin_save(self, step: int, path: Optional[str] = None) -> Optional[Save]:
         """Training thread, before the files are written; None: `step` is committed, skip it.
@@ -336,9 +373,15 @@ class Saver:
             save.started_at,
             outcome=save.outcome,
             control=control,
+            snapshot=save.snapshot,
         )
         save.vote = vote
-        if vote.committed:
+        if vote.committed and save.snapshot:
+            self._advance(save, State.COMMITTED)
+            self._log_snapshot(save)
+            if save.after_commit is not None:
+                save.after_commit()
+        elif vote.committed:
             with self.lock:
                 save.state = State.COMMITTED
                 self._committed.add(step)
@@ -352,6 +395,18 @@ class Saver:
         if save.job is not None:
             with self.lock:
                 self.blocking.append((step, save.blocked))
+
+    def _log_snapshot(self, save: Save) -> None:
+        """The first snapshot in one line (rank 0); the rest at debug level."""
+        level = logging.INFO if self.tier.taken <= 1 else logging.DEBUG
+        if self.session.topo.rank == 0:
+            self.session.log.log(
+                level,
+                "snapshot of step %d in RAM (%.2f s, training blocked %.3f s)",
+                save.step,
+                time.time() - save.started_at,
+                save.blocked,
+            )
 
     def _log_committed(self, save: Save, vote: Vote, commit_seconds: float) -> None:
         event = vote.event
@@ -380,6 +435,14 @@ class Saver:
         from now on (decided from the vote: the same on every rank)."""
         session, name = self.session, checkpoint_name(save.step)
         topo = session.topo
+        if save.snapshot:
+            if save.outcome == Outcome.FAILED:
+                session.log.warning("snapshot of step %d not written: %s", save.step, save.error)
+            if vote.any(Outcome.DISK_FULL):
+                self.tier.turn_off(f"JITCKPT_MEMORY_DIR ({self.tier.root}) is full")
+            elif vote.any(Outcome.FAILED):
+                self.tier.turn_off(f"the snapshot of step {save.step} failed")
+            return
         if save.outcome == Outcome.FAILED:
             session.log.error("%s not saved: %s", name, save.error)
         if topo.is_leader and vote.any(Outcome.DISK_FULL, topo.node):

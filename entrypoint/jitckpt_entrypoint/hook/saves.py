@@ -145,6 +145,9 @@ class Save:
     """Seconds the training thread spent on it (save call, then waits for the copy)."""
     measured: int = 0
     """The overhead budget's number for it (cadence.py; 0: not measured)."""
+    snapshot: bool = False
+    """A snapshot in RAM (memory_tier.py): not a checkpoint of the volume, never counted as
+    committed there."""
     retry: Optional[Callable[[], object]] = None
     """Saves written now by the fast path (JIT, final): the Trainer's own save, should this
     one fail."""

@@ -159,7 +159,21 @@ def _start_async(manager: CheckpointManager, trainer: Any) -> None:
         growth = trainer_checkpoint.growth_bytes(trainer)
     except Exception as exc:  # noqa: BLE001 - the Trainer's own save needs none of this
         reason, nbytes, growth = f"cannot size the training state ({exc!r:.80})", 0, 0
-    manager.enable_async(nbytes, reason, growth)
+    on = manager.enable_async(nbytes, reason, growth)
+    sharded = getattr(trainer, "is_fsdp_enabled", False)  # staged by DCP: no parts to snapshot
+    manager.enable_snapshots(nbytes, on and not sharded)
+
+
+def _snapshot_parts(trainer: Any) -> tuple[SaveParts, Optional[str]]:
+    """The fast path's parts of this step for a snapshot in RAM: the Trainer's checkpoint in
+    its own files, without HF's rotation (memory_tier.py keeps its own)."""
+    from jitckpt_entrypoint.hook import gates
+    from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
+
+    ckpt = TrainerCheckpoint(trainer)
+    tensors = ckpt.tensors()
+    parts = SaveParts(ckpt.write_small, tensors, ckpt.deferrable, ckpt.writers, lambda: None)
+    return parts, gates.state_problem(tensors)
 
 
 def _end_training(manager: CheckpointManager, trainer: Any) -> None:
@@ -256,7 +270,7 @@ def _checkpoint_to_resume(manager: CheckpointManager, trainer: Any) -> Optional[
     """The committed checkpoint every rank resumes from, or None; JitckptError for one that
     cannot be resumed here."""
     step = manager.resume(asked=True)
-    chosen = None if step is None else manager.checkpoint_dir(step)
+    chosen = None if step is None else manager.resumed_dir
     if chosen is not None and getattr(trainer, "is_deepspeed_enabled", False):
         refusal = resume.zero_refusal(
             chosen,
@@ -371,6 +385,11 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         # best-model bookkeeping include it.
         if self._save_wanted and not (last or _ends_epoch(state)):
             _ask_save(args, control)
+        trainer = self._trainer()
+        if trainer is not None and manager.tier.on:
+            saved = bool(control.should_save or self._save_wanted or last)
+            later = bool(control.should_evaluate or _ends_epoch(state))
+            manager.snapshot(step, lambda: _snapshot_parts(trainer), saved=saved, later=later)
         return control
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:

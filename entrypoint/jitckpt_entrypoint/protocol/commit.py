@@ -45,6 +45,7 @@ def commit_node(
     clock: Callable[[], float] = time.time,
     synced: bool = False,
     reads: Optional[dict[int, tuple[tuple[str, ...], tuple[str, ...]]]] = None,
+    record: bool = True,
 ) -> status.SaveEvent:
     """Commit node `node`'s copy of `ckpt_dir`; `holdings`: per node, relative path -> size of
     every file it holds (one entry per node); `save_id`: this save's (the same on every node);
@@ -53,7 +54,8 @@ def commit_node(
     node already made its files durable (durable.sync_tree) before any node commits, as the
     hook does (on a shared volume a node writes the others' manifests too). `reads`: per node,
     the DCP directories mapped and the other nodes' shard files it reads (manifest.shard_dirs,
-    shard_reads); a node without an entry reads every file."""
+    shard_reads); a node without an entry reads every file. `record`: write the save event for
+    the sidecar (a snapshot in RAM is not one of its checkpoints)."""
     entries = m.assign_owners(holdings)
     if not synced:
         durable.sync_tree(ckpt_dir)  # the data before any manifest, on every save path
@@ -81,7 +83,8 @@ def commit_node(
     event = status.SaveEvent(
         kind, step, started_at, clock(), own.total_bytes, run_id=run_id, node=node
     )
-    status.write_save_event(layout.status, event)
+    if record:
+        status.write_save_event(layout.status, event)
     return event
 
 

@@ -5,7 +5,9 @@ optimizer step so tests can act at a given step. Test-only knobs (never in user 
 --hold-save-at N makes the save at step N wait, after the Trainer wrote its files and before
 jitckpt commits them, until --release-file exists; --wait-after-train waits the same way after
 train() returns; --slow-save S makes every save (periodic or JIT) take S seconds longer;
---slow-write S holds each optimizer.pt written by jitckpt's background writer S seconds.
+--crash-at N makes rank 1 raise after step N, --kill-at N SIGKILL itself there (once each,
+with --crash-marker); --slow-write S holds each optimizer.pt written by jitckpt's background
+writer S seconds.
 --save-model ends like TRL's scripts: trainer.save_model() into --output-dir (model, config,
 tokenizer with --trainer sft) and a metrics JSON.
 --strategy picks DDP (default), FSDP or DeepSpeed ZeRO (both through the test-only
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -107,7 +110,7 @@ def strategy_args(strategy: str) -> dict[str, Any]:
 
 class Progress(TrainerCallback):
     def __init__(
-        self, hold_at: int, release: str, step_sleep: float = 0.0, crash: tuple[int, str] = (-1, "")
+        self, hold_at: int, release: str, step_sleep: float = 0.0, crash: tuple[int, str] = (0, "")
     ) -> None:
         self.hold_at, self.release, self.step_sleep = hold_at, release, step_sleep
         self.crash_at, self.crash_marker = crash
@@ -120,9 +123,12 @@ class Progress(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         say(f"step {state.global_step} rank={os.environ.get('RANK', '0')}")
-        crash = state.global_step == self.crash_at and os.environ.get("RANK") == "1"
+        crash = self.crash_at and state.global_step == abs(self.crash_at)
+        crash = crash and os.environ.get("RANK") == "1"
         if crash and not os.path.exists(self.crash_marker):  # once: the restart goes on
             open(self.crash_marker, "w").close()
+            if self.crash_at < 0:  # an OOM kill, a segfault: no Python left to unwind
+                os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"worker crash injected at step {state.global_step}")
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
@@ -253,7 +259,8 @@ def main() -> None:
     parser.add_argument(
         "--wait-after-train", action="store_true", help="until --release-file exists"
     )
-    parser.add_argument("--crash-at", type=int, default=-1, help="rank 1 raises after this step")
+    parser.add_argument("--crash-at", type=int, default=0, help="rank 1 raises after this step")
+    parser.add_argument("--kill-at", type=int, default=0, help="rank 1 SIGKILLs itself there")
     parser.add_argument("--crash-marker", default="", help="created at the crash: crash once")
     parser.add_argument("--slow-save", type=float, default=0.0, help="seconds added to saves")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds added to steps")
@@ -273,7 +280,7 @@ def main() -> None:
             opts.hold_save_at,
             opts.release_file,
             opts.step_sleep,
-            (opts.crash_at, opts.crash_marker),
+            (-opts.kill_at if opts.kill_at else opts.crash_at, opts.crash_marker),
         )
     ]
     if opts.early_stopping:

@@ -1,0 +1,220 @@
+"""The RAM tier: snapshots of the Trainer's state in JITCKPT_MEMORY_DIR, a memory-backed volume.
+
+A snapshot is a checkpoint in the usual files and layout, `<memory dir>/checkpoints/
+checkpoint-<step>/`, committed with the same manifests (protocol.commit), written by the async
+save path (saver.py, inflight.py: the host copy on the training thread, the files on the
+background writer). It is not staged for upload and records no save event: the volume and S3
+get the periodic saves as before. One committed snapshot is kept, besides the one being
+written, so a crash in the middle of a snapshot leaves the previous one whole; at most two
+snapshots' bytes are held.
+
+When: JITCKPT_SNAPSHOT_INTERVAL, a number of steps (every rank counts alike) or a duration
+(rank 0's clock; its request rides in the step agreement, control.py, so every rank snapshots
+the same step). A step that is saved to the volume needs no snapshot (the clock starts again);
+a step with an evaluation gets none (the evaluation comes after it: the snapshot waits a step).
+
+Resume (resume.py) counts a committed snapshot of this job's size like a checkpoint on the
+volume: the newest wins (the same order as everywhere: lineage, then step).
+
+Threads: `due`, `wanted`, `began`, `covered` on the training thread; `committed` on the
+background writer (it only removes older snapshot directories).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Optional
+
+from jitckpt_entrypoint.hook import room
+from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.protocol.commit import remove_checkpoint
+from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
+from jitckpt_entrypoint.protocol.validity import committed
+
+KEPT = 2
+"""Snapshots whose bytes the volume must hold at once: the committed one and the next."""
+
+
+class MemoryTier:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        cfg = session.cfg
+        self.root = os.path.join(cfg.memory_dir, "checkpoints") if cfg.memory_dir else ""
+        """Where snapshots go ("" without JITCKPT_MEMORY_DIR)."""
+        self.seconds = cfg.snapshot_seconds
+        self.steps = cfg.snapshot_steps
+        self.on = False
+        """Snapshots are taken (decided by `decide`, the same on every rank)."""
+        self._decided = False
+        self.taken = 0
+        """Snapshots begun in this process (the same on every rank): the requests' tokens."""
+        self._last: Optional[float] = None
+        """Rank 0: when the last snapshot (or volume save) of this train() began."""
+        self._asked = False
+        self._wanted = False
+        """Every rank: a time-based snapshot was agreed on and is not taken yet."""
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.root)
+
+    @property
+    def timed(self) -> bool:
+        """Snapshots go by rank 0's clock (they need the step agreement)."""
+        return self.on and self.seconds is not None
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.root, checkpoint_name(step))
+
+    # -- deciding, once --
+
+    def decide(self, snapshot_bytes: int, async_on: bool) -> bool:
+        """Collective, once per process when training starts: snapshots on every rank, or on
+        none (one line why). `snapshot_bytes`: this rank's part of a snapshot."""
+        if self._decided or not self.configured:
+            return self.on
+        self._decided = True
+        session, topo = self.session, self.session.topo
+        gathered = session.control.all_gather((topo.node, snapshot_bytes))
+        node_bytes = sum(b for node, b in gathered if node == topo.node)
+        problem = None
+        if not async_on:
+            problem = "the Trainer's saves do not take the fast path (the line above says why)"
+        else:
+            problem = self._room_problem(node_bytes)
+        refused = session.control.all_gather(problem)
+        reasons = [r for r in refused if r]
+        self.on = not reasons
+        if topo.rank == 0:
+            if self.on:
+                every = f"{self.steps} steps" if self.steps else f"{self.seconds:g} s"
+                session.log.info(
+                    "snapshots to RAM every %s into %s (%s each on this node)",
+                    every,
+                    self.root,
+                    room.gb(node_bytes),
+                )
+            else:
+                session.log.warning("no snapshots to RAM: %s", reasons[0])
+        return self.on
+
+    def _room_problem(self, node_bytes: int) -> Optional[str]:
+        """Why two snapshots of this node do not fit in JITCKPT_MEMORY_DIR, or None."""
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            free = room.free_bytes(self.root)
+        except OSError as exc:
+            return f"cannot use JITCKPT_MEMORY_DIR {self.session.cfg.memory_dir}: {exc}"
+        held = sum(_tree_bytes(self.path(s)) for s in checkpoint_steps(self.root))
+        needed = KEPT * node_bytes
+        if free + held < needed:
+            return (
+                f"two snapshots of node {self.session.topo.node} take {room.gb(needed)} and "
+                f"JITCKPT_MEMORY_DIR ({self.session.cfg.memory_dir}) has {room.gb(free + held)}; "
+                "raise its sizeLimit (and the pod's memory limit) or unset it"
+            )
+        return None
+
+    def turn_off(self, why: str) -> None:
+        """After a snapshot failed (the same on every rank: decided from the vote)."""
+        if self.on and self.session.topo.rank == 0:
+            self.session.log.warning("no more snapshots to RAM: %s", why)
+        self.on = False
+
+    # -- when --
+
+    def started(self) -> None:
+        """A train() begins: the clock counts from its first step."""
+        self._last, self._asked, self._wanted = None, False, False
+
+    def token(self, now: float) -> int:
+        """Rank 0, once per step: a request's token when a time-based snapshot is due (once,
+        until the agreement answers), else 0."""
+        if not self.timed or self._asked:
+            return 0
+        if self._last is None:
+            self._last = now
+        if now - self._last < (self.seconds or 0.0):
+            return 0
+        self._asked = True
+        return self.taken + 1
+
+    def agreed(self, token: int) -> None:
+        """Every rank, with the step agreement's snapshot token: a request not answered yet by
+        a snapshot makes this step want one."""
+        if token > self.taken:
+            self._wanted = True
+
+    def wanted(self, step: int) -> bool:
+        """Every rank, after the agreement: whether this step wants a snapshot."""
+        if not self.on:
+            return False
+        if self.steps:
+            return step % self.steps == 0
+        return self._wanted
+
+    def began(self) -> None:
+        """A snapshot of this step begins (or was passed over as busy): the next one counts
+        from now."""
+        self.taken += 1
+        self.covered()
+
+    def covered(self) -> None:
+        """This step is saved to the volume (or snapshotted): no snapshot is due until the
+        interval passed again."""
+        self._wanted, self._asked = False, False
+        self._last = time.monotonic()
+
+    # -- the directories --
+
+    def prepare(self, step: int) -> None:
+        """Each node's local rank 0, before a snapshot of `step`: what no resume uses goes
+        (a cut-short snapshot, an older save of this step), the newest committed one stays."""
+        if not self.session.topo.is_leader:
+            return
+        node = self.session.topo.node
+        os.makedirs(self.root, exist_ok=True)
+        for other in checkpoint_steps(self.root):
+            path = self.path(other)
+            if other == step or committed(path, node) is None:
+                remove_checkpoint(path)
+
+    def committed(self, step: int) -> None:
+        """Background writer, once snapshot `step` is committed on every node: the older ones
+        go (each node's local rank 0)."""
+        if not self.session.topo.is_leader:
+            return
+        with contextlib.suppress(OSError):  # the next commit tries again
+            for other in checkpoint_steps(self.root):
+                if other != step:
+                    remove_checkpoint(self.path(other))
+
+    def clear(self) -> None:
+        """Each node's local rank 0: every snapshot goes (JITCKPT_RESUME=0 starts over)."""
+        if not self.configured or not self.session.topo.is_leader:
+            return
+        with contextlib.suppress(OSError):
+            for other in checkpoint_steps(self.root):
+                remove_checkpoint(self.path(other))
+
+    def remove_stale(self, resumed_dir: Optional[str]) -> None:
+        """Each node's local rank 0, at resume: every snapshot but the one resumed from goes
+        (past the resume point training makes those steps again; below it, or uncommitted,
+        none is ever used)."""
+        if not self.configured or not self.session.topo.is_leader:
+            return
+        with contextlib.suppress(OSError):
+            for other in checkpoint_steps(self.root):
+                if self.path(other) != resumed_dir:
+                    remove_checkpoint(self.path(other))
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for parent, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(parent, name)).st_size
+    return total

@@ -1,0 +1,112 @@
+"""The RAM tier (JITCKPT_MEMORY_DIR on a tmpfs) under real torchrun, 2 CPU ranks, the Trainer:
+a trainer whose processes are SIGKILLed (the memory volume stays) resumes from its newest
+snapshot, bitwise equal to an uninterrupted run; so do workers torchrun restarts after one was
+SIGKILLed; a snapshot cut short is never used; a memory directory that cannot hold snapshots
+is one line, and the run goes on as without it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.pod import final_weights
+from harness.training import TRAIN_HF, entrypoint, hook_lines, torchrun, wait_for_step
+
+pytestmark = pytest.mark.integration
+
+STEPS = 36
+ARGS = ["--max-steps", str(STEPS), "--save-steps", "20", "--step-sleep", "0.1"]
+"""A volume checkpoint at step 20 and the final one; snapshots every 3 steps between."""
+
+
+@pytest.fixture
+def memory_dir() -> Iterator[Path]:
+    """A directory on a tmpfs (/dev/shm) where there is one, as `medium: Memory` gives."""
+    shm = "/dev/shm"
+    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    path = Path(tempfile.mkdtemp(prefix="jitckpt-memory-", dir=base))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def straight(spawn, base_env, tmp_path) -> dict[str, torch.Tensor]:
+    """The final weights of the same run, uninterrupted and without snapshots."""
+    jdir = tmp_path / "straight"
+    jdir.mkdir()
+    env = {**base_env, "JITCKPT_DIR": str(jdir)}
+    proc = spawn(entrypoint(torchrun(TRAIN_HF, *ARGS)), env=env)
+    assert proc.wait(timeout=300) == 0, proc.output()
+    return final_weights(jdir, STEPS)
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def resumed_from_ram(proc) -> int:
+    lines = hook_lines(proc, "(a snapshot in RAM)")
+    assert lines, proc.output()
+    found = re.search(r"checkpoint-(\d+) \(a snapshot in RAM\)", lines[0])
+    assert found, lines
+    return int(found.group(1))
+
+
+def test_a_killed_trainer_resumes_from_ram_and_a_cut_short_snapshot_is_never_used(
+    spawn, base_env, jdir, memory_dir, straight
+):
+    env = {**base_env, "JITCKPT_MEMORY_DIR": str(memory_dir), "JITCKPT_SNAPSHOT_INTERVAL": "3steps"}
+    first = spawn(entrypoint(torchrun(TRAIN_HF, *ARGS)), env=env)
+    wait_for_step(first, 29)
+    first.kill_tree()  # the trainer container's processes, SIGKILLed; the tmpfs stays
+    assert hook_lines(first, "snapshots to RAM every 3 steps"), first.output()
+    snapshots = sorted((memory_dir / "checkpoints").glob("checkpoint-*"))
+    assert snapshots, first.output()
+    newest = max(int(p.name.split("-")[1]) for p in snapshots)
+    assert 24 <= newest <= 27, snapshots
+    # A snapshot cut short (a kill while it was written): files, no manifest.
+    cut = memory_dir / "checkpoints" / "checkpoint-31"
+    cut.mkdir()
+    (cut / "model.safetensors").write_bytes(b"torn")
+
+    second = spawn(entrypoint(torchrun(TRAIN_HF, *ARGS)), env=env)
+    assert second.wait(timeout=300) == 0, second.output()
+    assert resumed_from_ram(second) == newest
+    assert not cut.exists()
+    assert same(final_weights(jdir, STEPS), straight)
+    # The snapshot is not a checkpoint of the volume: nothing of it was staged or recorded.
+    assert not (jdir / "checkpoints" / f"checkpoint-{newest}").exists()
+
+
+def test_workers_torchrun_restarts_after_a_sigkill_resume_from_ram(
+    spawn, base_env, jdir, memory_dir, straight, tmp_path
+):
+    env = {**base_env, "JITCKPT_MEMORY_DIR": str(memory_dir), "JITCKPT_SNAPSHOT_INTERVAL": "3steps"}
+    marker = tmp_path / "killed"
+    args = [*ARGS, "--kill-at", "26", "--crash-marker", str(marker)]
+    command = torchrun(TRAIN_HF, *args)
+    command.insert(command.index("--nproc-per-node=2") + 1, "--max-restarts=1")
+    proc = spawn(entrypoint(command), env=env)
+    assert proc.wait(timeout=300) == 0, proc.output()
+    assert marker.exists()
+    assert resumed_from_ram(proc) == 24
+    assert same(final_weights(jdir, STEPS), straight)
+
+
+def test_a_memory_directory_that_cannot_hold_snapshots_is_one_line(spawn, base_env, jdir, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    env = {**base_env, "JITCKPT_MEMORY_DIR": str(blocker / "memory")}
+    proc = spawn(entrypoint(torchrun(TRAIN_HF, "--max-steps", "12", "--save-steps", "5")), env=env)
+    assert proc.wait(timeout=300) == 0, proc.output()
+    lines = hook_lines(proc, "no snapshots to RAM")
+    assert len(lines) == 1, proc.output()
+    assert "JITCKPT_MEMORY_DIR" in lines[0]
+    assert (jdir / "checkpoints" / "checkpoint-12").exists()
