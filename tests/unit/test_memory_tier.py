@@ -1,0 +1,144 @@
+"""The RAM tier's rules in one process (memory_tier.py, resume.py): which snapshot a resume
+takes, which it never takes, when two snapshots do not fit, and when one is due."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from jitckpt_entrypoint.config import Config
+from jitckpt_entrypoint.hook import memory_tier
+from jitckpt_entrypoint.hook.manager import CheckpointManager
+from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.hook.topology import Topology
+from jitckpt_entrypoint.protocol import commit
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol.layout import checkpoint_steps
+
+
+def manager_for(root: Path, **cfg: object) -> CheckpointManager:
+    config = Config(dir=str(root / "volume"), memory_dir=str(root / "memory"), **cfg)  # type: ignore[arg-type]
+    session = Session(config, Topology(), "run-1")
+    session.layout.ensure()
+    return CheckpointManager(session)
+
+
+def write_files(path: str) -> str:
+    os.makedirs(path)
+    Path(path, "model.safetensors").write_bytes(b"m" * 100)
+    return path
+
+
+def snapshot(manager: CheckpointManager, step: int, world_size: int = 1) -> str:
+    """A committed snapshot of `step` in the memory directory, of the run's lineage."""
+    session = manager.session
+    path = write_files(manager.tier.path(step))
+    commit.commit_node(
+        session.layout,
+        path,
+        {0: m.list_files(path)},
+        node=0,
+        nodes=1,
+        world_size=world_size,
+        step=step,
+        kind="periodic",
+        started_at=time.time(),
+        run_id="run-1",
+        stage_for_upload=False,
+        save_id=m.new_save_id(),
+        lineage=session.lineage or m.new_lineage(),
+        record=False,
+    )
+    return path
+
+
+def test_a_newer_snapshot_is_resumed_from_and_its_step_is_still_saved_to_the_volume(tmp_path):
+    manager = manager_for(tmp_path)
+    session = manager.session
+    manager.commit_written(write_files(session.layout.checkpoint_dir(10)), 10)
+    older = snapshot(manager, 12)
+    newest = snapshot(manager, 14)
+    cut = write_files(manager.tier.path(16))  # cut short: files, no manifest
+
+    assert manager.resume() == 14
+    assert manager.resumed_dir == newest
+    assert not os.path.exists(cut)
+    assert not os.path.exists(older)  # only the one resumed from stays
+    assert manager.saver.begin_save(14) is not None  # not committed on the volume
+    assert not os.path.exists(session.layout.status + "/save-14.json")
+
+
+def test_the_volume_wins_a_tie_and_another_world_size_is_never_used(tmp_path):
+    manager = manager_for(tmp_path)
+    session = manager.session
+    manager.commit_written(write_files(session.layout.checkpoint_dir(10)), 10)
+    snapshot(manager, 10)
+    assert manager.resume() == 10
+    assert manager.resumed_dir == session.layout.checkpoint_dir(10)
+
+    manager = manager_for(tmp_path)
+    snapshot(manager, 20, world_size=2)
+    assert manager.resume() == 10
+    assert manager.resumed_dir == session.layout.checkpoint_dir(10)
+
+
+def test_starting_over_clears_the_snapshots(tmp_path):
+    manager = manager_for(tmp_path, resume=False)
+    snapshot(manager, 12)
+    assert manager.resume() is None
+    assert checkpoint_steps(manager.tier.root) == []
+
+
+def test_two_snapshots_that_do_not_fit_are_one_line_and_none_is_taken(
+    tmp_path, monkeypatch, caplog
+):
+    manager = manager_for(tmp_path)
+    monkeypatch.setattr(memory_tier.room, "free_bytes", lambda _path: 150 << 20)
+    with caplog.at_level(logging.INFO, logger="jitckpt.hook"):
+        assert not manager.tier.decide(100 << 20, True)
+    lines = [r.getMessage() for r in caplog.records if "snapshots to RAM" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "JITCKPT_MEMORY_DIR" in lines[0]
+    assert "take 209.7 MB" in lines[0], lines[0]
+    assert "has 157.3 MB" in lines[0], lines[0]
+    assert not manager.tier.wanted(30)
+
+    manager = manager_for(tmp_path, snapshot_interval="10steps")
+    monkeypatch.setattr(memory_tier.room, "free_bytes", lambda _path: 250 << 20)
+    assert manager.tier.decide(100 << 20, True)
+    assert [s for s in range(1, 31) if manager.tier.wanted(s)] == [10, 20, 30]
+
+
+def test_the_fast_path_off_means_no_snapshots(tmp_path, caplog):
+    manager = manager_for(tmp_path)
+    with caplog.at_level(logging.INFO, logger="jitckpt.hook"):
+        assert not manager.tier.decide(1, False)
+    assert any("fast path" in r.getMessage() for r in caplog.records)
+
+
+def test_a_timed_snapshot_is_asked_for_once_and_wanted_until_taken(tmp_path):
+    manager = manager_for(tmp_path, snapshot_interval="2s")
+    tier = manager.tier
+    assert tier.decide(1, True)
+    tier.started()
+    assert tier.token(100.0) == 0  # the clock starts at the first step
+    assert tier.token(101.0) == 0
+    assert tier.token(102.5) == 1
+    assert tier.token(103.0) == 0  # asked already
+    assert not tier.wanted(5)
+    tier.agreed(1)
+    assert tier.wanted(6)
+    tier.began()
+    assert not tier.wanted(7)
+    tier.agreed(1)  # the same request again (carried by a later round): answered
+    assert not tier.wanted(8)
+
+
+@pytest.mark.parametrize("text", ["0steps", "steps", "5 steps", "0.01s", "-1"])
+def test_a_bad_snapshot_interval_is_refused(text):
+    with pytest.raises(Exception, match="JITCKPT_SNAPSHOT_INTERVAL"):
+        Config.from_env({"JITCKPT_SNAPSHOT_INTERVAL": text})
