@@ -10,6 +10,7 @@ shared_settings.py's; this table and the sidecar's reuse them.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -22,6 +23,7 @@ from jitckpt_entrypoint.settings import (
     OPTIONAL_TEXT,
     TEXT,
     Option,
+    SettingError,
     at_least,
     between,
     one_of,
@@ -53,6 +55,12 @@ def snapshot_every(text: str) -> Optional[tuple[Optional[float], Optional[int]]]
     except ValueError:
         return None
     return (seconds, None) if 0.1 <= seconds <= 7 * 86400 else None
+
+
+def _overlap(a: str, b: str) -> bool:
+    """One path is the other or holds it (snapshot rotation must never reach the volume)."""
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
 def shutdown_timeout_for(grace_seconds: int) -> int:
@@ -234,6 +242,13 @@ class Config:
 
     def __post_init__(self) -> None:
         validate(self, OPTIONS)
+        if self.memory_dir and _overlap(self.memory_dir, self.dir):
+            raise SettingError(
+                OPTION_BY_FIELD["memory_dir"].source,
+                f"{self.memory_dir!r} shares paths with JITCKPT_DIR ({self.dir}); use a memory-"
+                "backed volume of its own (an emptyDir with medium: Memory)",
+                "memory_dir",
+            )
 
     @property
     def effective_save_strategy(self) -> Optional[str]:

@@ -54,7 +54,11 @@ class MemoryTier:
         """Rank 0: when the last snapshot (or volume save) of this train() began."""
         self._asked = False
         self._wanted = False
-        """Every rank: a time-based snapshot was agreed on and is not taken yet."""
+        """Every rank: a snapshot is due (agreed on, or its step count reached) and not taken
+        yet (an evaluation at its step puts it off by a step)."""
+        self.failed: Optional[str] = None
+        """Why a snapshot failed (set by the background writer; `on` changes only where every
+        rank is in step: saver.save_snapshot)."""
 
     @property
     def configured(self) -> bool:
@@ -82,6 +86,11 @@ class MemoryTier:
         problem = None
         if not async_on:
             problem = "the Trainer's saves do not take the fast path (the line above says why)"
+        elif topo.nodes > 1:
+            problem = (
+                "with several nodes a node's snapshot holds only its own ranks' files, and a "
+                "resume from RAM needs every file its ranks load (not yet)"
+            )
         else:
             problem = self._room_problem(node_bytes)
         refused = session.control.all_gather(problem)
@@ -105,9 +114,9 @@ class MemoryTier:
         try:
             os.makedirs(self.root, exist_ok=True)
             free = room.free_bytes(self.root)
+            held = sum(_tree_bytes(self.path(s)) for s in checkpoint_steps(self.root))
         except OSError as exc:
             return f"cannot use JITCKPT_MEMORY_DIR {self.session.cfg.memory_dir}: {exc}"
-        held = sum(_tree_bytes(self.path(s)) for s in checkpoint_steps(self.root))
         needed = KEPT * node_bytes
         if free + held < needed:
             return (
@@ -115,13 +124,27 @@ class MemoryTier:
                 f"JITCKPT_MEMORY_DIR ({self.session.cfg.memory_dir}) has {room.gb(free + held)}; "
                 "raise its sizeLimit (and the pod's memory limit) or unset it"
             )
+        # A memory-backed volume's pages count against the container's memory: two snapshots
+        # beside the host copy the async saves keep (one more), where an OOM kill would end
+        # the very run they are for.
+        budget = room.budget()
+        if not budget.fits(max(0, (KEPT + 1) * node_bytes - held)):
+            return (
+                f"two snapshots of node {self.session.topo.node} and the host copy take "
+                f"{room.gb((KEPT + 1) * node_bytes)} of memory, more than "
+                f"{room.HEADROOM:.0%} of the {budget.describe()}; raise the pod's memory limit"
+            )
         return None
 
     def turn_off(self, why: str) -> None:
-        """After a snapshot failed (the same on every rank: decided from the vote)."""
+        """Training thread, on every rank in step: no more snapshots in this run."""
         if self.on and self.session.topo.rank == 0:
             self.session.log.warning("no more snapshots to RAM: %s", why)
         self.on = False
+
+    def reset(self) -> None:
+        """Training ended: the next train() (another Trainer) decides afresh."""
+        self._decided, self.on, self.failed = False, False, None
 
     # -- when --
 
@@ -151,8 +174,8 @@ class MemoryTier:
         """Every rank, after the agreement: whether this step wants a snapshot."""
         if not self.on:
             return False
-        if self.steps:
-            return step % self.steps == 0
+        if self.steps and step % self.steps == 0:
+            self._wanted = True
         return self._wanted
 
     def began(self) -> None:

@@ -173,7 +173,9 @@ def agreed_save(session: Session, memory: str = "") -> Optional[tuple[int, str]]
     common = set.intersection(*(set(c) for c, _ in reports)) if reports else set()
     # Of a step's saves, the volume's before a snapshot's (a save id is one or the other on
     # every node, so every rank picks the same).
-    best = max(common, key=lambda s: (s[2], s[0], os.path.dirname(here[s]) != memory), default=None)
+    best = max(
+        common, key=lambda s: (s[2], s[0], os.path.dirname(here[s]) != memory, s[1]), default=None
+    )
     step = None if best is None else best[0]
     newest = _newest(n for _, n in reports if n is not None)
     if newest is not None and (best is None or (newest[2], newest[0]) > (best[2], best[0])):

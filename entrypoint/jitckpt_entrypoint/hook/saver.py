@@ -111,9 +111,10 @@ class Saver:
                 self._committed.add(step)
 
     def training_ended(self) -> None:
-        """The next `train()` decides its fast paths afresh."""
+        """The next `train()` decides its fast paths (and snapshots) afresh."""
         self._skipped.clear()
         self.gates.reset()
+        self.tier.reset()
 
     def saved(self, step: int, path: Optional[str] = None) -> float:
         """Collective, after every rank wrote `step` (or skipped it): commit it (an async save
@@ -176,11 +177,15 @@ class Saver:
         memory and written there by the background writer, which commits them. Passed over
         (the clock starts again) while a save is still being written: one save at a time, and
         training must not wait for a slow one."""
-        tier = self.tier
-        if not (tier.on and self.gates.on):
+        tier, control = self.tier, self.session.control
+        if not tier.on:
             return
         tier.began()
-        if self.session.control.any_now(self.inflight.busy):
+        self.cadence.not_compared()  # this step's time says nothing of a periodic save's cost
+        if control.any_now(tier.failed is not None):  # set by the background writer
+            tier.turn_off(tier.failed or "a snapshot failed on another rank")
+            return
+        if control.any_now(self.inflight.busy or not self.gates.on):
             return
         parts, problem = self._parts(make)
         if not self.use_fast(problem) or parts is None:
@@ -198,8 +203,11 @@ class Saver:
 
     def begin_save(self, step: int, path: Optional[str] = None) -> Optional[Save]:
         """Training thread, before the files are written; None: `step` is committed, skip it.
-        Drains an async save in flight first (one save at a time)."""
-        self.inflight.drain()
+        Drains an async save in flight first (one save at a time); a snapshot in RAM still
+        being copied or written is cancelled (this save is newer; the previous snapshot
+        stays)."""
+        inflight = self.inflight.save
+        self.inflight.drain(step if inflight is not None and inflight.snapshot else None)
         self._skipped.discard(step)  # saved after all (training ended at a skipped step)
         if self.is_committed(step):
             return None
@@ -269,7 +277,9 @@ class Saver:
             return False
         if self._kind_of(step) != "periodic" or self.is_committed(step):
             return False  # a JIT or final save is never skipped
-        if not self.session.control.any_now(self.inflight.busy):
+        inflight = self.inflight.save
+        writing = self.inflight.busy and inflight is not None and not inflight.snapshot
+        if not self.session.control.any_now(writing):  # a snapshot in RAM is cancelled instead
             return False
         self._skipped.add(step)
         # What runs after the Trainer's save call (a subclass's extra files, callbacks) may
@@ -438,10 +448,10 @@ class Saver:
         if save.snapshot:
             if save.outcome == Outcome.FAILED:
                 session.log.warning("snapshot of step %d not written: %s", save.step, save.error)
-            if vote.any(Outcome.DISK_FULL):
-                self.tier.turn_off(f"JITCKPT_MEMORY_DIR ({self.tier.root}) is full")
+            if vote.any(Outcome.DISK_FULL):  # the training thread turns them off (in step)
+                self.tier.failed = f"JITCKPT_MEMORY_DIR ({self.tier.root}) is full"
             elif vote.any(Outcome.FAILED):
-                self.tier.turn_off(f"the snapshot of step {save.step} failed")
+                self.tier.failed = f"the snapshot of step {save.step} failed"
             return
         if save.outcome == Outcome.FAILED:
             session.log.error("%s not saved: %s", name, save.error)
