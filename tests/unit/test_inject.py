@@ -491,3 +491,27 @@ def test_a_pytorchjob_gets_a_sidecar_in_every_replica_type_with_one_storage_uri(
     assert "Master: restartPolicy" not in said  # ExitCode: the JIT exit 143 is retried
     never = notes(PYTORCHJOB.replace("restartPolicy: ExitCode", "restartPolicy: Never"))
     assert "Master: restartPolicy Never: a JIT exit fails the PyTorchJob" in never
+
+
+def test_memory_adds_a_memory_backed_volume_for_snapshots_and_raises_the_memory_limit():
+    limited = POD.replace(
+        "    securityContext: {runAsUser: 1234}\n",
+        "    securityContext: {runAsUser: 1234}\n"
+        "    resources: {limits: {memory: 64Gi}, requests: {memory: 64Gi}}\n",
+    )
+    text = injected(limited, "memory", "24Gi")
+    assert assert_valid(text) >= 1
+    pod = docs(text)[0]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "jitckpt-memory")
+    assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "24Gi"}
+    train = containers(pod)["train"]
+    assert {"name": "jitckpt-memory", "mountPath": "/mnt/jitckpt-memory"} in train["volumeMounts"]
+    assert env_of(train)["JITCKPT_MEMORY_DIR"] == "/mnt/jitckpt-memory"
+    assert train["resources"]["limits"]["memory"] == "88Gi"
+    assert train["resources"]["requests"]["memory"] == "64Gi"  # below the limit: kept
+    assert "memory limit raised to 88Gi" in notes(limited, "memory", "24Gi")
+    assert injected(text, "memory", "24Gi") == text  # a second run changes nothing
+    assert "has no memory limit" in notes(POD, "memory", "24Gi")
+    plain = docs(injected(POD))[0]["spec"]  # without --memory: no RAM tier
+    assert "jitckpt-memory" not in [v["name"] for v in plain["volumes"]]
+    assert "JITCKPT_MEMORY_DIR" not in env_of(containers(plain)["train"])

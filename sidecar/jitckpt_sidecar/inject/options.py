@@ -76,6 +76,15 @@ OPTIONS = (
         metavar="CAPACITY",
     ),
     Option(
+        "memory",
+        dataclasses.replace(QUANTITY_TEXT, optional=True),
+        "a memory-backed emptyDir of this size for snapshots in RAM (JITCKPT_MEMORY_DIR); "
+        "about two snapshots of a node's model and optimizer state",
+        check=rule(lambda v: parse_quantity(v) > 0, "a positive quantity, e.g. 24Gi"),
+        flag_only=True,
+        metavar="SIZE",
+    ),
+    Option(
         "grace_seconds",
         INTEGER,
         "terminationGracePeriodSeconds where a pod sets none",
@@ -140,6 +149,8 @@ class Options:
     """Secret with the S3 credentials, used via envFrom (an OpenShift AI data connection works)."""
     capacity: str = DEFAULT_CAPACITY
     """sizeLimit of the shared emptyDir, and JITCKPT_STORAGE_CAPACITY."""
+    memory: Optional[str] = None
+    """sizeLimit of a memory-backed emptyDir for snapshots in RAM; None: no RAM tier."""
     grace_seconds: int = DEFAULT_GRACE_SECONDS
     """terminationGracePeriodSeconds for pods that have none; a pod's own value is kept."""
     exit_code: int = default_of(trainer.Config, "exit_code")

@@ -146,6 +146,32 @@ def _set_env(container: Obj, name: str, value: str) -> None:
         env.append({"name": name, "value": value})
 
 
+def _mount(container: Obj, opts: Options, where: str, report: Report) -> None:
+    """Our volumes in a training container (and the memory volume's limit, or a warning)."""
+    mounts = container.setdefault("volumeMounts", [])
+    mounts.append({"name": t.BUNDLE_VOLUME, "mountPath": t.BUNDLE_DIR, "readOnly": True})
+    mounts.append({"name": t.DATA_VOLUME, "mountPath": t.DATA_DIR})
+    if opts.memory:
+        mounts.append({"name": t.MEMORY_VOLUME, "mountPath": t.MEMORY_DIR})
+        _memory_note(container, opts.memory, where, report)
+
+
+def _memory_note(container: Obj, size: str, where: str, report: Report) -> None:
+    """The trainer's memory limit raised by the memory volume's size, or a warning."""
+    name = container.get("name")
+    raised = t.raise_memory_limit(container, size)
+    if raised is None:
+        report.notes.append(
+            f"warning: {where}: container {name!r} has no memory limit; the {size} memory "
+            f"volume {t.MEMORY_VOLUME} counts against the node's memory"
+        )
+    else:
+        report.notes.append(
+            f"{where}: container {name!r}'s memory limit raised to {raised} (the {size} "
+            f"memory volume {t.MEMORY_VOLUME} counts against it)"
+        )
+
+
 def _injected_state(spec: Obj) -> tuple[bool, bool]:
     """(has any of our parts, has all of them)."""
     init = _names(spec.get("initContainers"))
@@ -182,7 +208,7 @@ def inject_pod(spec: Obj, opts: Options, where: str, report: Report) -> tuple[st
         for m in c.get("volumeMounts") or []
         if isinstance(m, dict)
     }
-    for path in (t.BUNDLE_DIR, t.DATA_DIR):
+    for path in (t.BUNDLE_DIR, t.DATA_DIR, *((t.MEMORY_DIR,) if opts.memory else ())):
         if path in taken:
             raise InjectError(f"{where}: {path} is already a mount point in the trainer")
     for name in (t.INSTALL, t.SIDECAR, t.RESTORE):
@@ -199,9 +225,7 @@ def inject_pod(spec: Obj, opts: Options, where: str, report: Report) -> tuple[st
         container["command"] = t.wrapped(container["command"], opts)
         for name, value in t.trainer_env(opts, grace):
             _set_env(container, name, value)
-        mounts = container.setdefault("volumeMounts", [])
-        mounts.append({"name": t.BUNDLE_VOLUME, "mountPath": t.BUNDLE_DIR, "readOnly": True})
-        mounts.append({"name": t.DATA_VOLUME, "mountPath": t.DATA_DIR})
+        _mount(container, opts, where, report)
 
     first = trainers[0]
     init = spec.setdefault("initContainers", [])

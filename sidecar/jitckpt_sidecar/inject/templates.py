@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from jitckpt_entrypoint import config as trainer
-from jitckpt_entrypoint.settings import default_of
+from jitckpt_entrypoint.settings import default_of, format_quantity, parse_quantity
 from jitckpt_sidecar import config as sidecar
 from jitckpt_sidecar.inject.options import Options
 
@@ -19,6 +19,8 @@ BUNDLE_DIR = "/jitckpt"
 BUNDLE_VOLUME = "jitckpt-bundle"
 DATA_DIR: str = default_of(trainer.Config, "dir")
 DATA_VOLUME = "jitckpt"
+MEMORY_DIR = "/mnt/jitckpt-memory"
+MEMORY_VOLUME = "jitckpt-memory"
 INSTALL = "jitckpt-install"
 SIDECAR = "jitckpt-sidecar"
 RESTORE = "jitckpt-restore"
@@ -42,6 +44,8 @@ def trainer_env(opts: Options, grace: Optional[int] = None) -> list[tuple[str, s
     else:
         values["grace_seconds"] = grace
     values["exit_code"] = opts.exit_code
+    if opts.memory and grace is not None:
+        values["memory_dir"] = MEMORY_DIR
     return [(trainer.OPTION_BY_FIELD[f].env, str(v)) for f, v in values.items()]
 
 
@@ -165,10 +169,31 @@ def restore_container(opts: Options, trainer_container: Obj, grace: int) -> Obj:
 
 
 def volumes(opts: Options) -> list[Obj]:
-    return [
+    out: list[Obj] = [
         {"name": BUNDLE_VOLUME, "emptyDir": {"sizeLimit": "64Mi"}},
         {"name": DATA_VOLUME, "emptyDir": {"sizeLimit": opts.capacity}},
     ]
+    if opts.memory:
+        out.append(
+            {"name": MEMORY_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": opts.memory}}
+        )
+    return out
+
+
+def raise_memory_limit(container: Obj, size: str) -> Optional[str]:
+    """A memory-backed emptyDir counts against the memory limit of the container that writes
+    it: the trainer's limit (when it has one) grows by `size`. Returns the new limit, or None
+    when the container has no memory limit."""
+    limits = (container.get("resources") or {}).get("limits") or {}
+    limit = limits.get("memory")
+    if limit is None:
+        return None
+    raised = format_quantity(parse_quantity(str(limit)) + parse_quantity(size))
+    container.setdefault("resources", {}).setdefault("limits", {})["memory"] = raised
+    requests = container["resources"].get("requests") or {}
+    if "memory" in requests and parse_quantity(str(requests["memory"])) > parse_quantity(raised):
+        requests["memory"] = raised
+    return raised
 
 
 def failure_rules(trainers: list[str], exit_code: int) -> list[Obj]:
