@@ -33,6 +33,9 @@ Variants (the same script and flags; periodic saves every --save-steps steps, sa
 - jitckpt: the defaults (JIT checkpoint on SIGTERM, async periodic saves).
 - jitckpt-interval: plus JITCKPT_SAVE_INTERVAL (--interval).
 - jitckpt-overhead: plus JITCKPT_SAVE_OVERHEAD (--overhead), capped by --overhead-cap.
+- jitckpt-ram: the defaults plus snapshots in RAM every --snapshot-interval: each pod gets its
+  own JITCKPT_MEMORY_DIR on /dev/shm (a medium: Memory emptyDir: a restart in place keeps it, a
+  new pod starts without).
 Each repeat runs a failure-free baseline (no checkpoints) and then every variant through the
 same trace, the variants in a rotated order per repeat.
 
@@ -68,6 +71,7 @@ import dataclasses
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -101,6 +105,8 @@ class Variant:
     name: str
     env: dict[str, str]
     args: tuple[str, ...] = ()
+    memory: bool = False
+    """Each pod gets a memory directory of its own (JITCKPT_MEMORY_DIR)."""
 
 
 def variants(opts: argparse.Namespace) -> list[Variant]:
@@ -114,6 +120,7 @@ def variants(opts: argparse.Namespace) -> list[Variant]:
             "jitckpt-overhead",
             {"JITCKPT_SAVE_OVERHEAD": opts.overhead, "JITCKPT_SAVE_INTERVAL": opts.overhead_cap},
         ),
+        Variant("jitckpt-ram", {"JITCKPT_SNAPSHOT_INTERVAL": opts.snapshot_interval}, memory=True),
     ]
 
 
@@ -181,6 +188,7 @@ class Runner:
         self.pods: list[Pod] = []
         self.trainers: list[Proc] = []
         self.startups: list[float] = []
+        self.memory: list[str] = []
 
     def new_pod(self) -> Pod:
         env = {
@@ -188,6 +196,10 @@ class Runner:
             "AWS_SDK_UA_APP_ID": "goodput",
             "PYTHONPATH": os.pathsep.join(CODE),
         }
+        if self.variant.memory:  # the pod's own medium: Memory emptyDir
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            self.memory.append(tempfile.mkdtemp(prefix="goodput-memory-", dir=shm))
+            env["JITCKPT_MEMORY_DIR"] = self.memory[-1]
         pod = Pod(
             self.root,
             f"{self.variant.name}-{len(self.pods)}",
@@ -249,6 +261,8 @@ class Runner:
         return _last_step(proc), gone
 
     def close(self, logs: Optional[Path] = None) -> None:
+        for memory in self.memory:
+            shutil.rmtree(memory, ignore_errors=True)
         for pod in self.pods:
             pod.close()
             if logs is not None:
@@ -430,6 +444,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--overhead", default="5%", help="jitckpt-overhead's JITCKPT_SAVE_OVERHEAD")
     parser.add_argument("--overhead-cap", default="30s", help="and its JITCKPT_SAVE_INTERVAL")
+    parser.add_argument(
+        "--snapshot-interval", default="10s", help="jitckpt-ram's JITCKPT_SNAPSHOT_INTERVAL"
+    )
     parser.add_argument("--baseline-steps", type=int, default=150)
     parser.add_argument("--grace", type=int, default=30, help="terminationGracePeriodSeconds")
     parser.add_argument("--hidden", type=int, default=128)
