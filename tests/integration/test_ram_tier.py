@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from harness.pod import final_weights
-from harness.training import TRAIN_HF, entrypoint, hook_lines, torchrun, wait_for_step
+from harness.training import (
+    TRAIN_HF,
+    TRAIN_LOOP,
+    entrypoint,
+    hook_lines,
+    torchrun,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -110,3 +117,31 @@ def test_a_memory_directory_that_cannot_hold_snapshots_is_one_line(spawn, base_e
     assert len(lines) == 1, proc.output()
     assert "JITCKPT_MEMORY_DIR" in lines[0]
     assert (jdir / "checkpoints" / "checkpoint-12").exists()
+
+
+def test_a_killed_plain_loop_resumes_from_its_snapshot_in_ram(
+    spawn, base_env, memory_dir, tmp_path
+):
+    """The plain loop's `should_snapshot()` and `snapshot()` (DCP into the memory directory)."""
+    args = ["--steps", "40", "--save-every", "20", "--step-sleep", "0.1"]
+
+    def weights(proc) -> set[str]:
+        return {line.split()[1] for line in proc.stdout if line.startswith("weights ")}
+
+    straight_dir = tmp_path / "straight"
+    straight_dir.mkdir()
+    straight = spawn(
+        entrypoint(torchrun(TRAIN_LOOP, *args)), env={**base_env, "JITCKPT_DIR": str(straight_dir)}
+    )
+    assert straight.wait(timeout=300) == 0, straight.output()
+    expected = weights(straight)
+    assert len(expected) == 1, straight.output()  # every rank holds the same weights
+
+    env = {**base_env, "JITCKPT_MEMORY_DIR": str(memory_dir), "JITCKPT_SNAPSHOT_INTERVAL": "3steps"}
+    first = spawn(entrypoint(torchrun(TRAIN_LOOP, *args)), env=env)
+    wait_for_step(first, 29)
+    first.kill_tree()
+    second = spawn(entrypoint(torchrun(TRAIN_LOOP, *args)), env=env)
+    assert second.wait(timeout=300) == 0, second.output()
+    assert resumed_from_ram(second) in (24, 27)
+    assert weights(second) == expected

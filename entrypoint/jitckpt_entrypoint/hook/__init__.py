@@ -13,10 +13,13 @@ Hugging Face Trainer needs none of this (the hook patches it). A hand-written lo
             jitckpt.save(state, step, kind="jit")   # saves, commits, exits JITCKPT_EXIT_CODE
         if step % 100 == 0 or jitckpt.should_save():  # should_save: JITCKPT_SAVE_INTERVAL
             jitckpt.save(state, step)           # async_=True: written in the background
+        elif jitckpt.should_snapshot(step):     # JITCKPT_MEMORY_DIR: a snapshot in RAM
+            jitckpt.snapshot(state, step)
     jitckpt.save(state, total, kind="final")
     jitckpt.done()
 
-Every function except `checkpoint_dir` and `should_save` is collective: call it on every rank.
+Every function except `checkpoint_dir` and `should_save` is collective (`should_snapshot` on its
+first call): call it on every rank.
 This module is imported at interpreter start in every process, so it imports nothing until
 called.
 """
@@ -52,6 +55,28 @@ def should_save() -> bool:
     from jitckpt_entrypoint.hook.manager import current
 
     return current().save_due()
+
+
+def should_snapshot(step: int) -> bool:
+    """After `should_stop()` in the same step: True on every rank at the same step when a
+    snapshot to JITCKPT_MEMORY_DIR is due (JITCKPT_SNAPSHOT_INTERVAL); always False without
+    JITCKPT_MEMORY_DIR. Collective on its first call (snapshots are decided then): call it on
+    every rank, every step."""
+    from jitckpt_entrypoint.hook.manager import current
+
+    return current().snapshot_wanted(step)
+
+
+def snapshot(state_dict: dict[str, Any], step: int) -> None:
+    """Save `state_dict` with torch.distributed.checkpoint into JITCKPT_MEMORY_DIR as the
+    snapshot of `step`, and commit it there (collective). `latest_checkpoint()` returns it after
+    a crash when it is newer than the newest checkpoint. Never raises: a snapshot that fails
+    turns snapshots off, in one line."""
+    import torch.distributed.checkpoint as dcp
+
+    from jitckpt_entrypoint.hook.manager import current
+
+    current().write_snapshot(step, lambda path: dcp.save(state_dict, checkpoint_id=path))
 
 
 def checkpoint_dir(step: int) -> str:

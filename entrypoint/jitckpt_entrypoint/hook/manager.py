@@ -194,6 +194,19 @@ class CheckpointManager:
         elif not later:
             self.saver.save_snapshot(step, make)
 
+    def snapshot_wanted(self, step: int) -> bool:
+        """The plain loop, after `stop_agreed`, on every rank alike: whether to snapshot `step`
+        (collective on the first call: snapshots are decided then)."""
+        tier = self.tier
+        if tier.configured and not tier.decided:
+            tier.decide(0, True)  # the state's size is not known here: a full tmpfs says so
+        return tier.wanted(step)
+
+    def write_snapshot(self, step: int, write: Callable[[str], object]) -> None:
+        """The plain loop (collective): `write(path)` a snapshot of `step` to RAM, committed
+        there (saver.py)."""
+        self.saver.write_snapshot(step, write)
+
     def enable_snapshots(self, snapshot_bytes: int, fast: bool) -> bool:
         """Collective, when training starts (after `enable_async`): snapshots to RAM on every
         rank or none (memory_tier.py, one line why not). `fast`: this Trainer's periodic saves

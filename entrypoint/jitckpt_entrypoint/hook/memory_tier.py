@@ -65,6 +65,10 @@ class MemoryTier:
         return bool(self.root)
 
     @property
+    def decided(self) -> bool:
+        return self._decided
+
+    @property
     def timed(self) -> bool:
         """Snapshots go by rank 0's clock (they need the step agreement)."""
         return self.on and self.seconds is not None
@@ -99,12 +103,8 @@ class MemoryTier:
         if topo.rank == 0:
             if self.on:
                 every = f"{self.steps} steps" if self.steps else f"{self.seconds:g} s"
-                session.log.info(
-                    "snapshots to RAM every %s into %s (%s each on this node)",
-                    every,
-                    self.root,
-                    room.gb(node_bytes),
-                )
+                size = f" ({room.gb(node_bytes)} each on this node)" if node_bytes else ""
+                session.log.info("snapshots to RAM every %s into %s%s", every, self.root, size)
             else:
                 session.log.warning("no snapshots to RAM: %s", reasons[0])
         return self.on

@@ -177,29 +177,56 @@ class Saver:
         memory and written there by the background writer, which commits them. Passed over
         (the clock starts again) while a save is still being written: one save at a time, and
         training must not wait for a slow one."""
-        tier, control = self.tier, self.session.control
-        if not tier.on:
-            return
-        tier.began()
-        self.cadence.not_compared()  # this step's time says nothing of a periodic save's cost
-        if control.any_now(tier.failed is not None):  # set by the background writer
-            tier.turn_off(tier.failed or "a snapshot failed on another rank")
-            return
-        if control.any_now(self.inflight.busy or not self.gates.on):
+        if not self._snapshot_begins():
             return
         parts, problem = self._parts(make)
         if not self.use_fast(problem) or parts is None:
             return
-        self.inflight.drain()
-        try:
-            tier.prepare(step)
-        except OSError as exc:
-            self.session.log.warning("cannot clear %s: %s", tier.root, exc)
-        self.session.control.barrier()  # no rank writes into it before it is cleared
-        save = Save(step, "periodic", tier.path(step), time.time(), snapshot=True)
-        after = functools.partial(tier.committed, step)
+        save = self._snapshot_of(step)
+        after = functools.partial(self.tier.committed, step)
         self.inflight.save_async(save, dataclasses.replace(parts, after_commit=after))
         save.ready.set()  # nothing else writes into a snapshot's directory
+
+    def write_snapshot(self, step: int, write: Callable[[str], object]) -> None:
+        """Training thread, collective, at a step every rank snapshots: `write(path)` (the plain
+        loop's `dcp.save`) into JITCKPT_MEMORY_DIR on this thread, then the commit there. Its
+        errors never reach training: the snapshot is abandoned, and snapshots are off."""
+        if not self._snapshot_begins(fast=False):
+            return
+        save = self._snapshot_of(step)
+        save.after_commit = functools.partial(self.tier.committed, step)
+        try:
+            write(save.path)
+        except Exception as exc:  # noqa: BLE001 - never into training; the vote reports it
+            save.failed(exc)
+        self._commit(save)
+        if self.tier.failed is not None:  # decided from the vote: the same on every rank
+            self.tier.turn_off(self.tier.failed)
+
+    def _snapshot_begins(self, fast: bool = True) -> bool:
+        """Collective: whether the snapshot of this step is taken (not after a failure, not
+        while a save is still being written; `fast`: written by the fast path, which must be
+        on)."""
+        tier, control = self.tier, self.session.control
+        if not tier.on:
+            return False
+        tier.began()
+        self.cadence.not_compared()  # this step's time says nothing of a periodic save's cost
+        if control.any_now(tier.failed is not None):  # set by the background writer
+            tier.turn_off(tier.failed or "a snapshot failed on another rank")
+            return False
+        return not control.any_now(self.inflight.busy or (fast and not self.gates.on))
+
+    def _snapshot_of(self, step: int) -> Save:
+        """Collective: the snapshot's directory cleared (an older save of the step, one cut
+        short), then its Save."""
+        self.inflight.drain()
+        try:
+            self.tier.prepare(step)
+        except OSError as exc:
+            self.session.log.warning("cannot clear %s: %s", self.tier.root, exc)
+        self.session.control.barrier()  # no rank writes into it before it is cleared
+        return Save(step, "periodic", self.tier.path(step), time.time(), snapshot=True)
 
     def begin_save(self, step: int, path: Optional[str] = None) -> Optional[Save]:
         """Training thread, before the files are written; None: `step` is committed, skip it.
@@ -219,6 +246,8 @@ class Saver:
             # rewrites it: its manifests go first.
             withdraw(save.path)
         self.records.save_started(step, save.started_at)
+        if self.tier.on:
+            self.tier.covered()  # a newer save than any snapshot: the snapshot clock restarts
         if save.kind == "periodic":
             self.periodic += 1
             save.measured = self.cadence.save_began(time.monotonic())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import time
 
@@ -79,8 +80,12 @@ def main() -> None:
             say(f"timed save at step {step} rank={rank}")
         if (timed or step % opts.save_every == 0) and step < opts.steps:
             jitckpt.save(state, step, async_=opts.async_save)
+        elif jitckpt.should_snapshot(step):  # JITCKPT_MEMORY_DIR: a snapshot in RAM
+            jitckpt.snapshot(state, step)
     jitckpt.save(state, opts.steps, kind="final")
     jitckpt.done()
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+    say(f"weights {digest.hexdigest()} rank={rank}")
     say(f"done step={app.step} rank={rank}")
     dist.destroy_process_group()
 
