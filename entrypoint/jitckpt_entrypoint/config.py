@@ -120,11 +120,12 @@ OPTIONS = (
         "memory_dir",
         TEXT,
         "a memory-backed directory (tmpfs) for snapshots in RAM; empty = none",
-        doc="a memory-backed directory shared by the trainer's containers (an emptyDir with "
-        "`medium: Memory`): the Trainer's state goes there every `JITCKPT_SNAPSHOT_INTERVAL`, "
-        "and a trainer that crashed (SIGKILL, OOM kill, an exception) resumes from it when it "
-        "is newer than the newest checkpoint on the volume. Empty: no snapshots; see "
-        "[the RAM tier](docs/how-it-works.md#the-ram-tier)",
+        doc="a memory-backed directory of the pod (an emptyDir with `medium: Memory`): the "
+        "Trainer's state goes there every `JITCKPT_SNAPSHOT_INTERVAL` (plain loops: "
+        "`snapshot()`), and a trainer that crashed (SIGKILL, OOM kill, an exception) and "
+        "restarts in the same pod resumes from it when it is newer than the newest checkpoint "
+        "on the volume. One node; not FSDP's sharded saves or DeepSpeed. Empty: no snapshots; "
+        "see [the RAM tier](docs/how-it-works.md#the-ram-tier)",
         default_doc="empty (none)",
     ),
     Option(

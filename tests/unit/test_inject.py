@@ -15,6 +15,7 @@ from harness.k8s import VERSIONS, containers, core_objects, env_of, validate
 from jitckpt_entrypoint.settings import SettingError
 from jitckpt_sidecar import config as sidecar_config
 from jitckpt_sidecar import inject
+from jitckpt_sidecar.errors import InjectError
 
 STORAGE = ["--storage-uri", "s3://ckpt/team-a/run-1"]
 
@@ -508,10 +509,15 @@ def test_memory_adds_a_memory_backed_volume_for_snapshots_and_raises_the_memory_
     assert {"name": "jitckpt-memory", "mountPath": "/mnt/jitckpt-memory"} in train["volumeMounts"]
     assert env_of(train)["JITCKPT_MEMORY_DIR"] == "/mnt/jitckpt-memory"
     assert train["resources"]["limits"]["memory"] == "88Gi"
-    assert train["resources"]["requests"]["memory"] == "64Gi"  # below the limit: kept
+    assert train["resources"]["requests"]["memory"] == "88Gi"  # the scheduler counts it too
     assert "memory limit raised to 88Gi" in notes(limited, "memory", "24Gi")
     assert injected(text, "memory", "24Gi") == text  # a second run changes nothing
     assert "has no memory limit" in notes(POD, "memory", "24Gi")
+    with pytest.raises(InjectError, match="already injected with --memory"):
+        injected(text)
+    with pytest.raises(InjectError, match="already injected without --memory"):
+        injected(injected(POD), "memory", "24Gi")
+    assert "not applied to a TrainJob" in notes(TRAINJOB, "memory", "24Gi")
     plain = docs(injected(POD))[0]["spec"]  # without --memory: no RAM tier
     assert "jitckpt-memory" not in [v["name"] for v in plain["volumes"]]
     assert "JITCKPT_MEMORY_DIR" not in env_of(containers(plain)["train"])

@@ -69,14 +69,21 @@ def should_snapshot(step: int) -> bool:
 
 def snapshot(state_dict: dict[str, Any], step: int) -> None:
     """Save `state_dict` with torch.distributed.checkpoint into JITCKPT_MEMORY_DIR as the
-    snapshot of `step`, and commit it there (collective). `latest_checkpoint()` returns it after
-    a crash when it is newer than the newest checkpoint. Never raises: a snapshot that fails
-    turns snapshots off, in one line."""
+    snapshot of `step`, and commit it there (collective; after `should_snapshot(step)` said
+    so). `latest_checkpoint()` returns it after a crash when it is newer than the newest
+    checkpoint. A write DCP reports failed on every rank (a full tmpfs) turns snapshots off in
+    one line; what the state dict itself raises (your `state_dict()`) propagates, as in
+    `save`."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from jitckpt_entrypoint.hook.manager import current
 
-    current().write_snapshot(step, lambda path: dcp.save(state_dict, checkpoint_id=path))
+    current().write_snapshot(
+        step,
+        lambda path: dcp.save(state_dict, checkpoint_id=path),
+        (CheckpointException, OSError),
+    )
 
 
 def checkpoint_dir(step: int) -> str:

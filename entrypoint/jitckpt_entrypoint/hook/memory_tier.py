@@ -181,12 +181,12 @@ class MemoryTier:
     def began(self) -> None:
         """A snapshot of this step begins (or was passed over as busy): the next one counts
         from now."""
-        self.taken += 1
         self.covered()
 
     def covered(self) -> None:
-        """This step is saved to the volume (or snapshotted): no snapshot is due until the
-        interval passed again."""
+        """Every rank alike: this step is saved to the volume (or snapshotted): no snapshot is
+        due until the interval passed again (a request already on its way is answered)."""
+        self.taken += 1
         self._wanted, self._asked = False, False
         self._last = time.monotonic()
 

@@ -43,6 +43,7 @@ def tip(session: Session, step: int, lineage: str) -> Optional[int]:
     attempt's late upload completing a higher step, a rollback)."""
     found = []
     memory = os.path.join(session.cfg.memory_dir, "checkpoints") if session.cfg.memory_dir else ""
+    topo = session.topo
     for root in filter(None, (session.layout.checkpoints, memory)):
         try:
             steps = checkpoint_steps(root)
@@ -51,6 +52,11 @@ def tip(session: Session, step: int, lineage: str) -> Optional[int]:
         for other in steps:
             if other > step:
                 manifests = read_manifests(os.path.join(root, checkpoint_name(other)))
+                if root == memory:  # a snapshot of another job size is never a branch here
+                    size = (topo.world_size, topo.nodes)
+                    manifests = {
+                        k: v for k, v in manifests.items() if (v.world_size, v.nodes) == size
+                    }
                 if any(man.lineage == lineage for man in manifests.values()):
                     found.append(other)
     seen = status.LINEAGE_TIP.read(session.layout.status)

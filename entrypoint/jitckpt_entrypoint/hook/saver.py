@@ -187,17 +187,24 @@ class Saver:
         self.inflight.save_async(save, dataclasses.replace(parts, after_commit=after))
         save.ready.set()  # nothing else writes into a snapshot's directory
 
-    def write_snapshot(self, step: int, write: Callable[[str], object]) -> None:
+    def write_snapshot(
+        self,
+        step: int,
+        write: Callable[[str], object],
+        errors: tuple[type[BaseException], ...] = (OSError,),
+    ) -> None:
         """Training thread, collective, at a step every rank snapshots: `write(path)` (the plain
-        loop's `dcp.save`) into JITCKPT_MEMORY_DIR on this thread, then the commit there. Its
-        errors never reach training: the snapshot is abandoned, and snapshots are off."""
+        loop's `dcp.save`) into JITCKPT_MEMORY_DIR on this thread, then the commit there.
+        `errors` (DCP's CheckpointException, which every rank raises alike) abandon the
+        snapshot and turn snapshots off; any other error is the library's own and propagates,
+        as it would without jitckpt (its collectives may be half done on the other ranks)."""
         if not self._snapshot_begins(fast=False):
             return
         save = self._snapshot_of(step)
         save.after_commit = functools.partial(self.tier.committed, step)
         try:
             write(save.path)
-        except Exception as exc:  # noqa: BLE001 - never into training; the vote reports it
+        except errors as exc:
             save.failed(exc)
         self._commit(save)
         if self.tier.failed is not None:  # decided from the vote: the same on every rank

@@ -157,8 +157,14 @@ def _mount(container: Obj, opts: Options, where: str, report: Report) -> None:
 
 
 def _memory_note(container: Obj, size: str, where: str, report: Report) -> None:
-    """The trainer's memory limit raised by the memory volume's size, or a warning."""
+    """The trainer's memory limit raised by the memory volume's size, or a warning; and where
+    snapshots help."""
     name = container.get("name")
+    report.notes.append(
+        f"note: {where}: snapshots in RAM are taken on single-node jobs and used when the "
+        "trainer restarts in the same pod (torchrun --max-restarts, restartPolicy OnFailure, "
+        "the pod's own restart); a new pod starts without them"
+    )
     raised = t.raise_memory_limit(container, size)
     if raised is None:
         report.notes.append(
@@ -169,6 +175,16 @@ def _memory_note(container: Obj, size: str, where: str, report: Report) -> None:
         report.notes.append(
             f"{where}: container {name!r}'s memory limit raised to {raised} (the {size} "
             f"memory volume {t.MEMORY_VOLUME} counts against it)"
+        )
+
+
+def _same_memory(spec: Obj, opts: Options, where: str) -> None:
+    """An injected pod asked for again: with the memory volume exactly when --memory is given."""
+    memory = t.MEMORY_VOLUME in _names(spec.get("volumes"))
+    if bool(opts.memory) != memory:
+        raise InjectError(
+            f"{where}: already injected {'with' if memory else 'without'} --memory; start from "
+            "the original YAML to change it"
         )
 
 
@@ -195,6 +211,7 @@ def inject_pod(spec: Obj, opts: Options, where: str, report: Report) -> tuple[st
     states = [_check_command(c, where) for c in trainers]
     some, everything = _injected_state(spec)
     if all(s == "wrapped" for s in states) and everything:
+        _same_memory(spec, opts, where)
         return "unchanged", names
     if some or any(s == "wrapped" for s in states):
         raise InjectError(
@@ -290,6 +307,11 @@ def inject_trainjob(doc: Obj, opts: Options, where: str, report: Report) -> str:
             f"note: {where}: runtimeRef {old.get('name')!r} replaced by {ref['kind']} "
             f"{ref['name']!r} (k8s/trainjob/runtime.yaml: the torch runtime plus the jitckpt "
             "sidecar); apply that runtime first"
+        )
+    if opts.memory:
+        report.notes.append(
+            f"warning: {where}: --memory is not applied to a TrainJob (its runtime owns the "
+            "pod's volumes); add the memory volume and JITCKPT_MEMORY_DIR to the runtime"
         )
     spec["runtimeRef"] = ref
     trainer["command"] = t.wrapped(trainer["command"], opts)

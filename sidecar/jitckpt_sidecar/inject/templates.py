@@ -191,8 +191,10 @@ def raise_memory_limit(container: Obj, size: str) -> Optional[str]:
     raised = format_quantity(parse_quantity(str(limit)) + parse_quantity(size))
     container.setdefault("resources", {}).setdefault("limits", {})["memory"] = raised
     requests = container["resources"].get("requests") or {}
-    if "memory" in requests and parse_quantity(str(requests["memory"])) > parse_quantity(raised):
-        requests["memory"] = raised
+    if "memory" in requests:  # the scheduler counts the volume too (and Guaranteed stays so)
+        requests["memory"] = format_quantity(
+            parse_quantity(str(requests["memory"])) + parse_quantity(size)
+        )
     return raised
 
 
