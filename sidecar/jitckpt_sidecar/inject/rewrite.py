@@ -173,8 +173,8 @@ def _memory_note(container: Obj, size: str, where: str, report: Report) -> None:
         )
     else:
         report.notes.append(
-            f"{where}: container {name!r}'s memory limit raised to {raised} (the {size} "
-            f"memory volume {t.MEMORY_VOLUME} counts against it)"
+            f"note: {where}: container {name!r}: memory limit raised to {raised} (the {size} "
+            f"memory volume {t.MEMORY_VOLUME} counts against it; its request too)"
         )
 
 
