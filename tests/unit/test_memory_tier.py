@@ -177,9 +177,9 @@ def test_a_memory_directory_sharing_paths_with_the_volume_is_refused(tmp_path, m
 def test_a_plain_loops_snapshots_keep_the_newest_and_a_failing_one_never_raises(tmp_path):
     manager = manager_for(tmp_path, snapshot_interval="1steps")
     assert manager.snapshot_wanted(1)
-    manager.write_snapshot(1, write_files)
+    manager.saver.write_snapshot(1, write_files)
     assert manager.snapshot_wanted(2)
-    manager.write_snapshot(2, write_files)
+    manager.saver.write_snapshot(2, write_files)
     assert checkpoint_steps(manager.tier.root) == [2]  # the committed one replaces the older
     assert manager.saver.begin_save(2) is not None  # a snapshot is not the volume's checkpoint
 
@@ -189,7 +189,7 @@ def test_a_plain_loops_snapshots_keep_the_newest_and_a_failing_one_never_raises(
 
     with Lines() as logged:
         assert manager.snapshot_wanted(3)
-        manager.write_snapshot(3, broken)
+        manager.saver.write_snapshot(3, broken)
     assert not manager.tier.on
     assert not manager.snapshot_wanted(4)
     assert [line for line in logged if "no more snapshots to RAM" in line], logged

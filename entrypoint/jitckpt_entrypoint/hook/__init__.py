@@ -79,7 +79,7 @@ def snapshot(state_dict: dict[str, Any], step: int) -> None:
 
     from jitckpt_entrypoint.hook.manager import current
 
-    current().write_snapshot(
+    current().saver.write_snapshot(
         step,
         lambda path: dcp.save(state_dict, checkpoint_id=path),
         (CheckpointException, OSError),

@@ -202,16 +202,6 @@ class CheckpointManager:
             tier.decide(0, True)  # the state's size is not known here: a full tmpfs says so
         return tier.wanted(step)
 
-    def write_snapshot(
-        self,
-        step: int,
-        write: Callable[[str], object],
-        errors: tuple[type[BaseException], ...] = (OSError,),
-    ) -> None:
-        """The plain loop (collective): `write(path)` a snapshot of `step` to RAM, committed
-        there; `errors` abandon it (saver.py)."""
-        self.saver.write_snapshot(step, write, errors)
-
     def enable_snapshots(self, snapshot_bytes: int, fast: bool) -> bool:
         """Collective, when training starts (after `enable_async`): snapshots to RAM on every
         rank or none (memory_tier.py, one line why not). `fast`: this Trainer's periodic saves
