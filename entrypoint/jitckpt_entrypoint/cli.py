@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -12,7 +13,16 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from jitckpt_entrypoint import __version__, final, grace, log, settings, shared_settings, supervisor
+from jitckpt_entrypoint import (
+    __version__,
+    final,
+    grace,
+    log,
+    ram_writer,
+    settings,
+    shared_settings,
+    supervisor,
+)
 from jitckpt_entrypoint.config import OPTIONS, Config
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.protocol import registry, status
@@ -75,13 +85,19 @@ def prepare_dir(cfg: Config) -> Layout:
 
 def child_env(env: Mapping[str, str], cfg: Config, run_id: str) -> dict[str, str]:
     """The child's environment: hook first on PYTHONPATH, resolved settings, torchrun timeout."""
-    out = dict(env)
+    out = writer_env(env, cfg, run_id)
     user_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != HOOK_DIR]
     out["PYTHONPATH"] = os.pathsep.join([HOOK_DIR, *user_path])
-    out.update(cfg.to_env())
-    out[status.RUN_ID_ENV] = run_id
     # torchrun SIGKILLs its workers this long after forwarding SIGTERM (30 s by default).
     out.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(cfg.shutdown_timeout))
+    return out
+
+
+def writer_env(env: Mapping[str, str], cfg: Config, run_id: str) -> dict[str, str]:
+    """The RAM writer's environment: the resolved settings and the run id; not the hook."""
+    out = dict(env)
+    out.update(cfg.to_env())
+    out[status.RUN_ID_ENV] = run_id
     return out
 
 
@@ -191,11 +207,17 @@ def run(
     record = status.TrainerStatus(run_id, pid, tuple(command), started_at=time.time())
     status.TRAINER.write(layout.status, record)
     env = child_env(os.environ, cfg, run_id)
+    writer = (
+        ram_writer.start(writer_env(os.environ, cfg, run_id), logger) if cfg.memory_dir else None
+    )
 
     def on_sigterm(at: float) -> None:
         nonlocal record
         record = dataclasses.replace(record, sigterm_at=at)
         status.TRAINER.write(layout.status, record)
+        if writer is not None:  # a save still written out gives way to the JIT save
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(writer, signal.SIGTERM)
 
     watch = Shutdown(cfg, layout.status, run_id, logger, on_sigterm=on_sigterm)
     logger.debug("running %s (run %s)", command, run_id)
@@ -203,6 +225,8 @@ def run(
         child = supervisor.supervise(executable, command, env, watch)
         code, summary = outcome(cfg, layout, run_id, child, watch.sigterm_at)
     finally:
+        if writer is not None:
+            ram_writer.stop(writer)
         registry.close_run(layout.status, run_id)
     # After staging the final model: the sidecar drains until it sees exited_at.
     record = dataclasses.replace(record, exited_at=time.time(), exit_code=code, summary=summary)

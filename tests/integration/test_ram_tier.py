@@ -25,6 +25,7 @@ from harness.training import (
     torchrun,
     wait_for_step,
 )
+from jitckpt_entrypoint.protocol import validity
 
 pytestmark = pytest.mark.integration
 
@@ -145,3 +146,28 @@ def test_a_killed_plain_loop_resumes_from_its_snapshot_in_ram(
     assert second.wait(timeout=300) == 0, second.output()
     assert resumed_from_ram(second) in (24, 27)
     assert weights(second) == expected
+
+
+def test_periodic_saves_are_written_to_the_volume_by_the_ram_writer_not_the_trainer(
+    spawn, base_env, jdir, memory_dir, straight, tmp_path
+):
+    """The entrypoint's RAM writer writes the save of step 20 from RAM to the volume; a run that
+    resumes from that checkpoint ends bitwise equal to an uninterrupted one."""
+    env = {**base_env, "JITCKPT_MEMORY_DIR": str(memory_dir), "JITCKPT_SNAPSHOT_INTERVAL": "3steps"}
+    first = spawn(entrypoint(torchrun(TRAIN_HF, *ARGS)), env=env)
+    assert first.wait(timeout=300) == 0, first.output()
+    writer = [line for line in first.stderr if line.startswith("jitckpt-ram-writer:")]
+    assert any("committed checkpoint-20 from RAM" in line for line in writer), first.output()
+    assert hook_lines(first, "the RAM writer (pid"), first.output()
+    # The training processes committed only the final save themselves.
+    assert not hook_lines(first, "committed checkpoint-20"), first.output()
+    assert validity.committed(str(jdir / "checkpoints" / "checkpoint-20")) is not None
+
+    # Resumed from the written-out checkpoint (no final one, no snapshot): exact.
+    shutil.rmtree(jdir / "checkpoints" / f"checkpoint-{STEPS}")
+    shutil.rmtree(memory_dir / "checkpoints")
+    second = spawn(entrypoint(torchrun(TRAIN_HF, *ARGS)), env=env)
+    assert second.wait(timeout=300) == 0, second.output()
+    assert hook_lines(second, "resuming from"), second.output()
+    assert any("checkpoint-20" in line for line in hook_lines(second, "resuming from"))
+    assert same(final_weights(jdir, STEPS), straight)

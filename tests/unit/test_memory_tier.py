@@ -3,6 +3,7 @@ takes, which it never takes, when two snapshots do not fit, and when one is due.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -15,9 +16,10 @@ from jitckpt_entrypoint.hook import memory_tier
 from jitckpt_entrypoint.hook.manager import CheckpointManager
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.topology import Topology
-from jitckpt_entrypoint.protocol import commit
+from jitckpt_entrypoint.protocol import commit, status, validity, write_out
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.layout import checkpoint_steps
+from jitckpt_entrypoint.ram_writer import RamWriter
 
 
 class Lines(logging.Handler):
@@ -194,3 +196,78 @@ def test_a_plain_loops_snapshots_keep_the_newest_and_a_failing_one_never_raises(
     assert not manager.snapshot_wanted(4)
     assert [line for line in logged if "no more snapshots to RAM" in line], logged
     assert checkpoint_steps(manager.tier.root) == [2]  # the failed one is gone, 2 stays
+
+
+# -- written out by the RAM writer (ram_writer.py, protocol.write_out) --
+
+
+def ram_writer(manager: CheckpointManager, storage: str = "") -> RamWriter:
+    cfg = dataclasses.replace(manager.session.cfg, storage_uri=storage)
+    return RamWriter(cfg, "run-1", logging.getLogger("jitckpt.test"))
+
+
+def test_the_ram_writer_commits_a_snapshot_on_the_volume_with_its_manifests(tmp_path):
+    manager = manager_for(tmp_path)
+    layout = manager.session.layout
+    started = time.time() - 5
+    src = snapshot(manager, 12)
+    writer = ram_writer(manager, storage="s3://bucket/run")
+
+    answer = writer.write(write_out.Request(12, started, "run-1"))
+
+    assert answer == write_out.Answer(12, ok=True, bytes=100, seconds=answer.seconds)
+    dest = layout.checkpoint_dir(12)
+    written = validity.committed(dest)
+    assert written is not None
+    ram = m.read_manifests(src)[0]
+    # The same save: its id, lineage and files; the save's time is the one to the volume.
+    assert (written[0].save_id, written[0].lineage, written[0].files) == (
+        ram.save_id,
+        ram.lineage,
+        ram.files,
+    )
+    assert written[0].save_seconds >= 5
+    assert validity.staged(layout.staged_dir(12)) is not None  # for the sidecar
+    event = status.read_save_event(os.path.join(layout.status, status.save_event_name(12)))
+    assert event is not None
+    assert event.started_at == started
+    assert event.kind == "periodic"
+
+
+def test_the_ram_writer_never_commits_what_it_could_not_copy_whole(tmp_path):
+    manager = manager_for(tmp_path)
+    layout = manager.session.layout
+    writer = ram_writer(manager)
+    # Not committed in RAM: nothing is written.
+    write_files(manager.tier.path(14))
+    answer = writer.write(write_out.Request(14, time.time(), "run-1"))
+    assert not answer.ok
+    assert "not committed" in answer.error
+    assert not os.path.exists(layout.checkpoint_dir(14))
+    # SIGTERM while copying: stopped, its directory gone, the answer says so.
+    snapshot(manager, 16)
+    writer.stopping = True
+    answer = writer.write(write_out.Request(16, time.time(), "run-1"))
+    assert not answer.ok
+    assert "SIGTERM" in answer.error
+    assert not os.path.exists(layout.checkpoint_dir(16))
+
+
+def test_a_periodic_save_is_handed_to_a_live_writer_of_this_run_only(tmp_path):
+    manager = manager_for(tmp_path)
+    memory = manager.session.cfg.memory_dir
+    tier = manager.tier
+    assert tier.writer() is None  # none started
+    write_out.announce(memory, "run-1")
+    assert tier.writer() == os.getpid()
+    assert tier.decide(100, True)
+    assert tier.writes_out
+    write_out.announce(memory, "another-run")  # a writer of another entrypoint run
+    assert tier.writer() is None
+    # The request, then the answer: waiting ends with it (or with the writer gone).
+    write_out.announce(memory, "run-1")
+    tier.ask(12, 1.0)
+    assert tier.writing_out()
+    write_out.answer(memory, write_out.Answer(12, ok=True))
+    assert not tier.writing_out()
+    assert tier.await_writer() == write_out.Answer(12, ok=True)

@@ -13,6 +13,12 @@ When: JITCKPT_SNAPSHOT_INTERVAL, a number of steps (every rank counts alike) or 
 the same step). A step that is saved to the volume needs no snapshot (the clock starts again);
 a step with an evaluation gets none (the evaluation comes after it: the snapshot waits a step).
 
+Written out (item "another process"): when the entrypoint's RAM writer runs (ram_writer.py,
+protocol.write_out), a periodic save of the Trainer is a snapshot too, and the writer, not the
+training process, writes it to the volume and commits it there (saver.py: `_write_out`). One
+is written out at a time; no other snapshot is taken meanwhile (the one being written out
+stays whole).
+
 Resume (resume.py) counts a committed snapshot of this job's size like a checkpoint on the
 volume: the newest wins (the same order as everywhere: lineage, then step).
 
@@ -29,12 +35,15 @@ from typing import Optional
 
 from jitckpt_entrypoint.hook import room
 from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.protocol import write_out
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
 from jitckpt_entrypoint.protocol.validity import committed
 
 KEPT = 2
 """Snapshots whose bytes the volume must hold at once: the committed one and the next."""
+WAIT_POLL = 0.02
+"""Seconds between looks at the RAM writer's answer while waiting for it."""
 
 
 class MemoryTier:
@@ -59,6 +68,8 @@ class MemoryTier:
         self.failed: Optional[str] = None
         """Why a snapshot failed (set by the background writer; `on` changes only where every
         rank is in step: saver.save_snapshot)."""
+        self._writer = False
+        """The entrypoint's RAM writer writes periodic saves out (decided with `on`)."""
 
     @property
     def configured(self) -> bool:
@@ -73,6 +84,11 @@ class MemoryTier:
         """Snapshots go by rank 0's clock (they need the step agreement)."""
         return self.on and self.seconds is not None
 
+    @property
+    def writes_out(self) -> bool:
+        """Periodic saves go to RAM and the RAM writer writes them to the volume."""
+        return self.on and self._writer
+
     def path(self, step: int) -> str:
         return os.path.join(self.root, checkpoint_name(step))
 
@@ -85,8 +101,10 @@ class MemoryTier:
             return self.on
         self._decided = True
         session, topo = self.session, self.session.topo
-        gathered = session.control.all_gather((topo.node, snapshot_bytes))
-        node_bytes = sum(b for node, b in gathered if node == topo.node)
+        pid = self.writer() if topo.rank == 0 else None
+        gathered = session.control.all_gather((topo.node, snapshot_bytes, pid))
+        node_bytes = sum(b for node, b, _ in gathered if node == topo.node)
+        pid = gathered[0][2]
         problem = None
         if not async_on:
             problem = "the Trainer's saves do not take the fast path (the line above says why)"
@@ -100,11 +118,18 @@ class MemoryTier:
         refused = session.control.all_gather(problem)
         reasons = [r for r in refused if r]
         self.on = not reasons
+        self._writer = self.on and pid is not None
         if topo.rank == 0:
             if self.on:
                 every = f"{self.steps} steps" if self.steps else f"{self.seconds:g} s"
                 size = f" ({room.gb(node_bytes)} each on this node)" if node_bytes else ""
                 session.log.info("snapshots to RAM every %s into %s%s", every, self.root, size)
+                if self._writer:
+                    session.log.info(
+                        "periodic saves go to RAM first; the RAM writer (pid %d) writes them "
+                        "to the volume",
+                        pid,
+                    )
             else:
                 session.log.warning("no snapshots to RAM: %s", reasons[0])
         return self.on
@@ -144,7 +169,59 @@ class MemoryTier:
 
     def reset(self) -> None:
         """Training ended: the next train() (another Trainer) decides afresh."""
-        self._decided, self.on, self.failed = False, False, None
+        self._decided, self.on, self.failed, self._writer = False, False, None, False
+
+    # -- written out by the RAM writer (protocol.write_out) --
+
+    def writer(self) -> Optional[int]:
+        """The pid of the entrypoint's RAM writer serving this run, else None."""
+        if not self.configured:
+            return None
+        try:
+            return write_out.writer(self.session.cfg.memory_dir, self.session.run_id)
+        except OSError:
+            return None
+
+    def stop_writing_out(self, why: Optional[str]) -> None:
+        """Every rank in step: periodic saves are written by the training process again
+        (`why` in one line; None: quietly)."""
+        if why is not None and self._writer and self.session.topo.rank == 0:
+            self.session.log.warning(
+                "periodic saves are written by the training process from now: %s", why
+            )
+        self._writer = False
+
+    def ask(self, step: int, started_at: float) -> None:
+        """Rank 0, once snapshot `step` is committed: the RAM writer writes it out."""
+        if self.session.topo.rank != 0:
+            return
+        request = write_out.Request(step, started_at, self.session.run_id)
+        try:
+            write_out.ask(self.session.cfg.memory_dir, request)
+        except OSError as exc:  # the answer never comes: the saver reads it as not written
+            self.session.log.warning("cannot ask the RAM writer for step %d: %s", step, exc)
+
+    def writing_out(self) -> bool:
+        """Rank 0: a save is being written out (its snapshot must stay)."""
+        if not self.configured or self.session.topo.rank != 0:
+            return False
+        try:
+            return write_out.request(self.session.cfg.memory_dir) is not None
+        except OSError:
+            return False
+
+    def await_writer(self) -> Optional[write_out.Answer]:
+        """Rank 0: wait until the RAM writer answered the request in flight (or is gone); its
+        last answer. Before the volume is written or cleaned: one writer at a time there."""
+        if not self.configured or self.session.topo.rank != 0:
+            return None
+        memory = self.session.cfg.memory_dir
+        try:
+            while write_out.request(memory) is not None and self.writer() is not None:
+                time.sleep(WAIT_POLL)
+            return write_out.answered(memory)
+        except OSError:
+            return None
 
     # -- when --
 

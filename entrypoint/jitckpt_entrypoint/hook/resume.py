@@ -318,6 +318,8 @@ def resume(
     would hold a rotation slot), and every snapshot but the one resumed from. JITCKPT_RESUME=0
     gives None unless the script `asked` for the newest checkpoint itself, and clears the
     earlier run's checkpoints out of the way (`start_over`)."""
+    if tier is not None:
+        tier.await_writer()  # a save the RAM writer still writes out: the volume's, whole
     if not (asked or session.cfg.resume):
         return None, None, start_over(session, tier)
     fetch_missing(session)

@@ -20,6 +20,10 @@ and `save_dcp_async` begin through `begin_save`, then write through `write_own` 
 - a snapshot in RAM (`save_snapshot`, memory_tier.py): the periodic fast path's parts written
   the same way into JITCKPT_MEMORY_DIR, committed there by the background writer, never counted
   as committed on the volume; a failed one turns snapshots off, not the fast paths.
+- a periodic save written out (`_write_out`): with the entrypoint's RAM writer running, the
+  same snapshot in RAM, which the writer (another process) writes to the volume and commits
+  there; the next save's `begin_save` waits for its answer (`_collect_write_out`): counted as
+  committed, HF's rotation run then.
 - COMMITTED or ABANDONED: `saved` (committer.commit, collective, with every rank's outcome):
   committed when every rank wrote, else the directory is removed on every node (no rotation
   slot, no resume point, no space held). A full disk is reported in one line (volume, bytes
@@ -60,6 +64,7 @@ from jitckpt_entrypoint.hook.saves import (
     outcome_of,
 )
 from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.protocol import write_out
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint, withdraw
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
 from jitckpt_entrypoint.protocol.validity import committed
@@ -95,6 +100,9 @@ class Saver:
         tokens (the manager's step agreement)."""
         self.blocking: list[tuple[int, float]] = []
         """(step, seconds the training thread was held) of every async save, in order."""
+        self._handed: Optional[tuple[int, Callable[[], None]]] = None
+        """The periodic save handed to the RAM writer, and its after-commit (HF's rotation),
+        until its answer is read (the same on every rank)."""
 
     def is_committed(self, step: int) -> bool:
         with self.lock:
@@ -122,13 +130,17 @@ class Saver:
         committed here, else 0."""
         save, self._pending = self._pending, None
         inflight = self.inflight.save
-        if inflight is not None and inflight.step == step and not inflight.snapshot:
+        if (
+            inflight is not None
+            and inflight.step == step
+            and not (inflight.snapshot and not inflight.written_out)
+        ):
             inflight.ready.set()  # the background writer commits it now
             return 0.0
         if step in self._skipped:
             self._remove_skipped(step)
             return 0.0
-        if self.is_committed(step):
+        if self.is_committed(step) or (self._handed is not None and self._handed[0] == step):
             return 0.0
         if save is None or save.step != step:  # written without begin_save
             save = Save(step, self._kind_of(step), path or self.checkpoint_dir(step), time.time())
@@ -157,7 +169,9 @@ class Saver:
         if self.async_on and request.parts is not None:
             parts, problem = self._parts(request.parts)
             if self.use_fast(problem) and parts is not None:
-                if save.kind == "periodic":
+                if save.kind == "periodic" and self.tier.writes_out:
+                    self._write_out(save, parts)
+                elif save.kind == "periodic":
                     self.save_async(save, parts)
                 else:
                     self.save_now(save, parts, own)
@@ -186,6 +200,57 @@ class Saver:
         after = functools.partial(self.tier.committed, step)
         self.inflight.save_async(save, dataclasses.replace(parts, after_commit=after))
         save.ready.set()  # nothing else writes into a snapshot's directory
+
+    def _write_out(self, save: Save, parts: SaveParts) -> None:
+        """Training thread, after `begin_save` of a periodic save (collective): the save as a
+        snapshot in RAM, which the RAM writer writes to the volume once committed there; the
+        training process writes it itself (`save_async`) when the writer is gone or
+        snapshots failed."""
+        tier, control = self.tier, self.session.control
+        if control.any_now(tier.failed is not None):
+            tier.turn_off(tier.failed or "a snapshot failed on another rank")
+        elif control.any_now(self.session.topo.rank == 0 and tier.writer() is None):
+            tier.stop_writing_out("the RAM writer is gone")
+        if not tier.writes_out:
+            self.save_async(save, parts)
+            return
+        snap = self._snapshot_of(save.step)
+        snap.written_out, snap.measured = True, save.measured
+        step, started_at = save.step, save.started_at
+
+        def after_commit() -> None:  # background writer, every rank
+            tier.committed(step)
+            tier.ask(step, started_at)
+
+        self._handed = (step, parts.after_commit)
+        self.inflight.save_async(snap, dataclasses.replace(parts, after_commit=after_commit))
+        snap.ready.set()  # nothing else writes into a snapshot's directory
+        self._pending = None
+
+    def _collect_write_out(self) -> None:
+        """Collective, before a save begins: the answer to the save handed to the RAM writer
+        (rank 0 waits for it): committed (then HF's rotation runs, as after any commit), or
+        not written (the training process writes the periodic saves from then on)."""
+        if self._handed is None:
+            return
+        (step, rotate), self._handed = self._handed, None
+        answer = self.tier.await_writer()
+        answer = self.session.control.all_gather(answer)[0]  # rank 0's
+        if answer is not None and answer.step == step and answer.error == write_out.STOPPED:
+            self.tier.stop_writing_out(None)  # the JIT save follows; the writer has exited
+            return
+        if answer is None or answer.step != step or not answer.ok:
+            # Abandoned in RAM (its own line said why), or the writer failed or is gone.
+            why = answer.error if answer is not None and answer.step == step else "no answer"
+            self.tier.stop_writing_out(f"{checkpoint_name(step)} was not written out ({why})")
+            return
+        with self.lock:
+            self._committed.add(step)
+        self.records.advisory(self.records.announce)
+        try:
+            rotate()
+        except Exception as exc:  # noqa: BLE001 - HF's rotation of older checkpoints only
+            self.session.log.warning("HF's checkpoint rotation failed: %r", exc)
 
     def write_snapshot(
         self,
@@ -222,7 +287,8 @@ class Saver:
         if control.any_now(tier.failed is not None):  # set by the background writer
             tier.turn_off(tier.failed or "a snapshot failed on another rank")
             return False
-        return not control.any_now(self.inflight.busy or (fast and not self.gates.on))
+        busy = self.inflight.busy or tier.writing_out()  # the snapshot written out must stay
+        return not control.any_now(busy or (fast and not self.gates.on))
 
     def _snapshot_of(self, step: int) -> Save:
         """Collective: the snapshot's directory cleared (an older save of the step, one cut
@@ -239,9 +305,11 @@ class Saver:
         """Training thread, before the files are written; None: `step` is committed, skip it.
         Drains an async save in flight first (one save at a time); a snapshot in RAM still
         being copied or written is cancelled (this save is newer; the previous snapshot
-        stays)."""
+        stays); the answer to a save handed to the RAM writer is awaited."""
         inflight = self.inflight.save
-        self.inflight.drain(step if inflight is not None and inflight.snapshot else None)
+        cancel = inflight is not None and inflight.snapshot and not inflight.written_out
+        self.inflight.drain(step if cancel else None)
+        self._collect_write_out()  # the volume has one writer at a time
         self._skipped.discard(step)  # saved after all (training ended at a skipped step)
         if self.is_committed(step):
             return None
@@ -314,7 +382,9 @@ class Saver:
         if self._kind_of(step) != "periodic" or self.is_committed(step):
             return False  # a JIT or final save is never skipped
         inflight = self.inflight.save
-        writing = self.inflight.busy and inflight is not None and not inflight.snapshot
+        periodic = inflight is not None and (not inflight.snapshot or inflight.written_out)
+        # A save the RAM writer still writes out counts as one being written.
+        writing = (self.inflight.busy and periodic) or self.tier.writing_out()
         if not self.session.control.any_now(writing):  # a snapshot in RAM is cancelled instead
             return False
         self._skipped.add(step)

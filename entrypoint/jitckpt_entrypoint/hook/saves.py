@@ -148,6 +148,8 @@ class Save:
     snapshot: bool = False
     """A snapshot in RAM (memory_tier.py): not a checkpoint of the volume, never counted as
     committed there."""
+    written_out: bool = False
+    """A snapshot that is a periodic save: the RAM writer writes it to the volume."""
     retry: Optional[Callable[[], object]] = None
     """Saves written now by the fast path (JIT, final): the Trainer's own save, should this
     one fail."""

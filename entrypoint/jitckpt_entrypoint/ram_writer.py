@@ -1,0 +1,234 @@
+"""The RAM writer: a process the entrypoint starts beside the trainer (JITCKPT_MEMORY_DIR set)
+that writes the trainer's periodic saves from RAM to the volume, so that no thread of a training
+process spends its time on the disk.
+
+The hook takes a periodic save as a snapshot into JITCKPT_MEMORY_DIR (memory_tier.py) and asks
+for it to be written out (protocol.write_out). The writer copies the committed snapshot's files
+into `JITCKPT_DIR/checkpoints/checkpoint-<step>/`, makes them durable, and commits them with the
+snapshot's own manifests (the same save id and lineage; the save's time is the one to the
+volume), this node's last; then stages them for the sidecar and records the save event, as the
+hook's own commit does (protocol.commit). It answers every request, written or not.
+
+SIGTERM (the entrypoint forwards the pod's): a copy in progress stops, its directory goes, and
+the writer exits; the JIT save needs the disk, and it is newer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+from types import FrameType
+from typing import Optional
+
+from jitckpt_entrypoint import log
+from jitckpt_entrypoint.config import Config
+from jitckpt_entrypoint.errors import JitckptError
+from jitckpt_entrypoint.protocol import durable, status, write_out
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol.commit import remove_checkpoint, stage
+from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name
+from jitckpt_entrypoint.protocol.validity import committed, files_match
+
+COMPONENT = "jitckpt-ram-writer"
+POLL_SECONDS = 0.05
+CHUNK = 64 << 20
+"""Bytes per copy call: a SIGTERM stops a copy within one."""
+
+
+class StoppedError(Exception):
+    """SIGTERM arrived while a save was being written out."""
+
+
+class RamWriter:
+    def __init__(self, cfg: Config, run_id: str, logger: logging.Logger) -> None:
+        self.cfg = cfg
+        self.layout = Layout(cfg.dir)
+        self.run_id = run_id
+        self.log = logger
+        self.stopping = False
+
+    def serve(self) -> None:
+        """Answer requests until SIGTERM."""
+        write_out.announce(self.cfg.memory_dir, self.run_id)
+        self.log.info(
+            "writing periodic saves from %s to %s", self.cfg.memory_dir, self.layout.checkpoints
+        )
+        while not self.stopping:
+            request = write_out.request(self.cfg.memory_dir)
+            if request is None or request.run_id != self.run_id:
+                time.sleep(POLL_SECONDS)
+                continue
+            write_out.answer(self.cfg.memory_dir, self.write(request))
+
+    def write(self, request: write_out.Request) -> write_out.Answer:
+        """Write snapshot `request.step` to the volume and commit it; the answer says how."""
+        step, name = request.step, checkpoint_name(request.step)
+        started = time.monotonic()
+        src = os.path.join(self.cfg.memory_dir, "checkpoints", name)
+        dest = self.layout.checkpoint_dir(step)
+        try:
+            manifests = committed(src)
+            if manifests is None:
+                return self._failed(step, f"the snapshot {src} is not committed")
+            if committed(dest) is not None:  # the trainer's own save of the step
+                return write_out.Answer(step, ok=True)
+            nbytes = self._copy(src, dest, manifests)
+            self._commit(dest, manifests, request)
+        except StoppedError:
+            remove_checkpoint(dest)
+            self.log.info("%s not written out: stopping (SIGTERM)", name)
+            return write_out.Answer(step, ok=False, error=write_out.STOPPED)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                remove_checkpoint(dest)
+            return self._failed(step, str(exc))
+        seconds = time.monotonic() - started
+        self.log.info(
+            "committed %s from RAM (%.1f MB in %.2f s, %.0f MB/s)",
+            name,
+            nbytes / 1e6,
+            seconds,
+            nbytes / 1e6 / max(seconds, 1e-6),
+        )
+        return write_out.Answer(step, ok=True, bytes=nbytes, seconds=seconds)
+
+    def _copy(self, src: str, dest: str, manifests: dict[int, m.Manifest]) -> int:
+        """Every file the manifests list, then durable; the bytes copied."""
+        entries = {e.path: e for manifest in manifests.values() for e in manifest.files}
+        remove_checkpoint(dest)  # a copy cut short, an uncommitted save of the step
+        total = 0
+        for path, entry in sorted(entries.items()):
+            target = os.path.join(dest, path)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            total += self._copy_file(os.path.join(src, path), target)
+            if os.path.getsize(target) != entry.size:
+                raise OSError(f"{path} changed while it was copied")
+        durable.sync_tree(dest)
+        if not files_match(dest, entries.values()):  # removed under us (a resume's cleanup)
+            raise OSError(f"{dest} lost files while it was written")
+        return total
+
+    def _copy_file(self, src: str, dest: str) -> int:
+        with open(src, "rb") as fin, open(dest, "wb") as fout:
+            size, offset = os.fstat(fin.fileno()).st_size, 0
+            while offset < size:
+                if self.stopping:
+                    raise StoppedError
+                sent = os.sendfile(fout.fileno(), fin.fileno(), offset, min(CHUNK, size - offset))
+                if sent == 0:
+                    break
+                offset += sent
+        return offset
+
+    def _commit(
+        self, dest: str, manifests: dict[int, m.Manifest], request: write_out.Request
+    ) -> None:
+        """The snapshot's manifests, this node's last (the commit); staged; the save event."""
+        now = time.time()
+        if self.stopping:
+            raise StoppedError
+        node = min(manifests)  # one node (the RAM tier's condition)
+        written = {
+            n: _replace_time(manifest, now - request.started_at, now)
+            for n, manifest in manifests.items()
+        }
+        for n in sorted(written, key=lambda n: n == node):
+            m.write_manifest(dest, written[n])
+        own = written[node]
+        if self.cfg.storage_uri:
+            stage(self.layout, dest, own)
+        event = status.SaveEvent(
+            own.kind,
+            own.step,
+            request.started_at,
+            time.time(),
+            own.total_bytes,
+            run_id=self.run_id,
+            node=node,
+        )
+        status.write_save_event(self.layout.status, event)
+
+    def _failed(self, step: int, error: str) -> write_out.Answer:
+        self.log.warning("%s not written out from RAM: %s", checkpoint_name(step), error)
+        return write_out.Answer(step, ok=False, error=error)
+
+
+def _replace_time(manifest: m.Manifest, save_seconds: float, now: float) -> m.Manifest:
+    return dataclasses.replace(manifest, save_seconds=save_seconds, created_at=now)
+
+
+def start(env: dict[str, str], logger: logging.Logger) -> Optional[int]:
+    """The entrypoint: run the writer beside the trainer (`env`: its settings and run id, no
+    hook on PYTHONPATH); its pid, or None (one line why: the hook then writes saves itself)."""
+    argv = [sys.executable, "-m", __name__]
+    try:
+        return os.posix_spawn(
+            sys.executable,
+            argv,
+            env,
+            setsid=True,
+            setsigdef=(signal.SIGTERM, signal.SIGINT, signal.SIGPIPE, signal.SIGCHLD),
+        )
+    except OSError as exc:
+        logger.warning("cannot start the RAM writer (%s): the trainer writes its saves", exc)
+        return None
+
+
+def stop(pid: int, wait: float = 5.0) -> None:
+    """The entrypoint, after training: SIGTERM, then SIGKILL after `wait` seconds; reaped."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already (PID 1 reaps every child)
+            return
+        if done:
+            return
+        if time.monotonic() >= deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            return
+        time.sleep(0.02)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m jitckpt_entrypoint.ram_writer`, started by the entrypoint with the trainer's
+    environment (the resolved settings, the run id)."""
+    del argv
+    try:
+        cfg = Config.from_env(os.environ)
+    except JitckptError as exc:
+        sys.stderr.write(f"{COMPONENT}: error: {exc}\n")
+        return 2
+    logger = log.setup(COMPONENT, cfg.log_format)
+    run_id = os.environ.get(status.RUN_ID_ENV, "")
+    if not cfg.memory_dir or not run_id:
+        logger.error("JITCKPT_MEMORY_DIR and %s must be set; nothing to do", status.RUN_ID_ENV)
+        return 2
+    writer = RamWriter(cfg, run_id, logger)
+
+    def stop(signo: int, frame: Optional[FrameType]) -> None:
+        del signo, frame
+        writer.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        writer.serve()
+    except OSError as exc:
+        logger.error("cannot write saves out from RAM: %s", exc)  # noqa: TRY400 - one line
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
