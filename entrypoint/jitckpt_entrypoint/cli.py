@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -94,8 +93,13 @@ def child_env(env: Mapping[str, str], cfg: Config, run_id: str) -> dict[str, str
 
 
 def writer_env(env: Mapping[str, str], cfg: Config, run_id: str) -> dict[str, str]:
-    """The RAM writer's environment: the resolved settings and the run id; not the hook."""
+    """The RAM writer's environment: the resolved settings and the run id, this package
+    importable (the swap-in launcher puts it on sys.path itself); not the hook."""
     out = dict(env)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out["PYTHONPATH"] = os.pathsep.join(
+        [package_root, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    )
     out.update(cfg.to_env())
     out[status.RUN_ID_ENV] = run_id
     return out
@@ -216,8 +220,7 @@ def run(
         record = dataclasses.replace(record, sigterm_at=at)
         status.TRAINER.write(layout.status, record)
         if writer is not None:  # a save still written out gives way to the JIT save
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(writer, signal.SIGTERM)
+            writer.signal(signal.SIGTERM)
 
     watch = Shutdown(cfg, layout.status, run_id, logger, on_sigterm=on_sigterm)
     logger.debug("running %s (run %s)", command, run_id)
@@ -226,7 +229,7 @@ def run(
         code, summary = outcome(cfg, layout, run_id, child, watch.sigterm_at)
     finally:
         if writer is not None:
-            ram_writer.stop(writer)
+            writer.stop()
         registry.close_run(layout.status, run_id)
     # After staging the final model: the sidecar drains until it sees exited_at.
     record = dataclasses.replace(record, exited_at=time.time(), exit_code=code, summary=summary)

@@ -4,10 +4,11 @@ process spends its time on the disk.
 
 The hook takes a periodic save as a snapshot into JITCKPT_MEMORY_DIR (memory_tier.py) and asks
 for it to be written out (protocol.write_out). The writer copies the committed snapshot's files
-into `JITCKPT_DIR/checkpoints/checkpoint-<step>/`, makes them durable, and commits them with the
-snapshot's own manifests (the same save id and lineage; the save's time is the one to the
-volume), this node's last; then stages them for the sidecar and records the save event, as the
-hook's own commit does (protocol.commit). It answers every request, written or not.
+into `JITCKPT_DIR/checkpoints/checkpoint-<step>/` (which the hook made: what the Trainer wrote
+there after its save call is kept), each durable before the next, and commits them through
+protocol.commit like the hook's own commit: the manifests last, with the snapshot's save id and
+lineage, staged for the sidecar, the save event recorded. It answers every request, written or
+not.
 
 SIGTERM (the entrypoint forwards the pod's): a copy in progress stops, its directory goes, and
 the writer exits; the JIT save needs the disk, and it is newer.
@@ -16,7 +17,6 @@ the writer exits; the JIT save needs the disk, and it is newer.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -30,7 +30,7 @@ from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.protocol import durable, status, write_out
 from jitckpt_entrypoint.protocol import manifest as m
-from jitckpt_entrypoint.protocol.commit import remove_checkpoint, stage
+from jitckpt_entrypoint.protocol.commit import commit_node, remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name
 from jitckpt_entrypoint.protocol.validity import committed, files_match
 
@@ -74,19 +74,20 @@ class RamWriter:
         try:
             manifests = committed(src)
             if manifests is None:
-                return self._failed(step, f"the snapshot {src} is not committed")
+                return self._failed(request, f"the snapshot {src} is not committed")
             if committed(dest) is not None:  # the trainer's own save of the step
-                return write_out.Answer(step, ok=True)
+                return write_out.Answer(request.id, step, ok=True)
             nbytes = self._copy(src, dest, manifests)
             self._commit(dest, manifests, request)
         except StoppedError:
-            remove_checkpoint(dest)
-            self.log.info("%s not written out: stopping (SIGTERM)", name)
-            return write_out.Answer(step, ok=False, error=write_out.STOPPED)
-        except OSError as exc:
             with contextlib.suppress(OSError):
                 remove_checkpoint(dest)
-            return self._failed(step, str(exc))
+            self.log.info("%s not written out: stopping (SIGTERM)", name)
+            return write_out.Answer(request.id, step, ok=False, error=write_out.STOPPED)
+        except Exception as exc:  # noqa: BLE001 - every request gets its answer
+            with contextlib.suppress(OSError):
+                remove_checkpoint(dest)
+            return self._failed(request, str(exc) or type(exc).__name__)
         seconds = time.monotonic() - started
         self.log.info(
             "committed %s from RAM (%.1f MB in %.2f s, %.0f MB/s)",
@@ -95,25 +96,30 @@ class RamWriter:
             seconds,
             nbytes / 1e6 / max(seconds, 1e-6),
         )
-        return write_out.Answer(step, ok=True, bytes=nbytes, seconds=seconds)
+        return write_out.Answer(request.id, step, ok=True, bytes=nbytes, seconds=seconds)
 
     def _copy(self, src: str, dest: str, manifests: dict[int, m.Manifest]) -> int:
-        """Every file the manifests list, then durable; the bytes copied."""
+        """Every file the manifests list into `dest` (made by the hook: what the Trainer wrote
+        there after its save call stays), each durable as it is written; the bytes copied."""
         entries = {e.path: e for manifest in manifests.values() for e in manifest.files}
-        remove_checkpoint(dest)  # a copy cut short, an uncommitted save of the step
+        os.makedirs(dest, exist_ok=True)
         total = 0
         for path, entry in sorted(entries.items()):
             target = os.path.join(dest, path)
             os.makedirs(os.path.dirname(target), exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):  # a new inode: staging/ may link it
+                os.unlink(target)
             total += self._copy_file(os.path.join(src, path), target)
             if os.path.getsize(target) != entry.size:
                 raise OSError(f"{path} changed while it was copied")
-        durable.sync_tree(dest)
-        if not files_match(dest, entries.values()):  # removed under us (a resume's cleanup)
+        durable.sync_tree(dest)  # the directories (the files are synced)
+        if not files_match(dest, entries.values()):  # removed under us
             raise OSError(f"{dest} lost files while it was written")
         return total
 
     def _copy_file(self, src: str, dest: str) -> int:
+        """Copied in chunks, each on the disk before the next (a SIGTERM stops it within one
+        chunk: the JIT save is not kept waiting by a long writeback)."""
         with open(src, "rb") as fin, open(dest, "wb") as fout:
             size, offset = os.fstat(fin.fileno()).st_size, 0
             while offset < size:
@@ -123,51 +129,81 @@ class RamWriter:
                 if sent == 0:
                     break
                 offset += sent
+                os.fdatasync(fout.fileno())
         return offset
 
     def _commit(
         self, dest: str, manifests: dict[int, m.Manifest], request: write_out.Request
     ) -> None:
-        """The snapshot's manifests, this node's last (the commit); staged; the save event."""
-        now = time.time()
+        """The commit (protocol.commit): the snapshot's save id and lineage, every file in
+        `dest`; staged for the sidecar; the save event."""
         if self.stopping:
             raise StoppedError
         node = min(manifests)  # one node (the RAM tier's condition)
-        written = {
-            n: _replace_time(manifest, now - request.started_at, now)
-            for n, manifest in manifests.items()
-        }
-        for n in sorted(written, key=lambda n: n == node):
-            m.write_manifest(dest, written[n])
-        own = written[node]
-        if self.cfg.storage_uri:
-            stage(self.layout, dest, own)
-        event = status.SaveEvent(
-            own.kind,
-            own.step,
-            request.started_at,
-            time.time(),
-            own.total_bytes,
-            run_id=self.run_id,
+        own = manifests[node]
+        commit_node(
+            self.layout,
+            dest,
+            {node: m.list_files(dest)},
             node=node,
+            nodes=own.nodes,
+            world_size=own.world_size,
+            step=own.step,
+            kind=own.kind,
+            started_at=request.started_at,
+            run_id=self.run_id,
+            stage_for_upload=bool(self.cfg.storage_uri),
+            save_id=own.save_id,
+            lineage=own.lineage,
+            synced=True,
         )
-        status.write_save_event(self.layout.status, event)
 
-    def _failed(self, step: int, error: str) -> write_out.Answer:
-        self.log.warning("%s not written out from RAM: %s", checkpoint_name(step), error)
-        return write_out.Answer(step, ok=False, error=error)
-
-
-def _replace_time(manifest: m.Manifest, save_seconds: float, now: float) -> m.Manifest:
-    return dataclasses.replace(manifest, save_seconds=save_seconds, created_at=now)
+    def _failed(self, request: write_out.Request, error: str) -> write_out.Answer:
+        self.log.warning("%s not written out from RAM: %s", checkpoint_name(request.step), error)
+        return write_out.Answer(request.id, request.step, ok=False, error=error)
 
 
-def start(env: dict[str, str], logger: logging.Logger) -> Optional[int]:
+class Process:
+    """The entrypoint's handle on the writer it started: signals go to that process only (PID
+    1 reaps it with every other child, and its pid may then be reused)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.start = write_out.start_time(pid)
+
+    def alive(self) -> bool:
+        return self.start is not None and write_out.start_time(self.pid) == self.start
+
+    def signal(self, signo: int) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signo)
+
+    def stop(self, wait: float = 5.0) -> None:
+        """After training: SIGTERM, SIGKILL after `wait` seconds; reaped."""
+        self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + wait
+        while self.alive():
+            try:
+                done, _ = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped already (PID 1 reaps every child)
+                return
+            if done:
+                return
+            if time.monotonic() >= deadline:
+                self.signal(signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(self.pid, 0)
+                return
+            time.sleep(0.02)
+
+
+def start(env: dict[str, str], logger: logging.Logger) -> Optional[Process]:
     """The entrypoint: run the writer beside the trainer (`env`: its settings and run id, no
-    hook on PYTHONPATH); its pid, or None (one line why: the hook then writes saves itself)."""
+    hook on PYTHONPATH), or None (one line why: the hook then writes saves itself)."""
     argv = [sys.executable, "-m", __name__]
     try:
-        return os.posix_spawn(
+        pid = os.posix_spawn(
             sys.executable,
             argv,
             env,
@@ -177,27 +213,7 @@ def start(env: dict[str, str], logger: logging.Logger) -> Optional[int]:
     except OSError as exc:
         logger.warning("cannot start the RAM writer (%s): the trainer writes its saves", exc)
         return None
-
-
-def stop(pid: int, wait: float = 5.0) -> None:
-    """The entrypoint, after training: SIGTERM, then SIGKILL after `wait` seconds; reaped."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:  # reaped already (PID 1 reaps every child)
-            return
-        if done:
-            return
-        if time.monotonic() >= deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
-            return
-        time.sleep(0.02)
+    return Process(pid)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -64,14 +64,15 @@ def test_files_are_readable_by_any_uid_whatever_the_umask(tmp_path):
 
 
 def run_bundle(
-    launcher: Path, python: str, jdir: Path, *prefix: str
+    launcher: Path, python: str, jdir: Path, *prefix: str, child: str = "", **extra: str
 ) -> subprocess.CompletedProcess:
     env = {
         "PATH": os.environ["PATH"],
         "JITCKPT_DIR": str(jdir),
         "JITCKPT_TERMINATION_LOG": "",
+        **extra,
     }
-    child = (
+    child = child or (
         "import sys, sitecustomize; print('child', sys.version_info[:2], sitecustomize.__file__)"
     )
     return subprocess.run(
@@ -96,6 +97,19 @@ def test_the_bundle_runs_under_python_3_9_and_injects_its_hook(tmp_path):
     assert "child (3, 9)" in result.stdout
     assert str(tmp_path / "bundle" / "jitckpt_entrypoint" / "_site") in result.stdout
     assert "disabled" not in result.stderr
+
+
+def test_the_bundle_starts_its_ram_writer(tmp_path):
+    """With JITCKPT_MEMORY_DIR, the bundle's entrypoint starts the RAM writer from the bundle
+    (not installed anywhere the python finds by itself)."""
+    launcher = install.install(tmp_path / "bundle")
+    jdir, memory = tmp_path / "jitckpt", tmp_path / "memory"
+    jdir.mkdir()
+    wait = "import time; time.sleep(2)"  # the writer's start, before the entrypoint stops it
+    result = run_bundle(launcher, PY39, jdir, child=wait, JITCKPT_MEMORY_DIR=str(memory))
+    assert result.returncode == 0, result.stderr
+    assert "jitckpt-ram-writer: INFO writing periodic saves from" in result.stderr, result.stderr
+    assert (memory / "write-out" / "writer.json").exists()
 
 
 def test_the_bundle_runs_as_another_uid(request):

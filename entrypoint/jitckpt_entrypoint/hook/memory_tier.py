@@ -70,6 +70,8 @@ class MemoryTier:
         rank is in step: saver.save_snapshot)."""
         self._writer = False
         """The entrypoint's RAM writer writes periodic saves out (decided with `on`)."""
+        self._request: Optional[str] = None
+        """Rank 0: the id of the request for the save handed to the RAM writer."""
 
     @property
     def configured(self) -> bool:
@@ -129,6 +131,11 @@ class MemoryTier:
                         "periodic saves go to RAM first; the RAM writer (pid %d) writes them "
                         "to the volume",
                         pid,
+                    )
+                elif session.run_id:  # under the entrypoint, which starts one
+                    session.log.info(
+                        "no RAM writer is running for this run (its own line says why): the "
+                        "training processes write periodic saves to the volume"
                     )
             else:
                 session.log.warning("no snapshots to RAM: %s", reasons[0])
@@ -195,31 +202,46 @@ class MemoryTier:
         """Rank 0, once snapshot `step` is committed: the RAM writer writes it out."""
         if self.session.topo.rank != 0:
             return
-        request = write_out.Request(step, started_at, self.session.run_id)
+        request = write_out.Request(write_out.new_id(), step, started_at, self.session.run_id)
         try:
             write_out.ask(self.session.cfg.memory_dir, request)
-        except OSError as exc:  # the answer never comes: the saver reads it as not written
+        except OSError as exc:  # never answered: the saver reads it as not written
             self.session.log.warning("cannot ask the RAM writer for step %d: %s", step, exc)
+            return
+        self._request = request.id
 
     def writing_out(self) -> bool:
-        """Rank 0: a save is being written out (its snapshot must stay)."""
+        """Rank 0: a save is being written out by a live writer (its snapshot must stay)."""
         if not self.configured or self.session.topo.rank != 0:
             return False
-        try:
-            return write_out.request(self.session.cfg.memory_dir) is not None
-        except OSError:
-            return False
-
-    def await_writer(self) -> Optional[write_out.Answer]:
-        """Rank 0: wait until the RAM writer answered the request in flight (or is gone); its
-        last answer. Before the volume is written or cleaned: one writer at a time there."""
-        if not self.configured or self.session.topo.rank != 0:
-            return None
         memory = self.session.cfg.memory_dir
         try:
-            while write_out.request(memory) is not None and self.writer() is not None:
-                time.sleep(WAIT_POLL)
-            return write_out.answered(memory)
+            waiting = write_out.request(memory)
+            if waiting is None:
+                return False
+            if self.writer() is None:  # it died with the request: nobody answers it
+                write_out.withdraw(memory, waiting.id)
+                return False
+        except OSError:
+            return False
+        return True
+
+    def settle(self) -> None:
+        """Collective: wait until no save is being written out (rank 0 looks; every rank joins
+        a short round per look, so none waits in one collective for the whole copy)."""
+        if not self.configured:
+            return
+        control = self.session.control
+        while control.any_now(self.session.topo.rank == 0 and self.writing_out()):
+            time.sleep(WAIT_POLL)
+
+    def answer(self) -> Optional[write_out.Answer]:
+        """Rank 0, after `settle`: the answer to this process's last request, once."""
+        asked, self._request = self._request, None
+        if asked is None:
+            return None
+        try:
+            return write_out.answered(self.session.cfg.memory_dir, asked)
         except OSError:
             return None
 

@@ -319,7 +319,7 @@ def resume(
     gives None unless the script `asked` for the newest checkpoint itself, and clears the
     earlier run's checkpoints out of the way (`start_over`)."""
     if tier is not None:
-        tier.await_writer()  # a save the RAM writer still writes out: the volume's, whole
+        tier.settle()  # a save the RAM writer still writes out (a restarted worker): whole first
     if not (asked or session.cfg.resume):
         return None, None, start_over(session, tier)
     fetch_missing(session)

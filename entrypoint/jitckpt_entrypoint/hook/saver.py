@@ -38,6 +38,7 @@ commits the save in flight; every `Save.state`, `_committed` and `blocking` chan
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -214,6 +215,12 @@ class Saver:
         if not tier.writes_out:
             self.save_async(save, parts)
             return
+        if self.session.topo.is_leader:
+            # Fresh, for what the Trainer writes there after its save call (a subclass's extra
+            # files): the writer copies the snapshot in beside them.
+            with contextlib.suppress(OSError):
+                remove_checkpoint(save.path)
+                os.makedirs(save.path)
         snap = self._snapshot_of(save.step)
         snap.written_out, snap.measured = True, save.measured
         step, started_at = save.step, save.started_at
@@ -223,8 +230,8 @@ class Saver:
             tier.ask(step, started_at)
 
         self._handed = (step, parts.after_commit)
+        # Committed (and handed to the writer) once `saved` says the Trainer's save call is done.
         self.inflight.save_async(snap, dataclasses.replace(parts, after_commit=after_commit))
-        snap.ready.set()  # nothing else writes into a snapshot's directory
         self._pending = None
 
     def _collect_write_out(self) -> None:
@@ -234,15 +241,20 @@ class Saver:
         if self._handed is None:
             return
         (step, rotate), self._handed = self._handed, None
-        answer = self.tier.await_writer()
-        answer = self.session.control.all_gather(answer)[0]  # rank 0's
-        if answer is not None and answer.step == step and answer.error == write_out.STOPPED:
-            self.tier.stop_writing_out(None)  # the JIT save follows; the writer has exited
+        tier, topo = self.tier, self.session.topo
+        tier.settle()
+        answer = self.session.control.all_gather(tier.answer() if topo.rank == 0 else None)[0]
+        if answer is None or not answer.ok:
+            path = self.checkpoint_dir(step)
+            if topo.is_leader and committed(path, topo.node) is None:
+                remove_checkpoint(path)  # no rotation slot for a save that is not there
+        if answer is not None and answer.error == write_out.STOPPED:
+            tier.stop_writing_out(None)  # the JIT save follows; the writer has exited
             return
-        if answer is None or answer.step != step or not answer.ok:
+        if answer is None or not answer.ok:
             # Abandoned in RAM (its own line said why), or the writer failed or is gone.
-            why = answer.error if answer is not None and answer.step == step else "no answer"
-            self.tier.stop_writing_out(f"{checkpoint_name(step)} was not written out ({why})")
+            why = "no answer" if answer is None else answer.error
+            tier.stop_writing_out(f"{checkpoint_name(step)} was not written out ({why})")
             return
         with self.lock:
             self._committed.add(step)

@@ -1,15 +1,16 @@
 """Periodic saves written out from RAM by another process: the files the hook (memory_tier.py)
 and the entrypoint's writer (ram_writer.py) share, in `<JITCKPT_MEMORY_DIR>/write-out/`.
 
-- `writer.json` {pid, run_id}: written by the writer when it starts (an earlier container's
-  request and answer go then). The hook hands a save to it only while that process lives and
-  belongs to the hook's run (the entrypoint's run id): a pid alone may be reused after a
-  container restart in the same pod.
-- `request.json` {step, started_at, run_id}: rank 0 asks for the committed snapshot of `step`
-  to be written to the volume (and staged for upload). One at a time: the hook asks again only
-  after the answer.
-- `done.json` {step, ok, bytes, seconds, error}: the writer's answer, written before the
-  request is removed, so that no request is gone without its answer.
+- `writer.json` {pid, start, run_id}: written by the writer when it starts (an earlier
+  container's request and answer go then). The hook hands a save to it only while that process
+  lives (the same pid and start time: a pid alone is reused) and belongs to the hook's run (the
+  entrypoint's run id).
+- `request.json` {id, step, started_at, run_id}: rank 0 asks for the committed snapshot of
+  `step` to be written to the volume (and staged for upload). One at a time: the hook asks
+  again only after the answer.
+- `done.json` {id, step, ok, bytes, seconds, error}: the writer's answer to request `id`,
+  written before the request is removed (and only that request), so that no request is gone
+  without its answer and an answer is never taken for another request's.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ STOPPED = "stopped by SIGTERM"
 
 @dataclasses.dataclass(frozen=True)
 class Request:
+    id: str
     step: int
     started_at: float
     run_id: str
@@ -36,6 +38,7 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class Answer:
+    id: str
     step: int
     ok: bool
     bytes: int = 0
@@ -47,6 +50,10 @@ def directory(memory_dir: str) -> str:
     return os.path.join(memory_dir, DIR)
 
 
+def new_id() -> str:
+    return os.urandom(8).hex()
+
+
 def announce(memory_dir: str, run_id: str) -> None:
     """The writer, at start: it serves `run_id` from now on; what an earlier one left goes."""
     where = directory(memory_dir)
@@ -54,27 +61,42 @@ def announce(memory_dir: str, run_id: str) -> None:
     for name in (REQUEST, DONE):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(where, name))
-    atomic.write_json(os.path.join(where, WRITER), {"pid": os.getpid(), "run_id": run_id})
+    pid = os.getpid()
+    record = {"pid": pid, "start": start_time(pid), "run_id": run_id}
+    atomic.write_json(os.path.join(where, WRITER), record, durable=False)
 
 
 def writer(memory_dir: str, run_id: str) -> Optional[int]:
     """The pid of the live writer serving `run_id`, else None."""
     record = atomic.read_json(os.path.join(directory(memory_dir), WRITER))
-    if not isinstance(record, dict) or record.get("run_id") != run_id or not run_id:
+    if not isinstance(record, dict) or not run_id or record.get("run_id") != run_id:
         return None
     pid = record.get("pid")
     if not isinstance(pid, int) or pid <= 0:
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if start_time(pid) != record.get("start"):  # exited (None), or its pid reused
         return None
-    except PermissionError:  # alive, another user's
-        return pid
     return pid
 
 
+def start_time(pid: int) -> Optional[int]:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat), or None when
+    there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    try:  # after the command's closing parenthesis: state is field 3, starttime field 22
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
 def ask(memory_dir: str, request: Request) -> None:
+    """Rank 0: the request (an earlier answer goes first: it answers no request now)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_path(memory_dir, DONE))
     atomic.write_json(_path(memory_dir, REQUEST), dataclasses.asdict(request), durable=False)
 
 
@@ -84,16 +106,24 @@ def request(memory_dir: str) -> Optional[Request]:
     return found if isinstance(found, Request) else None
 
 
+def withdraw(memory_dir: str, request_id: str) -> None:
+    """Remove request `request_id`, if it is still the one waiting."""
+    waiting = request(memory_dir)
+    if waiting is not None and waiting.id == request_id:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_path(memory_dir, REQUEST))
+
+
 def answer(memory_dir: str, done: Answer) -> None:
-    """The writer: its answer, then the request goes."""
+    """The writer: its answer, then its request goes."""
     atomic.write_json(_path(memory_dir, DONE), dataclasses.asdict(done), durable=False)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(_path(memory_dir, REQUEST))
+    withdraw(memory_dir, done.id)
 
 
-def answered(memory_dir: str) -> Optional[Answer]:
+def answered(memory_dir: str, request_id: str) -> Optional[Answer]:
+    """The answer to request `request_id`, if there is one."""
     found = _parsed(Answer, atomic.read_json(_path(memory_dir, DONE)))
-    return found if isinstance(found, Answer) else None
+    return found if isinstance(found, Answer) and found.id == request_id else None
 
 
 def _path(memory_dir: str, name: str) -> str:
