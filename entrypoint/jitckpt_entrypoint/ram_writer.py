@@ -58,7 +58,10 @@ class RamWriter:
         self.log.info(
             "writing periodic saves from %s to %s", self.cfg.memory_dir, self.layout.checkpoints
         )
+        parent = os.getppid()
         while not self.stopping:
+            if os.getppid() != parent:  # the entrypoint died (not PID 1): nobody stops us
+                return
             request = write_out.request(self.cfg.memory_dir)
             if request is None or request.run_id != self.run_id:
                 time.sleep(POLL_SECONDS)
@@ -77,7 +80,7 @@ class RamWriter:
                 return self._failed(request, f"the snapshot {src} is not committed")
             if committed(dest) is not None:  # the trainer's own save of the step
                 return write_out.Answer(request.id, step, ok=True)
-            nbytes = self._copy(src, dest, manifests)
+            nbytes = self._copy(src, dest, manifests, request.started_at)
             self._commit(dest, manifests, request)
         except StoppedError:
             with contextlib.suppress(OSError):
@@ -98,23 +101,26 @@ class RamWriter:
         )
         return write_out.Answer(request.id, step, ok=True, bytes=nbytes, seconds=seconds)
 
-    def _copy(self, src: str, dest: str, manifests: dict[int, m.Manifest]) -> int:
+    def _copy(
+        self, src: str, dest: str, manifests: dict[int, m.Manifest], started_at: float
+    ) -> int:
         """Every file the manifests list into `dest` (made by the hook: what the Trainer wrote
         there after its save call stays), each durable as it is written; the bytes copied."""
         entries = {e.path: e for manifest in manifests.values() for e in manifest.files}
         os.makedirs(dest, exist_ok=True)
-        total = 0
+        total, copied = 0, []
         for path, entry in sorted(entries.items()):
             target = os.path.join(dest, path)
+            if _written_since(target, started_at):  # by the Trainer after its save call: its
+                continue  # own save would have it so
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with contextlib.suppress(FileNotFoundError):  # a new inode: staging/ may link it
                 os.unlink(target)
             total += self._copy_file(os.path.join(src, path), target)
-            if os.path.getsize(target) != entry.size:
-                raise OSError(f"{path} changed while it was copied")
+            copied.append(entry)
         durable.sync_tree(dest)  # the directories (the files are synced)
-        if not files_match(dest, entries.values()):  # removed under us
-            raise OSError(f"{dest} lost files while it was written")
+        if not files_match(dest, copied):  # changed or removed under us
+            raise OSError(f"{dest} changed while it was written")
         return total
 
     def _copy_file(self, src: str, dest: str) -> int:
@@ -157,10 +163,21 @@ class RamWriter:
             lineage=own.lineage,
             synced=True,
         )
+        # Whole, as committed (nothing else writes or removes it meanwhile; should anything,
+        # it is not left committed).
+        if committed(dest, node) is None:
+            raise OSError(f"{dest} changed while it was committed")
 
     def _failed(self, request: write_out.Request, error: str) -> write_out.Answer:
         self.log.warning("%s not written out from RAM: %s", checkpoint_name(request.step), error)
         return write_out.Answer(request.id, request.step, ok=False, error=error)
+
+
+def _written_since(path: str, started_at: float) -> bool:
+    try:
+        return os.stat(path).st_mtime > started_at
+    except FileNotFoundError:
+        return False
 
 
 class Process:
@@ -178,6 +195,18 @@ class Process:
         if self.alive():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signo)
+
+    def finish(self, memory_dir: str, wait: float) -> None:
+        """After training ended without SIGTERM (a crash): the save handed over before it is
+        written out, for up to `wait` seconds (it is the newest on the volume)."""
+        deadline = time.monotonic() + wait
+        while self.alive() and time.monotonic() < deadline:
+            try:
+                if write_out.request(memory_dir) is None:
+                    return
+            except OSError:
+                return
+            time.sleep(POLL_SECONDS)
 
     def stop(self, wait: float = 5.0) -> None:
         """After training: SIGTERM, SIGKILL after `wait` seconds; reaped."""

@@ -214,16 +214,16 @@ class MemoryTier:
         """Rank 0: a save is being written out by a live writer (its snapshot must stay)."""
         if not self.configured or self.session.topo.rank != 0:
             return False
-        memory = self.session.cfg.memory_dir
+        memory, run_id = self.session.cfg.memory_dir, self.session.run_id
         try:
             waiting = write_out.request(memory)
             if waiting is None:
                 return False
-            if self.writer() is None:  # it died with the request: nobody answers it
+            if write_out.writer(memory, run_id) is None:  # died with it: nobody answers it
                 write_out.withdraw(memory, waiting.id)
                 return False
-        except OSError:
-            return False
+        except OSError:  # cannot tell now (too many open files): still writing, look again
+            return True
         return True
 
     def settle(self) -> None:

@@ -216,11 +216,10 @@ class Saver:
             self.save_async(save, parts)
             return
         if self.session.topo.is_leader:
-            # Fresh, for what the Trainer writes there after its save call (a subclass's extra
-            # files): the writer copies the snapshot in beside them.
+            # For what the Trainer writes there around its save call (a subclass's extra
+            # files), as the library's own save has it: the writer copies the snapshot in.
             with contextlib.suppress(OSError):
-                remove_checkpoint(save.path)
-                os.makedirs(save.path)
+                os.makedirs(save.path, exist_ok=True)
         snap = self._snapshot_of(save.step)
         snap.written_out, snap.measured = True, save.measured
         step, started_at = save.step, save.started_at
@@ -244,10 +243,11 @@ class Saver:
         tier, topo = self.tier, self.session.topo
         tier.settle()
         answer = self.session.control.all_gather(tier.answer() if topo.rank == 0 else None)[0]
-        if answer is None or not answer.ok:
+        if (answer is None or not answer.ok) and topo.is_leader:
             path = self.checkpoint_dir(step)
-            if topo.is_leader and committed(path, topo.node) is None:
-                remove_checkpoint(path)  # no rotation slot for a save that is not there
+            with contextlib.suppress(OSError):  # the next resume removes it
+                if committed(path, topo.node) is None:
+                    remove_checkpoint(path)  # no rotation slot for a save that is not there
         if answer is not None and answer.error == write_out.STOPPED:
             tier.stop_writing_out(None)  # the JIT save follows; the writer has exited
             return

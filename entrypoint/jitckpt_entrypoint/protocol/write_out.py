@@ -67,25 +67,26 @@ def announce(memory_dir: str, run_id: str) -> None:
 
 
 def writer(memory_dir: str, run_id: str) -> Optional[int]:
-    """The pid of the live writer serving `run_id`, else None."""
+    """The pid of the live writer serving `run_id`, else None. OSError: cannot tell now (too
+    many open files...): the caller must not take the writer for dead."""
     record = atomic.read_json(os.path.join(directory(memory_dir), WRITER))
     if not isinstance(record, dict) or not run_id or record.get("run_id") != run_id:
         return None
-    pid = record.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
+    pid, start = record.get("pid"), record.get("start")
+    if not isinstance(pid, int) or pid <= 0 or not isinstance(start, int):
         return None
-    if start_time(pid) != record.get("start"):  # exited (None), or its pid reused
+    if start_time(pid) != start:  # exited (None), or its pid reused
         return None
     return pid
 
 
 def start_time(pid: int) -> Optional[int]:
     """When process `pid` started (clock ticks since boot, /proc/<pid>/stat), or None when
-    there is no such process."""
+    there is no such process. OSError: cannot tell now."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
     try:  # after the command's closing parenthesis: state is field 3, starttime field 22
         return int(stat[stat.rindex(b")") + 2 :].split()[19])
