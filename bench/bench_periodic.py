@@ -58,34 +58,58 @@ COMMITTED = re.compile(r"committed checkpoint-(\d+) \(periodic, [\d.]+ MB, ([\d.
 BLOCKED = re.compile(r"training blocked ([\d.]+) s")
 
 
-class PeakRss:
-    """The largest RSS sum of a process tree, sampled on a thread."""
+class TreeSampler:
+    """Samples every process under `pid` on a thread (`sample`, then `sampled` per round)
+    until `stop`."""
 
-    def __init__(self, pid: int) -> None:
-        self.peak = 0
+    def __init__(self, pid: int, every: float = 0.02) -> None:
         self._root = psutil.Process(pid)
+        self._every = every
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def sample(self, proc: psutil.Process) -> None:
+        """One process of the tree (psutil.Error: it is gone; skipped)."""
+
+    def sampled(self) -> None:
+        """A round over the tree is done."""
+
     def _run(self) -> None:
         while not self._stop.is_set():
-            total = 0
             try:
-                for proc in self._root.children(recursive=True):
-                    try:
-                        if "python" in proc.name() and proc.pid != self._root.pid:
-                            total += proc.memory_info().rss
-                    except psutil.Error:
-                        continue
+                children = self._root.children(recursive=True)
             except psutil.Error:
                 return
-            self.peak = max(self.peak, total)
-            time.sleep(0.02)
+            for proc in children:
+                try:
+                    self.sample(proc)
+                except psutil.Error:
+                    continue
+            self.sampled()
+            time.sleep(self._every)
 
-    def stop(self) -> int:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+
+
+class PeakRss(TreeSampler):
+    """The largest RSS sum of a process tree's python processes."""
+
+    def __init__(self, pid: int) -> None:
+        self.peak, self._total = 0, 0
+        super().__init__(pid)
+
+    def sample(self, proc: psutil.Process) -> None:
+        if "python" in proc.name():
+            self._total += proc.memory_info().rss
+
+    def sampled(self) -> None:
+        self.peak, self._total = max(self.peak, self._total), 0
+
+    def stop(self) -> int:  # type: ignore[override]
+        super().stop()
         return self.peak
 
 

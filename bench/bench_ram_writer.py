@@ -25,8 +25,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import psutil
@@ -35,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_jit import base_env, write_bandwidth
+from bench_periodic import TreeSampler
 from harness.procs import Proc
 from harness.training import TRAIN_HF, entrypoint, torchrun
 
@@ -44,37 +43,22 @@ WRITTEN = re.compile(r"committed checkpoint-\d+ from RAM \(([\d.]+) MB in ([\d.]
 MODES = ("none", "trainer", "ram-writer")
 
 
-class CpuSeconds:
-    """The last user + system seconds of every process of a tree, by role, sampled on a
-    thread (the processes are gone by the end)."""
+class CpuSeconds(TreeSampler):
+    """The last user + system seconds of every process of a tree, by role (the processes are
+    gone by the end)."""
 
     def __init__(self, pid: int) -> None:
         self.last: dict[int, tuple[str, float]] = {}
-        self._root = psutil.Process(pid)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__(pid, every=0.05)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                children = self._root.children(recursive=True)
-            except psutil.Error:
-                return
-            for proc in children:
-                try:
-                    cmd = " ".join(proc.cmdline())
-                    times = proc.cpu_times()
-                except psutil.Error:
-                    continue
-                role = _role(cmd)
-                if role:
-                    self.last[proc.pid] = (role, times.user + times.system)
-            time.sleep(0.05)
+    def sample(self, proc: psutil.Process) -> None:
+        role = _role(" ".join(proc.cmdline()))
+        if role:
+            times = proc.cpu_times()
+            self.last[proc.pid] = (role, times.user + times.system)
 
-    def stop(self) -> dict[str, float]:
-        self._stop.set()
-        self._thread.join(timeout=2)
+    def stop(self) -> dict[str, float]:  # type: ignore[override]
+        super().stop()
         out: dict[str, float] = {}
         for role, seconds in self.last.values():
             out[role] = out.get(role, 0.0) + seconds
