@@ -14,6 +14,7 @@ import pytest
 from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.hook import memory_tier
 from jitckpt_entrypoint.hook.manager import CheckpointManager
+from jitckpt_entrypoint.hook.saves import Save
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.topology import Topology
 from jitckpt_entrypoint.protocol import commit, status, validity, write_out
@@ -290,3 +291,23 @@ def test_a_request_of_a_writer_that_died_is_withdrawn(tmp_path):
     assert write_out.request(memory) is None
     tier.settle()  # returns at once
     assert tier.answer() is None
+
+
+def test_the_overhead_budget_measures_a_save_written_out_up_to_the_writers_answer(tmp_path):
+    manager = manager_for(tmp_path, save_overhead=0.05)
+    memory = manager.session.cfg.memory_dir
+    saver, tier = manager.saver, manager.tier
+    write_out.announce(memory, "run-1")
+    assert tier.decide(100, True)
+    measured = saver.cadence.save_began(time.monotonic())
+    snap = Save(12, "periodic", tier.path(12), time.time(), snapshot=True, blocked=0.01)
+    saver._handed = (12, lambda: None, measured, snap)
+    tier.ask(12, snap.started_at)
+    saver.poll_write_out()
+    assert saver._handed[2] == measured  # no answer yet: still measured
+    waiting = write_out.request(memory)
+    assert waiting is not None
+    write_out.answer(memory, write_out.Answer(waiting.id, 12, ok=True))
+    saver.poll_write_out()
+    assert saver._handed[2] == 0  # reported to the budget once
+    assert saver.cadence._done is not None

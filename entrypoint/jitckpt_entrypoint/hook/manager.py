@@ -107,6 +107,7 @@ class CheckpointManager:
         into training."""
         start = self._resumed_step if began_at is None else began_at
         self.records.step_finished(step, start)
+        self.saver.poll_write_out()
 
     def training_ended(self) -> None:
         """End of one `train()`: the next one (a second Trainer, a second stage) decides its

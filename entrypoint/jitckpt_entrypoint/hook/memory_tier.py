@@ -235,6 +235,15 @@ class MemoryTier:
         while control.any_now(self.session.topo.rank == 0 and self.writing_out()):
             time.sleep(WAIT_POLL)
 
+    def answered(self) -> bool:
+        """Rank 0: whether this process's last request has its answer (it stays to be read)."""
+        if self._request is None:
+            return False
+        try:
+            return write_out.answered(self.session.cfg.memory_dir, self._request) is not None
+        except OSError:
+            return False
+
     def answer(self) -> Optional[write_out.Answer]:
         """Rank 0, after `settle`: the answer to this process's last request, once."""
         asked, self._request = self._request, None

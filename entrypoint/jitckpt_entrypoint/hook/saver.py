@@ -101,9 +101,10 @@ class Saver:
         tokens (the manager's step agreement)."""
         self.blocking: list[tuple[int, float]] = []
         """(step, seconds the training thread was held) of every async save, in order."""
-        self._handed: Optional[tuple[int, Callable[[], None]]] = None
-        """The periodic save handed to the RAM writer, and its after-commit (HF's rotation),
-        until its answer is read (the same on every rank)."""
+        self._handed: Optional[tuple[int, Callable[[], None], int, Save]] = None
+        """The periodic save handed to the RAM writer: its step, its after-commit (HF's
+        rotation), its overhead-budget number (0 once reported) and its snapshot, until its
+        answer is read (the same on every rank)."""
 
     def is_committed(self, step: int) -> bool:
         with self.lock:
@@ -221,14 +222,14 @@ class Saver:
             with contextlib.suppress(OSError):
                 os.makedirs(save.path, exist_ok=True)
         snap = self._snapshot_of(save.step)
-        snap.written_out, snap.measured = True, save.measured
+        snap.written_out = True  # measured until the writer's answer (`poll_write_out`)
         step, started_at = save.step, save.started_at
 
         def after_commit() -> None:  # background writer, every rank
             tier.committed(step)
             tier.ask(step, started_at)
 
-        self._handed = (step, parts.after_commit)
+        self._handed = (step, parts.after_commit, save.measured, snap)
         # Committed (and handed to the writer) once `saved` says the Trainer's save call is done.
         self.inflight.save_async(snap, dataclasses.replace(parts, after_commit=after_commit))
         self._pending = None
@@ -239,9 +240,13 @@ class Saver:
         not written (the training process writes the periodic saves from then on)."""
         if self._handed is None:
             return
-        (step, rotate), self._handed = self._handed, None
+        (step, rotate, measured, snap), self._handed = self._handed, None
         tier, topo = self.tier, self.session.topo
+        waited = time.monotonic()
         tier.settle()
+        if measured:  # not reported by a step: its wait for the writer held training
+            waited = time.monotonic() - waited
+            self.cadence.save_finished(measured, time.monotonic(), snap.blocked + waited)
         answer = self.session.control.all_gather(tier.answer() if topo.rank == 0 else None)[0]
         if (answer is None or not answer.ok) and topo.is_leader:
             path = self.checkpoint_dir(step)
@@ -286,6 +291,19 @@ class Saver:
         self._commit(save)
         if self.tier.failed is not None:  # decided from the vote: the same on every rank
             self.tier.turn_off(self.tier.failed)
+
+    def poll_write_out(self) -> None:
+        """Rank 0 (the clock that decides time-based saves), after every step while a save is
+        written out: the writer's answer ends the overhead budget's measurement of it, so that
+        its cost counts the steps its copy slowed and its write time the writer's (the interval
+        is never shorter than that: one save at a time). Never raises."""
+        handed = self._handed
+        if handed is None or not handed[2] or self.session.topo.rank != 0:
+            return
+        if self.tier.answered():
+            step, rotate, measured, snap = handed
+            self.cadence.save_finished(measured, time.monotonic(), snap.blocked)
+            self._handed = (step, rotate, 0, snap)
 
     def _snapshot_begins(self, fast: bool = True) -> bool:
         """Collective: whether the snapshot of this step is taken (not after a failure, not
