@@ -14,6 +14,7 @@ import pytest
 from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.hook import memory_tier
 from jitckpt_entrypoint.hook.manager import CheckpointManager
+from jitckpt_entrypoint.hook.saver import Handed
 from jitckpt_entrypoint.hook.saves import Save
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.topology import Topology
@@ -301,13 +302,13 @@ def test_the_overhead_budget_measures_a_save_written_out_up_to_the_writers_answe
     assert tier.decide(100, True)
     measured = saver.cadence.save_began(time.monotonic())
     snap = Save(12, "periodic", tier.path(12), time.time(), snapshot=True, blocked=0.01)
-    saver._handed = (12, lambda: None, measured, snap)
+    saver._handed = Handed(12, lambda: None, measured, snap)
     tier.ask(12, snap.started_at)
     saver.poll_write_out()
-    assert saver._handed[2] == measured  # no answer yet: still measured
+    assert saver._handed.measured == measured  # no answer yet: still measured
     waiting = write_out.request(memory)
     assert waiting is not None
     write_out.answer(memory, write_out.Answer(waiting.id, 12, ok=True))
     saver.poll_write_out()
-    assert saver._handed[2] == 0  # reported to the budget once
+    assert saver._handed.measured == 0  # reported to the budget once
     assert saver.cadence._done is not None

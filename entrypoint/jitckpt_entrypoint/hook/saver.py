@@ -71,6 +71,19 @@ from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
 from jitckpt_entrypoint.protocol.validity import committed
 
 
+@dataclasses.dataclass
+class Handed:
+    """A periodic save handed to the RAM writer (saver.py's `_write_out`)."""
+
+    step: int
+    rotate: Callable[[], None]
+    """Its after-commit (HF's rotation), run once the writer committed it."""
+    measured: int
+    """Its overhead-budget number (cadence.py); 0 once reported."""
+    snap: Save
+    """Its snapshot in RAM."""
+
+
 class Saver:
     def __init__(
         self, session: Session, cadence: Cadence, records: Records, kind_of: Callable[[int], str]
@@ -101,10 +114,9 @@ class Saver:
         tokens (the manager's step agreement)."""
         self.blocking: list[tuple[int, float]] = []
         """(step, seconds the training thread was held) of every async save, in order."""
-        self._handed: Optional[tuple[int, Callable[[], None], int, Save]] = None
-        """The periodic save handed to the RAM writer: its step, its after-commit (HF's
-        rotation), its overhead-budget number (0 once reported) and its snapshot, until its
-        answer is read (the same on every rank)."""
+        self._handed: Optional[Handed] = None
+        """The periodic save handed to the RAM writer, until its answer is read (the same on
+        every rank)."""
 
     def is_committed(self, step: int) -> bool:
         with self.lock:
@@ -142,7 +154,7 @@ class Saver:
         if step in self._skipped:
             self._remove_skipped(step)
             return 0.0
-        if self.is_committed(step) or (self._handed is not None and self._handed[0] == step):
+        if self.is_committed(step) or (self._handed is not None and self._handed.step == step):
             return 0.0
         if save is None or save.step != step:  # written without begin_save
             save = Save(step, self._kind_of(step), path or self.checkpoint_dir(step), time.time())
@@ -229,7 +241,7 @@ class Saver:
             tier.committed(step)
             tier.ask(step, started_at)
 
-        self._handed = (step, parts.after_commit, save.measured, snap)
+        self._handed = Handed(step, parts.after_commit, save.measured, snap)
         # Committed (and handed to the writer) once `saved` says the Trainer's save call is done.
         self.inflight.save_async(snap, dataclasses.replace(parts, after_commit=after_commit))
         self._pending = None
@@ -240,32 +252,33 @@ class Saver:
         not written (the training process writes the periodic saves from then on)."""
         if self._handed is None:
             return
-        (step, rotate, measured, snap), self._handed = self._handed, None
-        tier, topo = self.tier, self.session.topo
-        waited = time.monotonic()
+        handed, self._handed = self._handed, None
+        tier, topo, step = self.tier, self.session.topo, handed.step
+        began = time.monotonic()
         tier.settle()
-        if measured:  # not reported by a step: its wait for the writer held training
-            waited = time.monotonic() - waited
-            self.cadence.save_finished(measured, time.monotonic(), snap.blocked + waited)
+        if handed.measured:  # not reported by a step: its wait for the writer held training
+            blocked = handed.snap.blocked + time.monotonic() - began
+            self.cadence.save_finished(handed.measured, time.monotonic(), blocked)
         answer = self.session.control.all_gather(tier.answer() if topo.rank == 0 else None)[0]
-        if (answer is None or not answer.ok) and topo.is_leader:
-            path = self.checkpoint_dir(step)
-            with contextlib.suppress(OSError):  # the next resume removes it
-                if committed(path, topo.node) is None:
-                    remove_checkpoint(path)  # no rotation slot for a save that is not there
-        if answer is not None and answer.error == write_out.STOPPED:
-            tier.stop_writing_out(None)  # the JIT save follows; the writer has exited
-            return
         if answer is None or not answer.ok:
-            # Abandoned in RAM (its own line said why), or the writer failed or is gone.
+            if topo.is_leader:
+                path = self.checkpoint_dir(step)
+                with contextlib.suppress(OSError):  # else the next resume removes it
+                    if committed(path, topo.node) is None:
+                        remove_checkpoint(path)  # no rotation slot for a save not there
+            # Stopped: the JIT save follows (quietly). Else abandoned in RAM (its own line
+            # said why), or the writer failed or is gone.
             why = "no answer" if answer is None else answer.error
-            tier.stop_writing_out(f"{checkpoint_name(step)} was not written out ({why})")
+            stopped = answer is not None and answer.error == write_out.STOPPED
+            tier.stop_writing_out(
+                None if stopped else f"{checkpoint_name(step)} was not written out ({why})"
+            )
             return
         with self.lock:
             self._committed.add(step)
         self.records.advisory(self.records.announce)
         try:
-            rotate()
+            handed.rotate()
         except Exception as exc:  # noqa: BLE001 - HF's rotation of older checkpoints only
             self.session.log.warning("HF's checkpoint rotation failed: %r", exc)
 
@@ -298,12 +311,11 @@ class Saver:
         its cost counts the steps its copy slowed and its write time the writer's (the interval
         is never shorter than that: one save at a time). Never raises."""
         handed = self._handed
-        if handed is None or not handed[2] or self.session.topo.rank != 0:
+        if handed is None or not handed.measured or self.session.topo.rank != 0:
             return
         if self.tier.answered():
-            step, rotate, measured, snap = handed
-            self.cadence.save_finished(measured, time.monotonic(), snap.blocked)
-            self._handed = (step, rotate, 0, snap)
+            self.cadence.save_finished(handed.measured, time.monotonic(), handed.snap.blocked)
+            handed.measured = 0
 
     def _snapshot_begins(self, fast: bool = True) -> bool:
         """Collective: whether the snapshot of this step is taken (not after a failure, not
