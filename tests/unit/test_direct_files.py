@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -80,23 +81,51 @@ def test_tensors_safetensors_refuses_are_refused_with_its_own_error(tmp_path: Pa
         safetensors_save.save_file({"t": base.t()}, str(tmp_path / "x"), None, 2)
 
 
-def test_without_o_direct_the_same_bytes_go_through_the_page_cache(tmp_path, monkeypatch):
+@pytest.fixture
+def no_direct(monkeypatch):
+    """Opens with O_DIRECT refused, as tmpfs refuses them: the page-cache path."""
     real_open = os.open
 
-    def no_direct(path, flags, *args):
+    def refuse_direct(path, flags, *args):
         if flags & getattr(os, "O_DIRECT", 0):
-            raise OSError(errno.EINVAL, "Invalid argument")  # as tmpfs answers
+            raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(os, "open", no_direct)
+    monkeypatch.setattr(os, "open", refuse_direct)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_without_o_direct_the_same_bytes_go_through_the_page_cache(tmp_path, no_direct, threads):
     tensors = model_tensors()
     safetensors.torch.save_file(tensors, tmp_path / "theirs.safetensors")
-    safetensors_save.save_file(tensors, str(tmp_path / "ours.safetensors"), None, 3)
+    safetensors_save.save_file(tensors, str(tmp_path / "ours.safetensors"), None, threads)
     ours = (tmp_path / "ours.safetensors").read_bytes()
     assert ours == (tmp_path / "theirs.safetensors").read_bytes()
+    state = optimizer_state()
+    (tmp_path / "torch").mkdir()
+    torch.save(state, tmp_path / "torch" / "optimizer.pt")
+    torch_save.save(state, str(tmp_path / "optimizer.pt"), threads)
+    ours = (tmp_path / "optimizer.pt").read_bytes()
+    assert ours == (tmp_path / "torch" / "optimizer.pt").read_bytes()
 
 
-def test_direct_write_fills_gaps_with_zeros_and_ends_at_the_size(tmp_path: Path):
+def test_without_o_direct_many_small_pieces_in_one_chunk_are_all_written(tmp_path, no_direct):
+    """Host pieces go to the kernel as they are (pwritev, at most _IOV at a time), no copy."""
+    pieces = [(7 * i, memoryview(bytes([i % 251]) * 5)) for i in range(3 * direct_write._IOV)]
+    size = 7 * 3 * direct_write._IOV + 3
+    with direct_write.DirectFile(str(tmp_path / "f"), size) as f:
+        crcs = f.write(pieces, 1, crc_of=[0, len(pieces) - 1])
+    expected = bytearray(size)
+    for offset, piece in pieces:
+        expected[offset : offset + len(piece)] = piece
+    assert (tmp_path / "f").read_bytes() == bytes(expected)
+    assert crcs == {0: zlib.crc32(pieces[0][1]), len(pieces) - 1: zlib.crc32(pieces[-1][1])}
+
+
+@pytest.mark.parametrize("path", ["o_direct", "page_cache"])
+def test_direct_write_fills_gaps_with_zeros_and_ends_at_the_size(tmp_path, request, path):
+    if path == "page_cache":
+        request.getfixturevalue("no_direct")
     size = 2 * direct_write.CHUNK + 123
     pieces = [
         (5, memoryview(b"abc")),
@@ -167,11 +196,13 @@ def test_torch_save_falls_back_to_torch_save_for_a_state_it_cannot_walk(tmp_path
     assert torch.equal(loaded["holder"].t, torch.arange(6.0))
 
 
-def test_direct_write_streams_tensor_sources_and_takes_their_crcs(tmp_path: Path):
-    """Tensor sources (how GPU state is streamed; on the CPU the copy is a memcpy) land at
-    their offsets, and each piece's CRC-32 is combined across chunks."""
-    import zlib
-
+@pytest.mark.parametrize("path", ["o_direct", "page_cache"])
+def test_direct_write_streams_tensor_sources_and_takes_their_crcs(tmp_path, request, path):
+    """Tensor sources (how GPU state is streamed; on the CPU the copy is a memcpy, or none
+    through the page cache) land at their offsets, and each piece's CRC-32 is combined across
+    chunks."""
+    if path == "page_cache":
+        request.getfixturevalue("no_direct")
     big = torch.randint(0, 255, (direct_write.CHUNK * 2 + 777,), dtype=torch.uint8)
     small = torch.arange(100, dtype=torch.uint8)
     header = memoryview(b"HEAD")
@@ -185,8 +216,6 @@ def test_direct_write_streams_tensor_sources_and_takes_their_crcs(tmp_path: Path
 
 
 def test_crc32_combine_in_python_is_zlibs(monkeypatch):
-    import zlib
-
     monkeypatch.setattr(direct_write, "_LIBZ", None)
     a, b = os.urandom(1000), os.urandom(direct_write.CHUNK + 5)
     combined = direct_write.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jitckpt_entrypoint.config import Config
-from jitckpt_entrypoint.hook import memory_tier
+from jitckpt_entrypoint.hook import memory_tier, ram_files
 from jitckpt_entrypoint.hook.manager import CheckpointManager
 from jitckpt_entrypoint.hook.saver import Handed
 from jitckpt_entrypoint.hook.saves import Save
@@ -312,3 +312,23 @@ def test_the_overhead_budget_measures_a_save_written_out_up_to_the_writers_answe
     saver.poll_write_out()
     assert saver._handed.measured == 0  # reported to the budget once
     assert saver.cadence._done is not None
+
+
+def test_a_committed_snapshot_retires_the_older_one_into_spares_and_drops_untaken_ones(tmp_path):
+    manager = manager_for(tmp_path)
+    tier = manager.tier
+    root = Path(tier.root)
+    leftover = root / ram_files.SPARE / "untaken.bin"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"x" * ram_files.LARGE)
+    older = snapshot(manager, 5)
+    Path(older, "optimizer.pt").write_bytes(b"o" * ram_files.LARGE)
+    snapshot(manager, 10)
+    tier.committed(10)
+    assert checkpoint_steps(tier.root) == [10]
+    assert sorted(p.name for p in (root / ram_files.SPARE).iterdir()) == ["optimizer.pt"]
+    # A plain loop's snapshots (DCP's writer takes no spares) keep none.
+    snapshot(manager, 15)
+    tier.committed(15, spares=False)
+    assert checkpoint_steps(tier.root) == [15]
+    assert not (root / ram_files.SPARE).exists()

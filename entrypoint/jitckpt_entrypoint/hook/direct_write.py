@@ -22,9 +22,11 @@ formats that need them (torch_save) get them without reading the bytes twice. `r
 writes a few blocks again once the caller has patched them (a zip's CRC fields).
 
 A cancellation check runs before every chunk: a background save stops within one buffer.
-Where the file system refuses O_DIRECT (tmpfs: an emptyDir with `medium: Memory`) the same
-chunks go through the page cache. An EINVAL from an O_DIRECT write on a full disk is reported
-as ENOSPC, not taken for "O_DIRECT unsupported". Durability is the commit's (protocol.durable).
+Where the file system refuses O_DIRECT (tmpfs before Linux 6.6), and for the files of snapshots
+in RAM (ram_files.py), the same chunks go through the page cache, written straight from host
+memory (no copy into a buffer first), over a retired snapshot's file where there is one. An
+EINVAL from an O_DIRECT write on a full disk is reported as ENOSPC, not taken for "O_DIRECT
+unsupported". Durability is the commit's (protocol.durable).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, ClassVar, Optional, Union
 
 import numpy as np
+
+from jitckpt_entrypoint.hook import ram_files
 
 CHUNK = 8 << 20
 """Bytes one O_DIRECT write takes (a multiple of BLOCK)."""
@@ -70,17 +74,19 @@ class DirectFile:
 
     def __init__(self, path: str, size: int) -> None:
         self.path, self.size = path, size
-        self.direct = hasattr(os, "O_DIRECT")
+        self.direct = hasattr(os, "O_DIRECT") and not ram_files.in_ram(path)
         self.fd = -1
+        # A spare (a retired snapshot's file) is written over, every byte: its pages are kept.
+        flags = os.O_WRONLY | os.O_CREAT | (0 if ram_files.take(path) else os.O_TRUNC)
         if self.direct:
             try:
-                self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self.direct = False  # tmpfs and friends
         if self.fd < 0:
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self.fd = os.open(path, flags, 0o644)
 
     def __enter__(self) -> DirectFile:
         return self
@@ -118,8 +124,10 @@ class DirectFile:
             if check is not None:
                 check()
             end = min(start + CHUNK, self.size)
-            found = buf.fill(layout, start, end)
-            self._pwrite(buf, start, end)
+            found = None if self.direct else _write_from_host(self.fd, layout, start, end)
+            if found is None:
+                found = buf.fill(layout, start, end)
+                self._pwrite(buf, start, end)
             with lock:
                 for index, at, crc, n in found:
                     partials[index].append((at, crc, n))
@@ -295,6 +303,68 @@ class _Buffer:
             stream.wait_stream(torch.cuda.current_stream(source.device))
         with torch.cuda.stream(stream):
             self._host[at : at + hi - lo].copy_(source[lo:hi], non_blocking=True)
+
+
+_ZEROS = memoryview(mmap.mmap(-1, CHUNK))  # never written: read, it maps the zero page
+_IOV = 512  # buffers per pwritev (the kernel takes up to IOV_MAX, 1024 on Linux)
+
+
+def _write_from_host(
+    fd: int, layout: _Layout, start: int, end: int
+) -> Optional[list[tuple[int, int, int, int]]]:
+    """Through the page cache, the bytes from `start` to `end` written straight from the
+    pieces in host memory (no copy into a buffer first), gaps as zeros; the partial CRCs as
+    `_Buffer.fill` returns them. None, with nothing written, when a piece is on a GPU."""
+    import torch
+
+    views: list[memoryview] = []
+    crcs: list[tuple[int, int, int, int]] = []
+    pos, i = start, max(bisect.bisect_right(layout.starts, start) - 1, 0)
+    while pos < end and i < len(layout.pieces):
+        offset, source = layout.pieces[i]
+        stop = offset + layout.lengths[i]
+        index = layout.index[i]
+        i += 1
+        if stop <= pos:
+            continue
+        if offset >= end:
+            break
+        if offset > pos:
+            views.append(_ZEROS[: offset - pos])
+            pos = offset
+        if isinstance(source, memoryview):
+            data = source.cast("B") if source.format != "B" else source
+        elif isinstance(source, torch.Tensor) and source.device.type == "cpu":
+            data = memoryview(source.numpy())
+        else:
+            return None
+        upto = min(stop, end)
+        view = data[pos - offset : upto - offset]
+        views.append(view)
+        if index in layout.crc_of:
+            crcs.append((index, pos - offset, zlib.crc32(view), upto - pos))
+        pos = upto
+    if pos < end:
+        views.append(_ZEROS[: end - pos])
+    _pwritev(fd, views, start)
+    return crcs
+
+
+def _pwritev(fd: int, views: list[memoryview], offset: int) -> None:
+    """All of `views`, back to back from `offset` (short writes resumed)."""
+    while views:
+        batch = views[:_IOV]
+        n = os.pwritev(fd, batch, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing", fd)
+        offset += n
+        done = 0
+        while done < len(batch) and n >= len(batch[done]):
+            n -= len(batch[done])
+            done += 1
+        views = views[done:]
+        if n:
+            views[0] = views[0][n:]
 
 
 def _run(one: Callable[[_Buffer, int], None], starts: list[int], threads: int) -> None:

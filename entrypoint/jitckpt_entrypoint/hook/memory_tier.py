@@ -6,7 +6,9 @@ save path (saver.py, inflight.py: the host copy on the training thread, the file
 background writer). It is not staged for upload and records no save event: the volume and S3
 get the periodic saves as before. One committed snapshot is kept, besides the one being
 written, so a crash in the middle of a snapshot leaves the previous one whole; at most two
-snapshots' bytes are held.
+snapshots' bytes are held. An older snapshot is retired, not deleted: its large files are the
+spares the next snapshot writes over (ram_files.py), so the tmpfs pages are not freed and zeroed
+again for every snapshot.
 
 When: JITCKPT_SNAPSHOT_INTERVAL, a number of steps (every rank counts alike) or a duration
 (rank 0's clock; its request rides in the step agreement, control.py, so every rank snapshots
@@ -23,7 +25,7 @@ Resume (resume.py) counts a committed snapshot of this job's size like a checkpo
 volume: the newest wins (the same order as everywhere: lineage, then step).
 
 Threads: `due`, `wanted`, `began`, `covered` on the training thread; `committed` on the
-background writer (it only removes older snapshot directories).
+background writer (it only retires older snapshot directories).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import os
 import time
 from typing import Optional
 
-from jitckpt_entrypoint.hook import room
+from jitckpt_entrypoint.hook import ram_files, room
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol import write_out
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
@@ -120,6 +122,8 @@ class MemoryTier:
         refused = session.control.all_gather(problem)
         reasons = [r for r in refused if r]
         self.on = not reasons
+        if self.on:
+            ram_files.register(self.root)
         self._writer = self.on and pid is not None
         if topo.rank == 0:
             if self.on:
@@ -147,6 +151,7 @@ class MemoryTier:
             os.makedirs(self.root, exist_ok=True)
             free = room.free_bytes(self.root)
             held = sum(_tree_bytes(self.path(s)) for s in checkpoint_steps(self.root))
+            held += _tree_bytes(os.path.join(self.root, ram_files.SPARE))
         except OSError as exc:
             return f"cannot use JITCKPT_MEMORY_DIR {self.session.cfg.memory_dir}: {exc}"
         needed = KEPT * node_bytes
@@ -312,15 +317,21 @@ class MemoryTier:
             if other == step or committed(path, node) is None:
                 remove_checkpoint(path)
 
-    def committed(self, step: int) -> None:
+    def committed(self, step: int, spares: bool = True) -> None:
         """Background writer, once snapshot `step` is committed on every node: the older ones
-        go (each node's local rank 0)."""
+        go (each node's local rank 0), their large files kept as the spares of the next one
+        (`spares`: written by direct_write, which takes them; what this one did not take goes,
+        so at most two snapshots' bytes are held)."""
         if not self.session.topo.is_leader:
             return
         with contextlib.suppress(OSError):  # the next commit tries again
+            ram_files.remove(self.root)
             for other in checkpoint_steps(self.root):
                 if other != step:
-                    remove_checkpoint(self.path(other))
+                    if spares:
+                        ram_files.retire(self.root, self.path(other))
+                    else:
+                        remove_checkpoint(self.path(other))
 
     def clear(self) -> None:
         """Each node's local rank 0: every snapshot goes (JITCKPT_RESUME=0 starts over)."""
@@ -329,6 +340,7 @@ class MemoryTier:
         with contextlib.suppress(OSError):
             for other in checkpoint_steps(self.root):
                 remove_checkpoint(self.path(other))
+        ram_files.remove(self.root)
 
     def remove_stale(self, resumed_dir: Optional[str]) -> None:
         """Each node's local rank 0, at resume: every snapshot but the one resumed from goes
@@ -340,6 +352,7 @@ class MemoryTier:
             for other in checkpoint_steps(self.root):
                 if self.path(other) != resumed_dir:
                     remove_checkpoint(self.path(other))
+        ram_files.remove(self.root)
 
 
 def _tree_bytes(path: str) -> int:

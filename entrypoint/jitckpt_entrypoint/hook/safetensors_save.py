@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from jitckpt_entrypoint.hook import direct_write
+from jitckpt_entrypoint.hook import direct_write, ram_files
 
 _SUB_BYTE = re.compile(r"float4|int[1-7]\b|bits")
 _orders: dict[tuple[tuple[str, torch.dtype], ...], list[tuple[str, str]]] = {}
@@ -38,6 +38,7 @@ def save_file(
     if order is None:
         import safetensors.torch
 
+        ram_files.drop(filename)
         safetensors.torch.save_file(tensors, filename, metadata=metadata)
         return
     header: dict[str, object] = {}

@@ -296,7 +296,7 @@ class Saver:
         if not self._snapshot_begins(fast=False):
             return
         save = self._snapshot_of(step)
-        save.after_commit = functools.partial(self.tier.committed, step)
+        save.after_commit = functools.partial(self.tier.committed, step, spares=False)
         try:
             write(save.path)
         except errors as exc:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from jitckpt_entrypoint.hook import direct_write
+from jitckpt_entrypoint.hook import direct_write, ram_files
 
 log = logging.getLogger("jitckpt.hook")
 
@@ -60,6 +60,7 @@ def save(obj: Any, path: str, threads: int, check: direct_write.Check = None) ->
         if str(exc) not in _warned:
             _warned.add(str(exc))
             log.info("optimizer state written with plain torch.save: %s", exc)
+        ram_files.drop(path)
         torch.save(obj, path)
         return
     archive.write(threads, check)
