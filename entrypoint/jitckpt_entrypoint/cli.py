@@ -230,7 +230,7 @@ def run(
     finally:
         if writer is not None:
             if watch.sigterm_at is None:  # ended on its own (or crashed): its last save out
-                writer.finish(cfg.memory_dir, cfg.grace_seconds)
+                writer.finish(cfg, run_id, logger)
             writer.stop()
         registry.close_run(layout.status, run_id)
     # After staging the final model: the sidecar drains until it sees exited_at.

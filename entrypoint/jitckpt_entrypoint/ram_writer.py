@@ -11,7 +11,9 @@ lineage, staged for the sidecar, the save event recorded. It answers every reque
 not.
 
 SIGTERM (the entrypoint forwards the pod's): a copy in progress stops, its directory goes, and
-the writer exits; the JIT save needs the disk, and it is newer.
+the writer exits; the JIT save needs the disk, and it is newer. Training that ends without
+SIGTERM (a crash): the entrypoint asks for the newest snapshot when it is newer than the volume
+(`Process.finish`), so a replacement pod, whose memory volume is new, resumes from it too.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import signal
 import sys
 import time
 from types import FrameType
-from typing import Optional
+from typing import Callable, Optional
 
 from jitckpt_entrypoint import log
 from jitckpt_entrypoint.config import Config
@@ -32,7 +34,7 @@ from jitckpt_entrypoint.protocol import durable, status, write_out
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.commit import commit_node, remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name
-from jitckpt_entrypoint.protocol.validity import committed, files_match
+from jitckpt_entrypoint.protocol.validity import committed, files_match, newest_committed, newness
 
 COMPONENT = "jitckpt-ram-writer"
 POLL_SECONDS = 0.05
@@ -196,17 +198,50 @@ class Process:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signo)
 
-    def finish(self, memory_dir: str, wait: float) -> None:
-        """After training ended without SIGTERM (a crash): the save handed over before it is
-        written out, for up to `wait` seconds (it is the newest on the volume)."""
-        deadline = time.monotonic() + wait
+    def finish(self, cfg: Config, run_id: str, logger: logging.Logger) -> None:
+        """After training ended without SIGTERM (a crash, or its end), within
+        JITCKPT_GRACE_SECONDS in all: the save handed over before it is written out, then the
+        newest snapshot in RAM when it is newer than every checkpoint on the volume. A pod that
+        is replaced, not restarted in place, loses its memory volume: a crash without notice
+        then costs what ran since the newest periodic save, not since the newest snapshot."""
+        memory_dir = cfg.memory_dir
+        deadline = time.monotonic() + cfg.grace_seconds
+        if not self._wait(lambda: write_out.request(memory_dir) is None, deadline):
+            return
+        try:
+            step = newer_snapshot(cfg)
+        except OSError as exc:
+            logger.warning(
+                "cannot tell whether a snapshot in RAM is newer than the volume: %s", exc
+            )
+            return
+        if step is None or not self.alive():
+            return
+        name = checkpoint_name(step)
+        logger.info("training ended without SIGTERM: writing %s from RAM to the volume", name)
+        request = write_out.Request(write_out.new_id(), step, time.time(), run_id)
+        try:
+            write_out.ask(memory_dir, request)
+        except OSError as exc:
+            logger.warning("cannot ask the RAM writer for %s: %s", name, exc)
+            return
+        if not self._wait(lambda: write_out.answered(memory_dir, request.id) is not None, deadline):
+            logger.warning(
+                "%s not written out from RAM within JITCKPT_GRACE_SECONDS (%gs)",
+                name,
+                cfg.grace_seconds,
+            )
+
+    def _wait(self, done: Callable[[], bool], deadline: float) -> bool:
+        """Until `done()` (True) or the deadline, or the writer is gone (False)."""
         while self.alive() and time.monotonic() < deadline:
             try:
-                if write_out.request(memory_dir) is None:
-                    return
+                if done():
+                    return True
             except OSError:
-                return
+                return False
             time.sleep(POLL_SECONDS)
+        return False
 
     def stop(self, wait: float = 5.0) -> None:
         """After training: SIGTERM, SIGKILL after `wait` seconds; reaped."""
@@ -225,6 +260,25 @@ class Process:
                     os.waitpid(self.pid, 0)
                 return
             time.sleep(0.02)
+
+
+def newer_snapshot(cfg: Config) -> Optional[int]:
+    """The step of the newest committed snapshot in JITCKPT_MEMORY_DIR when it is newer than
+    every committed checkpoint on the volume (in resume's order: lineage, then step; the
+    volume's save of a step wins), else None."""
+    snapshots = Layout(cfg.memory_dir).checkpoints
+    step = newest_committed(snapshots)
+    if step is None:
+        return None
+    snapshot = committed(os.path.join(snapshots, checkpoint_name(step)))
+    volume = Layout(cfg.dir)
+    newest = newest_committed(volume.checkpoints)
+    theirs = committed(volume.checkpoint_dir(newest)) if newest is not None else None
+    if snapshot is None:
+        return None
+    if theirs is not None and newness(theirs[min(theirs)]) >= newness(snapshot[min(snapshot)]):
+        return None
+    return step
 
 
 def start(env: dict[str, str], logger: logging.Logger) -> Optional[Process]:

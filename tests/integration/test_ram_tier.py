@@ -1,8 +1,9 @@
 """The RAM tier (JITCKPT_MEMORY_DIR on a tmpfs) under real torchrun, 2 CPU ranks, the Trainer:
 a trainer whose processes are SIGKILLed (the memory volume stays) resumes from its newest
 snapshot, bitwise equal to an uninterrupted run; so do workers torchrun restarts after one was
-SIGKILLed; a snapshot cut short is never used; a memory directory that cannot hold snapshots
-is one line, and the run goes on as without it."""
+SIGKILLed, and a new pod after a crash that ended the trainer (the RAM writer wrote the newest
+snapshot to the volume); a snapshot cut short is never used; a memory directory that cannot
+hold snapshots is one line, and the run goes on as without it."""
 
 from __future__ import annotations
 
@@ -105,6 +106,37 @@ def test_workers_torchrun_restarts_after_a_sigkill_resume_from_ram(
     assert proc.wait(timeout=300) == 0, proc.output()
     assert marker.exists()
     assert resumed_from_ram(proc) == 24
+    assert same(final_weights(jdir, STEPS), straight)
+
+
+def test_a_crashed_trainer_leaves_its_newest_snapshot_on_the_volume_for_a_new_pod(
+    spawn, base_env, jdir, memory_dir, straight, tmp_path
+):
+    """A worker SIGKILLed and no restart left: before the entrypoint exits, the RAM writer
+    writes the newest snapshot to the volume, so a replacement pod (its memory volume new and
+    empty) resumes from it, not from the older periodic save."""
+    env = {**base_env, "JITCKPT_MEMORY_DIR": str(memory_dir), "JITCKPT_SNAPSHOT_INTERVAL": "3steps"}
+    marker = tmp_path / "killed"
+    first = spawn(
+        entrypoint(torchrun(TRAIN_HF, *ARGS, "--kill-at", "26", "--crash-marker", str(marker))),
+        env=env,
+    )
+    assert first.wait(timeout=300) != 0, first.output()
+    assert marker.exists()
+    ended = [line for line in first.stderr if "training ended without SIGTERM: writing" in line]
+    assert len(ended) == 1, first.output()
+    step = int(re.search(r"checkpoint-(\d+) from RAM", ended[0]).group(1))
+    assert 21 <= step <= 26, ended
+    assert any(f"committed checkpoint-{step} from RAM" in line for line in first.stderr)
+    assert validity.committed(str(jdir / "checkpoints" / f"checkpoint-{step}")) is not None
+
+    shutil.rmtree(memory_dir)  # the replacement pod's memory volume
+    memory_dir.mkdir()
+    second = spawn(entrypoint(torchrun(TRAIN_HF, *ARGS, "--crash-marker", str(marker))), env=env)
+    assert second.wait(timeout=300) == 0, second.output()
+    resumed = hook_lines(second, "resuming from")
+    assert resumed, second.output()
+    assert resumed[0].endswith(f"checkpoint-{step}"), resumed
     assert same(final_weights(jdir, STEPS), straight)
 
 

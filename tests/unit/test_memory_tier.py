@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from jitckpt_entrypoint import ram_writer as ram_writer_module
 from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.hook import memory_tier, ram_files
 from jitckpt_entrypoint.hook.manager import CheckpointManager
@@ -312,6 +314,36 @@ def test_the_overhead_budget_measures_a_save_written_out_up_to_the_writers_answe
     saver.poll_write_out()
     assert saver._handed.measured == 0  # reported to the budget once
     assert saver.cadence._done is not None
+
+
+def test_after_a_crash_the_newest_snapshot_is_written_out_when_newer_than_the_volume(tmp_path):
+    """Process.finish (the entrypoint, training ended without SIGTERM): the newest committed
+    snapshot goes to the volume when it is newer than every checkpoint there, else nothing."""
+    manager = manager_for(tmp_path, grace_seconds=30.0)
+    cfg, layout = manager.session.cfg, manager.session.layout
+    manager.commit_written(write_files(layout.checkpoint_dir(10)), 10)
+    assert ram_writer_module.newer_snapshot(cfg) is None  # no snapshot
+    snapshot(manager, 10)
+    assert ram_writer_module.newer_snapshot(cfg) is None  # the volume's save of a step wins
+    snapshot(manager, 12)
+    snapshot(manager, 14)
+    assert ram_writer_module.newer_snapshot(cfg) == 14
+
+    write_out.announce(cfg.memory_dir, "run-1")
+    writer = ram_writer(manager)
+    serving = threading.Thread(target=writer.serve, daemon=True)
+    serving.start()
+    process = ram_writer_module.Process(os.getpid())  # the writer "process": this one
+    logger = logging.getLogger("jitckpt.test")
+    try:
+        process.finish(cfg, "run-1", logger)
+    finally:
+        writer.stopping = True
+        serving.join(5)
+    written = validity.committed(layout.checkpoint_dir(14))
+    assert written is not None
+    assert written[0].save_id == m.read_manifests(manager.tier.path(14))[0].save_id
+    assert ram_writer_module.newer_snapshot(cfg) is None  # now the volume's is as new
 
 
 def test_a_committed_snapshot_retires_the_older_one_into_spares_and_drops_untaken_ones(tmp_path):
