@@ -304,3 +304,11 @@ def test_packed_sub_byte_dtypes_go_to_safetensors_itself(tmp_path: Path):
     safetensors_save.save_file({"x": packed}, str(tmp_path / "ours.safetensors"), None, 2)
     ours = (tmp_path / "ours.safetensors").read_bytes()
     assert ours == (tmp_path / "theirs.safetensors").read_bytes()
+
+
+def test_without_o_direct_a_strided_tensor_source_goes_through_the_buffer(tmp_path, no_direct):
+    source = torch.arange(3000, dtype=torch.int32).to(torch.uint8)[::3]
+    with direct_write.DirectFile(str(tmp_path / "f"), len(source) + 2) as f:
+        crcs = f.write([(2, source)], 1, crc_of=[0])
+    assert (tmp_path / "f").read_bytes() == bytes(2) + source.contiguous().numpy().tobytes()
+    assert crcs == {0: zlib.crc32(source.contiguous().numpy())}

@@ -314,7 +314,8 @@ def _write_from_host(
 ) -> Optional[list[tuple[int, int, int, int]]]:
     """Through the page cache, the bytes from `start` to `end` written straight from the
     pieces in host memory (no copy into a buffer first), gaps as zeros; the partial CRCs as
-    `_Buffer.fill` returns them. None, with nothing written, when a piece is on a GPU."""
+    `_Buffer.fill` returns them. None, with nothing written, when a piece is on a GPU (or not
+    contiguous): the buffer's copy handles it."""
     import torch
 
     views: list[memoryview] = []
@@ -334,7 +335,11 @@ def _write_from_host(
             pos = offset
         if isinstance(source, memoryview):
             data = source.cast("B") if source.format != "B" else source
-        elif isinstance(source, torch.Tensor) and source.device.type == "cpu":
+        elif (
+            isinstance(source, torch.Tensor)
+            and source.device.type == "cpu"
+            and source.is_contiguous()
+        ):
             data = memoryview(source.numpy())
         else:
             return None
