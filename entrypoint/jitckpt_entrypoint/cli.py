@@ -224,13 +224,14 @@ def run(
 
     watch = Shutdown(cfg, layout.status, run_id, logger, on_sigterm=on_sigterm)
     logger.debug("running %s (run %s)", command, run_id)
+    code = -1
     try:
         child = supervisor.supervise(executable, command, env, watch)
         code, summary = outcome(cfg, layout, run_id, child, watch.sigterm_at)
     finally:
         if writer is not None:
             if watch.sigterm_at is None:  # ended on its own (or crashed): its last save out
-                writer.finish(cfg, run_id, logger)
+                writer.finish(cfg, run_id, logger, crashed=code != 0)
             writer.stop()
         registry.close_run(layout.status, run_id)
     # After staging the final model: the sidecar drains until it sees exited_at.

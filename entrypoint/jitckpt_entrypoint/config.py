@@ -126,7 +126,7 @@ OPTIONS = (
         "restarts in the same pod resumes from it when it is newer than the newest checkpoint "
         "on the volume. Under the entrypoint, a RAM writer process (not the trainer) writes "
         "the Trainer's periodic saves from there to the volume, and the newest snapshot when "
-        "training ends without SIGTERM (a crash). One node; not FSDP's sharded "
+        "training fails without SIGTERM (a crash). One node; not FSDP's sharded "
         "saves or DeepSpeed. Empty: no snapshots; "
         "see [the RAM tier](docs/how-it-works.md#the-ram-tier)",
         default_doc="empty (none)",

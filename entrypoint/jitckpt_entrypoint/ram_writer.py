@@ -12,8 +12,9 @@ not.
 
 SIGTERM (the entrypoint forwards the pod's): a copy in progress stops, its directory goes, and
 the writer exits; the JIT save needs the disk, and it is newer. Training that ends without
-SIGTERM (a crash): the entrypoint asks for the newest snapshot when it is newer than the volume
-(`Process.finish`), so a replacement pod, whose memory volume is new, resumes from it too.
+SIGTERM and fails (a crash): the entrypoint asks for the newest snapshot when it is newer than
+the volume (`Process.finish`), so a replacement pod, whose memory volume is new, resumes from it
+too. A copy is committed only when its snapshot was not retired meanwhile (its files reused).
 """
 
 from __future__ import annotations
@@ -80,8 +81,12 @@ class RamWriter:
             manifests = committed(src)
             if manifests is None:
                 return self._failed(request, f"the snapshot {src} is not committed")
-            if committed(dest) is not None:  # the trainer's own save of the step
-                return write_out.Answer(request.id, step, ok=True)
+            own = manifests[min(manifests)]
+            there = committed(dest)
+            if there is not None:
+                if newness(there[min(there)]) >= newness(own):  # the trainer's own save of the
+                    return write_out.Answer(request.id, step, ok=True)  # step, or this one
+                remove_checkpoint(dest)  # a save of an older run (lineage) at this step
             nbytes = self._copy(src, dest, manifests, request.started_at)
             self._commit(dest, manifests, request)
         except StoppedError:
@@ -123,6 +128,12 @@ class RamWriter:
         durable.sync_tree(dest)  # the directories (the files are synced)
         if not files_match(dest, copied):  # changed or removed under us
             raise OSError(f"{dest} changed while it was written")
+        # Nor was the snapshot retired meanwhile (a trainer still running: its files are then
+        # the next snapshot's spares, written over): retiring withdraws its manifests first.
+        again = committed(src)
+        save_id = manifests[min(manifests)].save_id
+        if again is None or again[min(again)].save_id != save_id:
+            raise OSError(f"the snapshot {src} was retired while it was copied")
         return total
 
     def _copy_file(self, src: str, dest: str) -> int:
@@ -198,15 +209,15 @@ class Process:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signo)
 
-    def finish(self, cfg: Config, run_id: str, logger: logging.Logger) -> None:
-        """After training ended without SIGTERM (a crash, or its end), within
-        JITCKPT_GRACE_SECONDS in all: the save handed over before it is written out, then the
+    def finish(self, cfg: Config, run_id: str, logger: logging.Logger, crashed: bool) -> None:
+        """After training ended without SIGTERM, within JITCKPT_GRACE_SECONDS in all: the save
+        handed over before it is written out, then, when training failed (`crashed`), the
         newest snapshot in RAM when it is newer than every checkpoint on the volume. A pod that
         is replaced, not restarted in place, loses its memory volume: a crash without notice
         then costs what ran since the newest periodic save, not since the newest snapshot."""
         memory_dir = cfg.memory_dir
         deadline = time.monotonic() + cfg.grace_seconds
-        if not self._wait(lambda: write_out.request(memory_dir) is None, deadline):
+        if not self._wait(lambda: write_out.request(memory_dir) is None, deadline) or not crashed:
             return
         try:
             step = newer_snapshot(cfg)
@@ -218,7 +229,7 @@ class Process:
         if step is None or not self.alive():
             return
         name = checkpoint_name(step)
-        logger.info("training ended without SIGTERM: writing %s from RAM to the volume", name)
+        logger.info("training failed without SIGTERM: writing %s from RAM to the volume", name)
         request = write_out.Request(write_out.new_id(), step, time.time(), run_id)
         try:
             write_out.ask(memory_dir, request)
@@ -268,14 +279,13 @@ def newer_snapshot(cfg: Config) -> Optional[int]:
     volume's save of a step wins), else None."""
     snapshots = Layout(cfg.memory_dir).checkpoints
     step = newest_committed(snapshots)
-    if step is None:
+    snapshot = None if step is None else committed(os.path.join(snapshots, checkpoint_name(step)))
+    if step is None or snapshot is None:
         return None
-    snapshot = committed(os.path.join(snapshots, checkpoint_name(step)))
+    node = min(snapshot)  # the snapshot's node: what this node's volume holds of a save
     volume = Layout(cfg.dir)
-    newest = newest_committed(volume.checkpoints)
-    theirs = committed(volume.checkpoint_dir(newest)) if newest is not None else None
-    if snapshot is None:
-        return None
+    newest = newest_committed(volume.checkpoints, node)
+    theirs = committed(volume.checkpoint_dir(newest), node) if newest is not None else None
     if theirs is not None and newness(theirs[min(theirs)]) >= newness(snapshot[min(snapshot)]):
         return None
     return step

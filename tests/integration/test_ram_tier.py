@@ -123,7 +123,7 @@ def test_a_crashed_trainer_leaves_its_newest_snapshot_on_the_volume_for_a_new_po
     )
     assert first.wait(timeout=300) != 0, first.output()
     assert marker.exists()
-    ended = [line for line in first.stderr if "training ended without SIGTERM: writing" in line]
+    ended = [line for line in first.stderr if "training failed without SIGTERM: writing" in line]
     assert len(ended) == 1, first.output()
     step = int(re.search(r"checkpoint-(\d+) from RAM", ended[0]).group(1))
     assert 21 <= step <= 26, ended

@@ -336,7 +336,9 @@ def test_after_a_crash_the_newest_snapshot_is_written_out_when_newer_than_the_vo
     process = ram_writer_module.Process(os.getpid())  # the writer "process": this one
     logger = logging.getLogger("jitckpt.test")
     try:
-        process.finish(cfg, "run-1", logger)
+        process.finish(cfg, "run-1", logger, crashed=False)  # it ended well: nothing
+        assert not os.path.exists(layout.checkpoint_dir(14))
+        process.finish(cfg, "run-1", logger, crashed=True)
     finally:
         writer.stopping = True
         serving.join(5)
@@ -346,7 +348,9 @@ def test_after_a_crash_the_newest_snapshot_is_written_out_when_newer_than_the_vo
     assert ram_writer_module.newer_snapshot(cfg) is None  # now the volume's is as new
 
 
-def test_a_committed_snapshot_retires_the_older_one_into_spares_and_drops_untaken_ones(tmp_path):
+def test_a_committed_snapshot_retires_the_older_one_into_spares_and_drops_untaken_ones(
+    tmp_path, monkeypatch
+):
     manager = manager_for(tmp_path)
     tier = manager.tier
     root = Path(tier.root)
@@ -355,6 +359,7 @@ def test_a_committed_snapshot_retires_the_older_one_into_spares_and_drops_untake
     leftover.write_bytes(b"x" * ram_files.LARGE)
     older = snapshot(manager, 5)
     Path(older, "optimizer.pt").write_bytes(b"o" * ram_files.LARGE)
+    monkeypatch.setattr(ram_files, "_written", {"optimizer.pt"})  # as direct_write records
     snapshot(manager, 10)
     tier.committed(10)
     assert checkpoint_steps(tier.root) == [10]
@@ -364,3 +369,50 @@ def test_a_committed_snapshot_retires_the_older_one_into_spares_and_drops_untake
     tier.committed(15, spares=False)
     assert checkpoint_steps(tier.root) == [15]
     assert not (root / ram_files.SPARE).exists()
+
+
+def test_the_ram_writer_replaces_an_older_runs_save_of_the_step_and_keeps_a_newer_one(tmp_path):
+    manager = manager_for(tmp_path)
+    layout = manager.session.layout
+    writer = ram_writer(manager)
+
+    def volume_save(step: int, lineage: str) -> None:
+        path = write_files(layout.checkpoint_dir(step))
+        commit.commit_node(
+            layout, path, {0: m.list_files(path)}, node=0, nodes=1, world_size=1, step=step,
+            kind="periodic", started_at=time.time(), run_id="run-0", stage_for_upload=False,
+            save_id=m.new_save_id(), lineage=lineage, record=False,
+        )  # fmt: skip
+
+    snapshot(manager, 14)
+    ram = m.read_manifests(manager.tier.path(14))[0]
+    volume_save(14, m.new_lineage(now=1.0))  # an older run's save of step 14
+    assert writer.write(write_out.Request("r1", 14, time.time(), "run-1")).ok
+    written = validity.committed(layout.checkpoint_dir(14))
+    assert written is not None
+    assert written[0].save_id == ram.save_id
+    snapshot(manager, 16)
+    volume_save(16, m.read_manifests(manager.tier.path(16))[0].lineage)  # the trainer's own
+    theirs = m.read_manifests(layout.checkpoint_dir(16))[0].save_id
+    assert writer.write(write_out.Request("r2", 16, time.time(), "run-1")).ok
+    assert m.read_manifests(layout.checkpoint_dir(16))[0].save_id == theirs
+
+
+def test_the_ram_writer_never_commits_a_snapshot_retired_while_it_was_copied(tmp_path):
+    """A trainer still running retires the snapshot (its files become spares, written over):
+    its manifests go first, and the copy is not committed."""
+    manager = manager_for(tmp_path)
+    layout = manager.session.layout
+    src = snapshot(manager, 12)
+    writer = ram_writer(manager)
+    copy_file = writer._copy_file
+
+    def retired_meanwhile(source: str, dest: str) -> int:
+        commit.withdraw(src)
+        return copy_file(source, dest)
+
+    writer._copy_file = retired_meanwhile  # type: ignore[method-assign]
+    answer = writer.write(write_out.Request("r1", 12, time.time(), "run-1"))
+    assert not answer.ok
+    assert "retired" in answer.error
+    assert validity.committed(layout.checkpoint_dir(12)) is None

@@ -19,6 +19,7 @@ from jitckpt_entrypoint.protocol import manifest as m
 def root(request, tmp_path: Path, monkeypatch) -> Iterator[Path]:
     """A memory dir on a tmpfs (no O_DIRECT: the page-cache path), or on the test's disk."""
     monkeypatch.setattr(ram_files, "_roots", set())
+    monkeypatch.setattr(ram_files, "_written", set())
     if request.param == "disk":
         path = tmp_path
     elif os.path.isdir("/dev/shm"):
@@ -31,17 +32,22 @@ def root(request, tmp_path: Path, monkeypatch) -> Iterator[Path]:
         shutil.rmtree(path)
 
 
-def snapshot(root: Path, step: int, files: dict[str, int]) -> Path:
+def snapshot(root: Path, step: int, files: dict[str, int], *others: str) -> Path:
+    """Snapshot `step`: `files` as direct_write wrote them, `others` (1 MB each) as a library
+    did."""
     path = root / f"checkpoint-{step}"
-    for name, size in files.items():
+    for name, size in [*files.items(), *((name, ram_files.LARGE) for name in others)]:
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_bytes(b"\xff" * size)
+    ram_files._written.update(files)
     return path
 
 
-def test_retire_withdraws_the_manifests_keeps_large_files_and_removes_the_rest(root: Path):
+def test_retire_withdraws_the_manifests_keeps_large_files_it_wrote_and_removes_the_rest(root):
     big = ram_files.LARGE
-    path = snapshot(root, 5, {"optimizer.pt": big, "shard/a.bin": big + 1, "small.json": 10})
+    path = snapshot(
+        root, 5, {"optimizer.pt": big, "shard/a.bin": big + 1, "small.json": 10}, "tokenizer.json"
+    )
     (path / m.manifest_name(0)).write_text("{}")
     ram_files.retire(str(root), str(path))
     assert not path.exists()

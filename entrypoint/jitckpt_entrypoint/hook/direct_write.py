@@ -314,8 +314,8 @@ def _write_from_host(
 ) -> Optional[list[tuple[int, int, int, int]]]:
     """Through the page cache, the bytes from `start` to `end` written straight from the
     pieces in host memory (no copy into a buffer first), gaps as zeros; the partial CRCs as
-    `_Buffer.fill` returns them. None, with nothing written, when a piece is on a GPU (or not
-    contiguous): the buffer's copy handles it."""
+    `_Buffer.fill` returns them. None, with nothing written, when a piece is on a GPU or not
+    flat contiguous bytes: the buffer's copy handles it."""
     import torch
 
     views: list[memoryview] = []
@@ -334,7 +334,9 @@ def _write_from_host(
             views.append(_ZEROS[: offset - pos])
             pos = offset
         if isinstance(source, memoryview):
-            data = source.cast("B") if source.format != "B" else source
+            if source.ndim != 1 or source.itemsize != 1 or not source.c_contiguous:
+                return None
+            data = source.cast("B")
         elif (
             isinstance(source, torch.Tensor)
             and source.device.type == "cpu"

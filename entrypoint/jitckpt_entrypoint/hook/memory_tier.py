@@ -178,10 +178,17 @@ class MemoryTier:
         if self.on and self.session.topo.rank == 0:
             self.session.log.warning("no more snapshots to RAM: %s", why)
         self.on = False
+        self._drop_spares()
 
     def reset(self) -> None:
         """Training ended: the next train() (another Trainer) decides afresh."""
         self._decided, self.on, self.failed, self._writer = False, False, None, False
+        self._drop_spares()
+
+    def _drop_spares(self) -> None:
+        """Each node's local rank 0: no snapshot will write over the spares; they go."""
+        if self.configured and self.session.topo.is_leader:
+            ram_files.remove(self.root)
 
     # -- written out by the RAM writer (protocol.write_out) --
 

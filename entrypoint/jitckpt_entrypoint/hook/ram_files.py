@@ -8,8 +8,9 @@ straight from host memory (`in_ram`).
 A file written afresh into a tmpfs takes every page from the kernel, which zeroes it, and
 deleting the old snapshot gives them all back: for each snapshot the training process paid for
 its bytes twice more than the copy itself. A snapshot made older by a newer commit is `retire`d
-instead: its manifests go first (it is never committed again), its large files move to
-`<root>/.spare/<path in the snapshot>`, the rest goes. When the next snapshot writes the file of
+instead: its manifests go first (it is never committed again), its large files that direct_write
+wrote (which will take them again) move to `<root>/.spare/<path in the snapshot>`, the rest
+goes. When the next snapshot writes the file of
 the same path (direct_write's `DirectFile`), it `take`s the spare (a rename over the new path)
 and writes over its pages: every byte of it, gaps as zeros, then truncated to its size. A spare
 is a whole file of an older, uncommitted snapshot: nothing reads it, and a crash mid-write
@@ -17,8 +18,8 @@ leaves an uncommitted snapshot, removed as any other.
 
 At most two snapshots' bytes are held, as without spares: a file a library writes afresh (the
 fallbacks of safetensors_save and torch_save) `drop`s its spare first, what a snapshot did not
-take goes at its commit (memory_tier.py), and a plain loop's snapshots (DCP's own writer, which
-takes none) keep no spares.
+take goes at its commit (memory_tier.py), a plain loop's snapshots (DCP's own writer, which
+takes none) keep no spares, and none stay once snapshots are off.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ LARGE = 1 << 20
 """Files of at least this many bytes are kept as spares (the rest are not worth a rename)."""
 
 _roots: set[str] = set()
+_written: set[str] = set()
+"""Paths within a snapshot that direct_write wrote in this process (the ones it would take a
+spare for): only those are kept as spares."""
 
 
 def register(root: str) -> None:
@@ -55,9 +59,10 @@ def retire(root: str, snapshot: str) -> None:
     for parent, _, names in os.walk(snapshot):
         for name in names:
             path = os.path.join(parent, name)
+            rel = os.path.relpath(path, snapshot)
             with contextlib.suppress(OSError):  # not kept: removed with the directory
-                if os.lstat(path).st_size >= LARGE:
-                    spare = os.path.join(spare_root, os.path.relpath(path, snapshot))
+                if rel in _written and os.lstat(path).st_size >= LARGE:
+                    spare = os.path.join(spare_root, rel)
                     os.makedirs(os.path.dirname(spare), exist_ok=True)
                     os.replace(path, spare)
     remove_checkpoint(snapshot)
@@ -84,6 +89,7 @@ def take(path: str) -> bool:
     if found is None:
         return False
     root, rel = found
+    _written.add(rel)
     try:
         os.replace(os.path.join(root, SPARE, rel), path)
     except OSError:
