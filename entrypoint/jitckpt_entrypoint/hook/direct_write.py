@@ -39,7 +39,7 @@ import os
 import queue
 import threading
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, ClassVar, Optional, Union
 
@@ -199,6 +199,30 @@ class _Layout:
         self.crc_of = set(crc_of)
         self.lengths = [_length(source) for _, source in self.pieces]
 
+    def segments(
+        self, start: int, end: int
+    ) -> Iterator[tuple[int, int, int, Optional[Source], int]]:
+        """The file's bytes from `start` to `end`, in order: (from, to, the caller's piece
+        index, its source, where in the piece `from` is); a gap is (from, to, -1, None, 0)."""
+        pos, i = start, max(bisect.bisect_right(self.starts, start) - 1, 0)
+        while pos < end and i < len(self.pieces):
+            offset, source = self.pieces[i]
+            stop = offset + self.lengths[i]
+            index = self.index[i]
+            i += 1
+            if stop <= pos:
+                continue
+            if offset >= end:
+                break
+            if offset > pos:
+                yield pos, offset, -1, None, 0
+                pos = offset
+            upto = min(stop, end)
+            yield pos, upto, index, source, pos - offset
+            pos = upto
+        if pos < end:
+            yield pos, end, -1, None, 0
+
 
 def _length(source: Source) -> int:
     return len(source) if isinstance(source, memoryview) else int(source.numel())
@@ -245,32 +269,19 @@ class _Buffer:
     def fill(self, layout: _Layout, start: int, end: int) -> list[tuple[int, int, int, int]]:
         """This buffer = the file's bytes from `start` to `end`; returns the partial CRCs taken
         (caller's piece index, offset in the piece, crc, length)."""
-        pos, i = start, max(bisect.bisect_right(layout.starts, start) - 1, 0)
         crcs: list[tuple[int, int, int, int]] = []
         copied: list[tuple[int, int, int, int]] = []  # tensor copies: wait for them, then CRC
-        while pos < end and i < len(layout.pieces):
-            offset, source = layout.pieces[i]
-            stop = offset + layout.lengths[i]
-            index = layout.index[i]
-            i += 1
-            if stop <= pos:
-                continue
-            if offset >= end:
-                break
-            if offset > pos:
-                self.view[pos - start : offset - start] = 0
-                pos = offset
-            upto = min(stop, end)
-            a, b = pos - start, upto - start
-            if isinstance(source, memoryview):
-                self.view[a:b] = np.frombuffer(source, np.uint8, upto - pos, pos - offset)
+        for lo, hi, index, source, at in layout.segments(start, end):
+            a, b = lo - start, hi - start
+            if source is None:
+                self.view[a:b] = 0
+            elif isinstance(source, memoryview):
+                self.view[a:b] = np.frombuffer(source, np.uint8, b - a, at)
                 if index in layout.crc_of:
-                    crcs.append((index, pos - offset, self._crc(a, b), b - a))
+                    crcs.append((index, at, self._crc(a, b), b - a))
             else:
-                self._copy(source, pos - offset, upto - offset, a)
-                copied.append((index, pos - offset, a, b))
-            pos = upto
-        self.view[pos - start : end - start] = 0
+                self._copy(source, at, at + b - a, a)
+                copied.append((index, at, a, b))
         if copied:
             for stream in self._streams.values():
                 stream.synchronize()  # the device copies have landed
@@ -316,45 +327,34 @@ def _write_from_host(
     pieces in host memory (no copy into a buffer first), gaps as zeros; the partial CRCs as
     `_Buffer.fill` returns them. None, with nothing written, when a piece is on a GPU or not
     flat contiguous bytes: the buffer's copy handles it."""
-    import torch
-
     views: list[memoryview] = []
-    crcs: list[tuple[int, int, int, int]] = []
-    pos, i = start, max(bisect.bisect_right(layout.starts, start) - 1, 0)
-    while pos < end and i < len(layout.pieces):
-        offset, source = layout.pieces[i]
-        stop = offset + layout.lengths[i]
-        index = layout.index[i]
-        i += 1
-        if stop <= pos:
+    wanted: list[tuple[int, int, memoryview]] = []
+    for lo, hi, index, source, at in layout.segments(start, end):
+        if source is None:
+            views.append(_ZEROS[: hi - lo])
             continue
-        if offset >= end:
-            break
-        if offset > pos:
-            views.append(_ZEROS[: offset - pos])
-            pos = offset
-        if isinstance(source, memoryview):
-            if source.ndim != 1 or source.itemsize != 1 or not source.c_contiguous:
-                return None
-            data = source.cast("B")
-        elif (
-            isinstance(source, torch.Tensor)
-            and source.device.type == "cpu"
-            and source.is_contiguous()
-        ):
-            data = memoryview(source.numpy())
-        else:
+        data = _host_bytes(source)
+        if data is None:
             return None
-        upto = min(stop, end)
-        view = data[pos - offset : upto - offset]
-        views.append(view)
+        views.append(data[at : at + hi - lo])
         if index in layout.crc_of:
-            crcs.append((index, pos - offset, zlib.crc32(view), upto - pos))
-        pos = upto
-    if pos < end:
-        views.append(_ZEROS[: end - pos])
+            wanted.append((index, at, views[-1]))
+    crcs = [(index, at, zlib.crc32(view), len(view)) for index, at, view in wanted]
     _pwritev(fd, views, start)
     return crcs
+
+
+def _host_bytes(source: Source) -> Optional[memoryview]:
+    """A piece's bytes as a flat memoryview, when they are flat contiguous host bytes."""
+    import torch
+
+    if isinstance(source, memoryview):
+        if source.ndim != 1 or source.itemsize != 1 or not source.c_contiguous:
+            return None
+        return source.cast("B")
+    if isinstance(source, torch.Tensor) and source.device.type == "cpu" and source.is_contiguous():
+        return memoryview(source.numpy())
+    return None
 
 
 def _pwritev(fd: int, views: list[memoryview], offset: int) -> None:
