@@ -521,3 +521,24 @@ def test_a_script_that_rolls_back_to_an_older_checkpoint_begins_a_new_lineage(tm
     assert manager.session.lineage is None
     manager.resuming_from(manager.session.layout.checkpoint_dir(8))
     assert manager.session.lineage == lineage
+
+
+def test_a_node_new_to_the_job_keeps_the_save_of_a_smaller_job_it_resumes_from(tmp_path):
+    """A 1-node job scaled to 2 nodes: the restore brings node 1 the whole 1-node save, which
+    has no manifest of node 1's own. Node 1 resumes from it, so neither the resume's clean-up
+    nor the room made for a JIT save removes it; a save node 1 cannot load still goes."""
+    one = session_for(tmp_path)
+    for step in (8, 10):
+        path = write_ckpt(one, step)
+        commit.commit_node(
+            one.layout, path, {0: m.list_files(path)}, node=0, nodes=1, world_size=1, step=step,
+            kind="periodic", started_at=time.time(), run_id="run-0", stage_for_upload=False,
+            save_id=m.new_save_id(), lineage=m.new_lineage(), record=False,
+        )  # fmt: skip
+    os.unlink(os.path.join(one.layout.checkpoint_dir(8), "sub", "optim.pt"))  # not whole here
+    topo = Topology(rank=1, world_size=2, local_rank=0, local_world_size=1, node=1, nodes=2)
+    manager = CheckpointManager(Session(Config(dir=str(tmp_path)), topo, "run-1"))
+    resume.remove_stale(manager.session, 10)
+    assert checkpoint_steps(manager.session.layout.checkpoints) == [10]
+    manager.saver.make_room(11, force=True)
+    assert checkpoint_steps(manager.session.layout.checkpoints) == [10]

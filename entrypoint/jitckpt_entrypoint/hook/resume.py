@@ -20,7 +20,13 @@ from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps, step_of
 from jitckpt_entrypoint.protocol.manifest import read_manifests
-from jitckpt_entrypoint.protocol.validity import committed, complete_save, loadable, local_save
+from jitckpt_entrypoint.protocol.validity import (
+    committed,
+    complete_save,
+    kept,
+    loadable,
+    local_save,
+)
 
 SaveKey = tuple[int, str, str]
 """(step, save id, lineage) of a committed checkpoint."""
@@ -240,10 +246,14 @@ def remove_stale(session: Session, resume_step: Optional[int]) -> list[str]:
     if not session.topo.is_leader:
         return []
     removed = []
-    root, node = session.layout.checkpoints, session.topo.node
+    root, topo = session.layout.checkpoints, session.topo
     for step in checkpoint_steps(root):
         path = session.layout.checkpoint_dir(step)
-        if resume_step is None or step > resume_step or committed(path, node) is None:
+        if (
+            resume_step is None
+            or step > resume_step
+            or not kept(path, topo.node, topo.nodes, topo.world_size)
+        ):
             remove_checkpoint(path)
             removed.append(checkpoint_name(step))
     if removed:

@@ -68,7 +68,7 @@ from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol import write_out
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint, withdraw
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
-from jitckpt_entrypoint.protocol.validity import committed
+from jitckpt_entrypoint.protocol.validity import committed, kept
 
 
 @dataclasses.dataclass
@@ -647,7 +647,8 @@ class Saver:
         freed = []
         for other in checkpoint_steps(root):
             path = self.checkpoint_dir(other)
-            if other != step and committed(path, session.topo.node) is None:
+            topo = session.topo
+            if other != step and not kept(path, topo.node, topo.nodes, topo.world_size):
                 remove_checkpoint(path)
                 freed.append(checkpoint_name(other))
         if freed:

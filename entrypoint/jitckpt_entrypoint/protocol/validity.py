@@ -142,6 +142,16 @@ def loadable(
     return save if files_match(ckpt_dir, needed.values()) else None
 
 
+def kept(ckpt_dir: str, node: int, nodes: int, world_size: int) -> bool:
+    """A committed checkpoint node `node` of a job of `nodes` nodes and `world_size` ranks keeps:
+    its own part of a save, or one it can load whole (a save of another job size that the
+    restore brought whole: a node it did not have holds no manifest of its own there)."""
+    return (
+        committed(ckpt_dir, node) is not None
+        or loadable(ckpt_dir, node, nodes, world_size) is not None
+    )
+
+
 def local_union(save: dict[int, m.Manifest]) -> dict[str, m.FileEntry]:
     """Every file a manifest of `save` names (local entries carry no checksum), by path."""
     return {e.path: e for manifest in save.values() for e in manifest.files}
