@@ -347,7 +347,7 @@ class MemoryTier:
         with contextlib.suppress(OSError):
             for other in checkpoint_steps(self.root):
                 remove_checkpoint(self.path(other))
-        ram_files.remove(self.root)
+        self._drop_spares()
 
     def remove_stale(self, resumed_dir: Optional[str]) -> None:
         """Each node's local rank 0, at resume: every snapshot but the one resumed from goes
@@ -359,7 +359,7 @@ class MemoryTier:
             for other in checkpoint_steps(self.root):
                 if self.path(other) != resumed_dir:
                     remove_checkpoint(self.path(other))
-        ram_files.remove(self.root)
+        self._drop_spares()
 
 
 def _tree_bytes(path: str) -> int:

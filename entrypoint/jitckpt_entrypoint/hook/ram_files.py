@@ -10,9 +10,9 @@ deleting the old snapshot gives them all back: for each snapshot the training pr
 its bytes twice more than the copy itself. A snapshot made older by a newer commit is `retire`d
 instead: its manifests go first (it is never committed again), its large files that direct_write
 wrote (which will take them again) move to `<root>/.spare/<path in the snapshot>`, the rest
-goes. When the next snapshot writes the file of
-the same path (direct_write's `DirectFile`), it `take`s the spare (a rename over the new path)
-and writes over its pages: every byte of it, gaps as zeros, then truncated to its size. A spare
+goes. When the next snapshot writes the file of the same path (direct_write's `DirectFile`), it
+`take`s the spare (a rename over the new path) and writes over its pages: every byte of it,
+gaps as zeros, then truncated to its size. A spare
 is a whole file of an older, uncommitted snapshot: nothing reads it, and a crash mid-write
 leaves an uncommitted snapshot, removed as any other.
 
