@@ -125,9 +125,14 @@ def outcome(
     `child` is None when the command was still running (it ignored SIGTERM) when we stopped.
     """
     jit = status.read_jit(layout.status, run_id)
+    if jit is not None and jit.peer_lost_at is not None and child is not None and child.status == 0:
+        jit = None  # the survivors saved, torchrun restarted the job, and training ended
     if jit is not None:
         started = sigterm_at if sigterm_at is not None else jit.sigterm_at
         when = "" if started is None else f" {jit.committed_at - started:.1f} s after SIGTERM"
+        if jit.peer_lost_at is not None and sigterm_at is None:
+            lost = jit.committed_at - jit.peer_lost_at
+            when = f" by the survivors {lost:.1f} s after a peer was lost"
         return cfg.exit_code, f"JIT checkpoint {jit.checkpoint} committed{when}"
     if child is None:  # not reached: supervision ends before the child only after a commit
         return 128 + signal.SIGTERM, "SIGTERM received, no JIT checkpoint committed"

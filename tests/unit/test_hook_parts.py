@@ -144,7 +144,8 @@ def test_torchrun_restarts_give_the_workers_their_own_store_unless_the_user_chos
             seen["env"] = os.environ.get(torchrun.OWN_STORE_ENV)
             return "launched"
 
-    monkeypatch.delenv(torchrun.OWN_STORE_ENV, raising=False)
+    monkeypatch.setenv(torchrun.OWN_STORE_ENV, "")  # restored (absent) after the test: the
+    monkeypatch.delenv(torchrun.OWN_STORE_ENV)  # wrapper sets it in this process's environ
     if user is not None:
         monkeypatch.setenv(torchrun.OWN_STORE_ENV, user)
     torchrun.patch_launch_agent(FakeLauncherApi)

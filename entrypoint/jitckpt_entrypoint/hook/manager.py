@@ -43,6 +43,7 @@ from jitckpt_entrypoint.hook.records import Records
 from jitckpt_entrypoint.hook.saver import Saver
 from jitckpt_entrypoint.hook.saves import SaveParts, SaveRequest
 from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.hook.survivors import Survivors
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, step_of
 from jitckpt_entrypoint.protocol.manifest import KINDS
 
@@ -68,6 +69,8 @@ class CheckpointManager:
         """One save from its request to committed or abandoned (saver.py)."""
         self.tier = self.saver.tier
         """Snapshots in RAM (memory_tier.py)."""
+        self.survivors = Survivors(session)
+        """The last completed step, saved by the ranks left when peers are lost (survivors.py)."""
         self.resumed_dir: Optional[str] = None
         """The directory the last `resume` chose (a snapshot's in RAM, or the volume's)."""
 

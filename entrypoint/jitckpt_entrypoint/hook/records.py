@@ -116,10 +116,19 @@ class Records:
         except OSError as exc:  # the traceback still says it
             session.log.warning("cannot record why training stopped: %s", exc)
 
-    def jit(self, step: int, save_seconds: float) -> None:
-        """A JIT checkpoint of this run is committed (the entrypoint's report, the sidecar)."""
+    def jit(
+        self,
+        step: int,
+        save_seconds: float,
+        *,
+        peer_lost_at: Optional[float] = None,
+        any_rank: bool = False,
+    ) -> None:
+        """A JIT checkpoint of this run is committed (the entrypoint's report, the sidecar);
+        recorded by the node's local rank 0, or (`any_rank`) by the survivor that saved it
+        after a peer was lost at `peer_lost_at` (survivors.py)."""
         session = self.session
-        if not session.topo.is_leader:
+        if not (session.topo.is_leader or any_rank):
             return
         record = status.JitRecord(
             run_id=session.run_id,
@@ -128,14 +137,16 @@ class Records:
             committed_at=time.time(),
             sigterm_at=session.flag.received_at,
             save_seconds=save_seconds,
+            peer_lost_at=peer_lost_at,
         )
         self.advisory(status.write_jit, session.layout.status, record)
         after = record.trigger_to_commit
-        session.log.info(
-            "JIT checkpoint %s committed%s",
-            record.checkpoint,
-            "" if after is None else f" {after:.2f} s after SIGTERM",
-        )
+        if peer_lost_at is not None:
+            lost = record.committed_at - peer_lost_at
+            when = f" by the survivors {lost:.2f} s after a peer was lost"
+        else:
+            when = "" if after is None else f" {after:.2f} s after SIGTERM"
+        session.log.info("JIT checkpoint %s committed%s", record.checkpoint, when)
 
     def advisory(self, write: Callable[..., object], *args: Any) -> None:
         """Write a status file: a failure (a full disk) is one warning, never an error in

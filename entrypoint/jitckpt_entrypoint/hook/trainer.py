@@ -63,7 +63,11 @@ def patch(module: ModuleType) -> None:
     @functools.wraps(original_train)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = _with_resume(manager, args, kwargs, self)
-        return original_train(self, *args, **kwargs)
+        try:
+            return original_train(self, *args, **kwargs)
+        except Exception as exc:
+            manager.survivors.after_error(self, exc, manager)  # a peer lost: saves, exits
+            raise
 
     @functools.wraps(original_output_dir)
     def _get_output_dir(self: Any, trial: Any) -> str:
@@ -188,6 +192,7 @@ def _end_training(manager: CheckpointManager, trainer: Any) -> None:
         manager.retention(best_step=_step_of(state.best_model_checkpoint))
 
     manager.training_ending(state.global_step, save_last)
+    manager.survivors.updating()  # the best model's weights may replace the step's own next
 
 
 def _warm_save_path() -> None:
@@ -353,6 +358,7 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         trainer = self._trainer()
         if trainer is not None:
             _start_async(manager, trainer)
+            manager.survivors.started(trainer, state.global_step)
         folder = None if trainer is None else trainer._get_output_dir(None)
         ours = os.path.abspath(session.layout.checkpoints)
         if folder is not None and os.path.abspath(folder) != ours:
@@ -371,6 +377,9 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         manager, step = self.manager, state.global_step
+        trainer = self._trainer()
+        if trainer is not None:  # before any collective: a lost peer's error comes in those
+            manager.survivors.step_ended(trainer, step, evaluating=bool(control.should_evaluate))
         manager.step_finished(step, self._began_at)
         if manager.stop_agreed():
             self._stop(state, control)
@@ -385,7 +394,6 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         # best-model bookkeeping include it.
         if self._save_wanted and not (last or _ends_epoch(state)):
             _ask_save(args, control)
-        trainer = self._trainer()
         if trainer is not None and manager.tier.on:
             saved = bool(control.should_save or self._save_wanted or last)
             later = bool(control.should_evaluate or _ends_epoch(state))
@@ -393,15 +401,27 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         return control
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if control.should_evaluate:  # the epoch's evaluation: after the step's end
+            self.manager.survivors.evaluation_due()
         if self._save_wanted:
             _ask_save(args, control)
         return control
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.manager.survivors.step_begun()
+        return control
+
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.manager.survivors.updating()
         self.manager.before_update()  # an async save's snapshot is complete before the update
         return control
 
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self._same_step()
+        return control
+
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self._same_step(evaluated=True)
         # Evaluation can take minutes; all ranks are in step here, so ask now. Only inside
         # train(): a script may call trainer.evaluate() afterwards, even on one rank.
         self.manager.cadence.not_compared()  # not a save's cost (the overhead budget)
@@ -410,6 +430,7 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self._same_step()
         self._save_wanted = False
         self.manager.retention(best_step=_step_of(state.best_model_checkpoint))
         self.manager.saved(state.global_step)
@@ -425,6 +446,13 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
             manager.record_output(args.output_dir, state.global_step)
         manager.training_ended()
         return control
+
+    def _same_step(self, evaluated: bool = False) -> None:
+        """Later in a step (a log, an evaluation, a save): the survivors' save of this step
+        takes the RNG states from here, as HF's own save of it would."""
+        trainer = self._trainer()
+        if trainer is not None:
+            self.manager.survivors.same_step(trainer, evaluated)
 
     def _stop(self, state: Any, control: Any) -> None:
         """Every rank agreed to stop at this step: the Trainer saves it next (unless committed:

@@ -144,17 +144,29 @@ def _tensor_bytes(tree: Any) -> int:
     return sum(seen.values())
 
 
-class TrainerCheckpoint:
-    """What `trainer._save_checkpoint(model, trial)` writes at the current step."""
+def rng_kept() -> bool:
+    """The RNG states a survivors' save puts back (survivors.py) are all HF's save records:
+    no XLA, NPU, HPU, MLU or MUSA device, whose states it does not keep."""
+    from transformers import trainer as hf
 
-    def __init__(self, trainer: Any, trial: Any = None) -> None:
+    others = ("xla", "npu", "hpu", "mlu", "musa")
+    return not any(getattr(hf, f"is_torch_{name}_available", lambda: False)() for name in others)
+
+
+class TrainerCheckpoint:
+    """What `trainer._save_checkpoint(model, trial)` writes at the current step; `alone`: what
+    it writes on every rank together, written by this rank with no collective (a survivors'
+    save, survivors.py: the other ranks are gone, their RNG files are copies of this rank's)."""
+
+    def __init__(self, trainer: Any, trial: Any = None, *, alone: bool = False) -> None:
         self.trainer = trainer
         self.trial = trial
+        self.alone = alone
         self.run_dir: str = trainer._get_output_dir(trial=trial)
 
     @property
     def should_save(self) -> bool:
-        return bool(self.trainer.args.should_save)
+        return self.alone or bool(self.trainer.args.should_save)
 
     def tensors(self) -> dict[str, Any]:
         """The model's and the optimizer's state dicts (live tensors): the big part."""
@@ -185,8 +197,7 @@ class TrainerCheckpoint:
         from transformers import trainer as hf
 
         trainer, args, state = self.trainer, self.trainer.args, self.trainer.state
-        if trainer.hp_search_backend is None and self.trial is None:
-            trainer.store_flos()  # a collective in distributed training: every rank, in step
+        self._store_flos()
         os.makedirs(path, exist_ok=True)
         if (
             args.save_strategy
@@ -210,8 +221,11 @@ class TrainerCheckpoint:
                         trainer.lr_scheduler.state_dict(), os.path.join(path, hf.SCHEDULER_NAME)
                     )
                 hf.reissue_pt_warnings(caught)
-            trainer._save_scaler(path)
-            trainer._save_rng_state(path)
+            if self.alone:
+                self._save_alone(path)
+            else:
+                trainer._save_scaler(path)
+                trainer._save_rng_state(path)
         if self.should_save:
             for cb in [*trainer.callback_handler.callbacks, trainer.control]:
                 if isinstance(cb, hf.ExportableState):
@@ -239,6 +253,49 @@ class TrainerCheckpoint:
             out.append(lambda: torch_save.save(tensors["optimizer"], target, threads, check))
         return out
 
+    def _store_flos(self) -> None:
+        trainer = self.trainer
+        if self.alone:  # store_flos without its collective: DDP ranks count alike
+            trainer.state.total_flos += trainer.current_flos * trainer.args.world_size
+            trainer.current_flos = 0
+        elif trainer.hp_search_backend is None and self.trial is None:
+            trainer.store_flos()  # a collective in distributed training: every rank, in step
+
+    def _save_alone(self, path: str) -> None:
+        """The scaler (process 0's file) and every rank's RNG file, from this rank."""
+        from transformers import trainer as hf
+
+        trainer = self.trainer
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        if scaler is not None:
+            torch.save(scaler.state_dict(), os.path.join(path, hf.SCALER_NAME))
+        trainer._save_rng_state(path)
+        world, own = trainer.args.world_size, trainer.args.process_index
+        if world <= 1:
+            return
+        mine = os.path.join(path, f"rng_state_{own}.pth")
+        with open(mine, "rb") as f:
+            data = f.read()
+        cuda = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            cuda = torch.load(mine, weights_only=False).get("cuda")  # this rank's own file
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        for rank in range(world):
+            target = os.path.join(path, f"rng_state_{rank}.pth")
+            if rank == own:
+                continue
+            if isinstance(cuda, list):
+                # One state per visible device: rank r draws on device local_rank(r), so its
+                # copy holds this rank's own device's state there.
+                states = torch.load(mine, weights_only=False)
+                device = rank % max(1, local_world)
+                if device < len(cuda):
+                    states["cuda"][device] = cuda[torch.cuda.current_device()]
+                torch.save(states, target)
+            else:
+                with open(target, "wb") as f:
+                    f.write(data)
+
     # -- Trainer._save, from a given state dict --
 
     def _model_to_save(self) -> Any:
@@ -259,11 +316,24 @@ class TrainerCheckpoint:
 
         model = self._model_to_save()
         if isinstance(model, modeling_utils.PreTrainedModel):
-            with _direct_safetensors(threads, check):
+            with _direct_safetensors(threads, check), self._any_rank(model):
                 model.save_pretrained(path, state_dict=state_dict, is_main_process=True)
         else:
             target = os.path.join(path, hf.SAFE_WEIGHTS_NAME)
             safetensors_save.save_file(state_dict, target, {"format": "pt"}, threads, check)
+
+    @contextlib.contextmanager
+    def _any_rank(self, model: Any) -> Iterator[None]:
+        """`alone`: save_pretrained writes on this rank, though not rank 0 (transformers 5
+        writes only on rank 0 of the default process group: `should_save_on_this_rank`)."""
+        if not self.alone:
+            yield
+            return
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
+        try:
+            yield
+        finally:
+            del model.should_save_on_this_rank
 
     def _save_processing_class(self, path: str) -> None:
         trainer = self.trainer

@@ -46,6 +46,7 @@ def commit_node(
     synced: bool = False,
     reads: Optional[dict[int, tuple[tuple[str, ...], tuple[str, ...]]]] = None,
     record: bool = True,
+    writers: tuple[int, ...] = (),
 ) -> status.SaveEvent:
     """Commit node `node`'s copy of `ckpt_dir`; `holdings`: per node, relative path -> size of
     every file it holds (one entry per node); `save_id`: this save's (the same on every node);
@@ -55,7 +56,8 @@ def commit_node(
     hook does (on a shared volume a node writes the others' manifests too). `reads`: per node,
     the DCP directories mapped and the other nodes' shard files it reads (manifest.shard_dirs,
     shard_reads); a node without an entry reads every file. `record`: write the save event for
-    the sidecar (a snapshot in RAM is not one of its checkpoints)."""
+    the sidecar (a snapshot in RAM is not one of its checkpoints). `writers`: the ranks that
+    wrote a survivors' save (manifest.writers)."""
     entries = m.assign_owners(holdings)
     if not synced:
         durable.sync_tree(ckpt_dir)  # the data before any manifest, on every save path
@@ -71,6 +73,7 @@ def commit_node(
             save_seconds=save_seconds,
             save_id=save_id,
             lineage=lineage,
+            writers=writers,
             **_reads_of((reads or {}).get(n)),
         )
         for n, files in entries.items()

@@ -38,10 +38,10 @@ from typing import Any, Callable, Optional
 from jitckpt_entrypoint.protocol import atomic, durable
 
 FORMAT_VERSION = 1
-"""`save_id`, `lineage` and `reads` are optional fields of version 1: manifests written before
-them read as save id "" and lineage "" (one legacy save and run) and no shard map (every node
-reads every file), and readers that predate them ignore them (a rolled-back sidecar still
-reads every checkpoint, whole)."""
+"""`save_id`, `lineage`, `reads` and `writers` are optional fields of version 1: manifests
+written before them read as save id "" and lineage "" (one legacy save and run), no shard map
+(every node reads every file) and no writers (every rank wrote), and readers that predate them
+ignore them (a rolled-back sidecar still reads every checkpoint, whole)."""
 KINDS = ("periodic", "jit", "final")
 """Checkpoint kinds; `final` is the checkpoint of the last training step."""
 OUTPUT_KIND = "output"
@@ -111,6 +111,9 @@ class Manifest:
     itself); empty when unknown: the node reads every file."""
     shard_reads: tuple[str, ...] = ()
     """The shard files under `shard_dirs` that other nodes hold and this node's ranks read."""
+    writers: tuple[int, ...] = ()
+    """The ranks that wrote a survivors' save (hook/survivors.py: peers were lost, the ranks
+    left saved alone); empty for a save every rank took part in."""
     version: int = FORMAT_VERSION
 
     @property
@@ -143,6 +146,7 @@ class Manifest:
                 if self.shard_dirs
                 else {}
             ),
+            **({"writers": list(self.writers)} if self.writers else {}),
         }
 
     def to_bytes(self) -> bytes:
@@ -177,6 +181,9 @@ class Manifest:
                 save_id=str(obj.get("save_id", "")),
                 lineage=str(obj.get("lineage", "")),
             )
+            writers = obj.get("writers")
+            if writers is not None:
+                manifest = dataclasses.replace(manifest, writers=tuple(int(r) for r in writers))
             reads = obj.get("reads")
             if reads is not None:
                 manifest = dataclasses.replace(
@@ -277,6 +284,7 @@ def new_manifest(
     lineage: str = "",
     shard_dirs: tuple[str, ...] = (),
     shard_reads: tuple[str, ...] = (),
+    writers: tuple[int, ...] = (),
 ) -> Manifest:
     """A manifest created now; `save_id` defaults to a new one (right for a single node only:
     the nodes of one save must share it)."""
@@ -295,6 +303,7 @@ def new_manifest(
         lineage=lineage,
         shard_dirs=shard_dirs,
         shard_reads=shard_reads,
+        writers=writers,
     )
 
 

@@ -95,6 +95,8 @@ class JitRecord:
     """When this process saw SIGTERM; None when another rank's signal stopped it."""
     save_seconds: float
     """0 when the step was already committed (a periodic save at the same step)."""
+    peer_lost_at: Optional[float] = None
+    """When the survivors that saved it learnt a peer was lost (no SIGTERM needed)."""
 
     @property
     def trigger_to_commit(self) -> Optional[float]:
@@ -330,8 +332,8 @@ class StatusFile(Generic[Record]):
 
 
 TRAINER = StatusFile("trainer.json", TrainerStatus)
-JIT = StatusFile("jit.json", JitRecord, durable=True)
-RUN_JIT = StatusFile("jit.json", JitRecord, durable=True, per_run=True)
+JIT = StatusFile("jit.json", JitRecord, durable=True, omit_none=("peer_lost_at",))
+RUN_JIT = StatusFile("jit.json", JitRecord, durable=True, per_run=True, omit_none=("peer_lost_at",))
 OUTPUT = StatusFile("output.json", OutputRecord, per_run=True)
 SAVING = StatusFile("saving.json", SaveStart)
 NODE = StatusFile("node.json", NodeStatus)

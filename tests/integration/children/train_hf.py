@@ -176,7 +176,7 @@ def slow_background_writes(seconds: float) -> None:
     torch.save = save
 
 
-def tiny_llama(vocab: int, hidden: int, layers: int) -> LlamaForCausalLM:
+def tiny_llama(vocab: int, hidden: int, layers: int, dropout: float = 0.0) -> LlamaForCausalLM:
     """The script's model, randomly initialised from seed 0 (bench_write_interference too)."""
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -187,6 +187,7 @@ def tiny_llama(vocab: int, hidden: int, layers: int) -> LlamaForCausalLM:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        attention_dropout=dropout,
     )
     return LlamaForCausalLM(config)
 
@@ -232,6 +233,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--trainer", choices=["hf", "sft"], default="hf")
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout (RNG use)")
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--hf-jit", action="store_true", help="HF's own enable_jit_checkpoint")
     parser.add_argument("--eval-strategy", default="no", help="on the first 32 training samples")
@@ -274,7 +276,7 @@ def main() -> None:
     if opts.slow_write:
         slow_background_writes(opts.slow_write)
 
-    model = tiny_llama(opts.vocab, opts.hidden, opts.layers)
+    model = tiny_llama(opts.vocab, opts.hidden, opts.layers, opts.dropout)
     callbacks = [
         Progress(
             opts.hold_save_at,

@@ -1,0 +1,432 @@
+"""The survivors' save: a node lost without notice, and the ranks left save the last step.
+
+When a peer on another node dies (its pod SIGKILLed or OOM-killed), the next collective raises
+on every rank left: gloo's `Connection closed by peer` from DDP's all-reduce or from the hook's
+own step agreement. Without this, that error ends training and the run falls back to its last
+periodic checkpoint, though each DDP rank left holds a whole replica of the last step.
+
+A Trainer's state is exactly one step's only between that step's end (and its evaluation) and
+the next optimizer update. `step_ended` (on_step_end, before any collective of the hook) keeps
+what the next step's forward changes: RNG states, flops, tokens seen, the model's persistent
+buffers; later events of the same step (a log, an evaluation, a save) keep them again, as HF's
+own save of the step would take them, until the next step begins (`step_begun`); `updating`
+(on_pre_optimizer_step, and before the best model is loaded) marks the state as changing. When
+`train()` raises a lost peer's error (`lost_peer`), `after_error` writes the last completed step
+from this rank's replica with no collective: every file the Trainer's save writes for every
+rank (the dead ranks' RNG files are copies of this rank's: DDP ranks seed and draw alike),
+committed as a one-node save of the job's world size (a resume at any node count loads it
+whole), kind jit, its manifest naming the rank that wrote it; then the rank exits with
+JITCKPT_EXIT_CODE. One rank per node saves (a lock in status/); the node's other ranks exit
+alike once it has (a marker per torchrun attempt in the run's status directory).
+
+What this does not cover goes on as without it, with one line why (the error goes up into
+training): one node, no whole replica on a rank (FSDP, DeepSpeed, a Trainer that keeps its own
+save), a rank inside an optimizer update or before its step's evaluation is done, a rank of this
+very node gone (a worker crash: torchrun's restart and the RAM tier handle it; `_crashed` leaves
+a marker for its node-mates, as a killed process leaves a zombie), a save in flight that does
+not stop, or a failed write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import random
+import re
+import time
+from typing import Any, Optional
+
+from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.protocol import atomic, registry, validity
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol.commit import commit_node, remove_checkpoint
+from jitckpt_entrypoint.protocol.layout import checkpoint_name
+
+LOST_PEER = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "connection refused",
+)
+"""What gloo's errors say when the rank at the other end is gone (lower case)."""
+IN_FLIGHT_WAIT = 5.0
+"""Seconds a background save in flight gets to stop before the survivors' save of its step."""
+LOCK = "survivors.lock"
+"""The flock in status/ that one rank per node saves under."""
+CRASHED = "crashed-{restart}-{who}"
+"""A marker in the run's status directory: that rank of torchrun's `restart` raised."""
+SAVED = "survivors-{restart}-{who}"
+"""A marker in the run's status directory: the step that node's survivors' save committed."""
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """`exc` (or what caused it) is a gloo collective's error because a peer is gone."""
+    import torch.distributed as dist
+
+    seen: set[int] = set()
+    cause: Optional[BaseException] = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        text = str(cause).lower()
+        gloo = isinstance(cause, RuntimeError) and "gloo" in text
+        if (gloo or isinstance(cause, dist.DistNetworkError)) and any(s in text for s in LOST_PEER):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+class Survivors:
+    """This rank's last completed step, and the save of it when peers are lost."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self._why_not: Optional[str] = "training has not started"
+        """Why no survivors' save can be made in this training (decided when it starts)."""
+        self._step: Optional[int] = None
+        """The step the state is exactly, or None (inside a step's update or evaluation)."""
+        self._in_step = False
+        """The next step began: a log now is of its forward, not of `_step`."""
+        self._evaluating = False
+        """The kept step's evaluation is still to come."""
+        self._began_at = 0
+        self._kept: dict[str, Any] = {}
+        """What the next step changes before its update: RNG states, flops, tokens seen."""
+        self._buffers: list[tuple[Any, str, str]] = []
+        """(module, name, state-dict key) of the model's persistent buffers."""
+        self._buffer_copies: dict[str, Any] = {}
+
+    # -- training thread --
+
+    def started(self, trainer: Any, step: int) -> None:
+        """Training (re)starts at `step`: nothing newer than it to save yet. Decides whether a
+        survivors' save can be made at all; when not, nothing is kept per step. Never raises."""
+        self._step, self._in_step, self._began_at = None, False, step
+        self._kept, self._buffer_copies = {}, {}
+        try:
+            self._why_not = self._unsupported(trainer)
+            self._buffers = [] if self._why_not else _persistent_buffers(trainer)
+        except Exception as exc:  # noqa: BLE001 - a Trainer we cannot inspect: no such save
+            self._why_not = f"cannot inspect the Trainer ({exc!r:.80})"
+        if not self._why_not and self._buffers and self.session.topo.rank != 0:
+            # DDP broadcasts rank 0's buffers before each forward; a forward then changes each
+            # rank's own: the checkpoint holds rank 0's, which a writer of another rank lacks.
+            self._why_not = "the model's buffers differ per rank (only rank 0's are saved)"
+
+    def _unsupported(self, trainer: Any) -> Optional[str]:
+        from jitckpt_entrypoint.hook import trainer_checkpoint
+
+        session = self.session
+        if not session.cfg.jit:
+            return "JIT checkpoints are off"
+        if session.topo.nodes < 2:
+            return "one node: a lost rank is a worker crash (torchrun's restart handles it)"
+        if getattr(trainer, "is_fsdp_enabled", False):
+            return "FSDP shards the state: no rank holds a whole replica"
+        if not trainer_checkpoint.rng_kept():
+            return "this accelerator's RNG state is not kept per step"
+        return trainer_checkpoint.unsupported(trainer)
+
+    def evaluation_due(self) -> None:
+        """An evaluation of this step comes (an epoch's end): not the step's state until it
+        is done."""
+        if self._step is not None:
+            self._step, self._evaluating = None, True
+
+    def step_begun(self) -> None:
+        """The next step's forward begins: the kept step's RNG states are final."""
+        self._in_step = True
+
+    def updating(self) -> None:
+        """The state is about to change (an optimizer update, the best model loaded): no step
+        until the next ends."""
+        self._step, self._evaluating = None, False
+
+    def step_ended(self, trainer: Any, step: int, evaluating: bool) -> None:
+        """The state is exactly `step`'s: keep what the next forward changes. `evaluating`: the
+        step's evaluation is still to come (a save without it would not be the step's state:
+        its best metric, a plateau scheduler). Never raises."""
+        if self._why_not:
+            return
+        try:
+            self._buffer_copies = {
+                key: getattr(module, name).detach().clone() for module, name, key in self._buffers
+            }
+            self._keep(trainer)
+            self._step, self._in_step = (None if evaluating else step), False
+            self._evaluating = evaluating
+        except Exception as exc:  # noqa: BLE001 - only the survivors' save depends on it
+            self._step = None
+            self.session.log.debug("step %d not kept for a survivors' save: %r", step, exc)
+
+    def same_step(self, trainer: Any, evaluated: bool = False) -> None:
+        """Later in the same step (a log, an evaluation, a save): HF's save at this step would
+        take the RNG states and flops now. `evaluated`: the step's evaluation is done."""
+        if self._why_not or self._in_step:
+            return
+        step = trainer.state.global_step
+        if evaluated and self._evaluating and self._kept.get("step") == step:
+            self._step, self._evaluating = step, False
+        if self._step is not None and step == self._step:
+            try:
+                self._keep(trainer)
+            except Exception:  # noqa: BLE001 - the kept states of the step's end stay
+                self._step = None
+
+    def _keep(self, trainer: Any) -> None:
+        state = trainer.state
+        self._kept = {
+            "step": state.global_step,
+            "rng": _rng_states(),
+            "current_flos": float(getattr(trainer, "current_flos", 0.0)),
+            "total_flos": state.total_flos,
+            "tokens": getattr(state, "num_input_tokens_seen", None),
+        }
+
+    def _put_back(self, trainer: Any) -> None:
+        """The state as it was when the step's last event was kept."""
+        kept, state = self._kept, trainer.state
+        _set_rng_states(kept["rng"])
+        for module, name, key in self._buffers:
+            getattr(module, name).data.copy_(self._buffer_copies[key])
+        trainer.current_flos = kept["current_flos"]
+        state.total_flos = kept["total_flos"]
+        if kept["tokens"] is not None:
+            state.num_input_tokens_seen = kept["tokens"]
+
+    # -- after training raised --
+
+    def after_error(self, trainer: Any, exc: BaseException, manager: Any) -> None:
+        """`train()` raised `exc`: when a peer is lost, save the last step and exit (does not
+        return); else return (the error goes on up). Never raises."""
+        lost_at = time.time()
+        try:
+            if not lost_peer(exc):
+                self._crashed()
+                return
+            why = self._refusal(trainer, manager)
+            if why is not None and self._saved_here(0):  # a node-mate saved, then exited
+                self.session.exit(self.session.cfg.exit_code)
+            if why is not None:
+                self.session.log.error(
+                    "a peer is lost (%s); no survivors' save: %s", _short(exc), why
+                )
+                return
+            self._save_or_leave(trainer, exc, manager, self._step, lost_at)
+        except Exception as inner:  # noqa: BLE001 - the training error is the one to report
+            self.session.log.error("survivors' save failed: %r", inner)  # noqa: TRY400 - one line
+
+    def _refusal(self, trainer: Any, manager: Any) -> Optional[str]:  # noqa: PLR0911 - a reason each
+        if self._why_not:
+            return self._why_not
+        if self._step is None or trainer.state.global_step != self._step:
+            if self._evaluating:
+                return f"this rank was inside step {trainer.state.global_step}'s evaluation"
+            return "this rank was inside an optimizer update"
+        if self._step <= self._began_at:
+            return f"no step completed since step {self._began_at}"
+        if self._local_crash():
+            return "a rank of this node crashed (torchrun's restart and the RAM tier handle it)"
+        if getattr(manager.saver, "_handed", None) is not None:
+            return "the RAM writer is writing a save out"
+        if not _stop_in_flight(manager):
+            return f"the background save in flight did not stop within {IN_FLIGHT_WAIT:.0f} s"
+        return None
+
+    def _saved_here(self, step: int) -> bool:
+        """A rank of this node committed a survivors' save of `step` or a later one in this
+        attempt of torchrun's (a marker in the run's status directory; without the entrypoint's
+        run id there is none: each rank saves in turn, skipping a step committed already)."""
+        path = self._marker(SAVED, self.session.topo.node)
+        try:
+            with open(path or "", encoding="ascii") as f:
+                return int(f.read().strip() or -1) >= step
+        except (OSError, ValueError):
+            return False
+
+    def _marker(self, template: str, who: int) -> Optional[str]:
+        session = self.session
+        if not session.run_id:
+            return None
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        name = template.format(restart=restart, who=who)
+        return os.path.join(registry.run_dir(session.layout.status, session.run_id), name)
+
+    def _crashed(self) -> None:
+        """This rank's training raised (not a lost peer): mark it before its process group
+        goes, so that its node-mates, whose collectives fail next, do not take it for a node
+        lost."""
+        path = self._marker(CRASHED, self.session.topo.rank)
+        if path is not None and self.session.topo.local_world_size > 1:
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+
+    def _local_crash(self) -> bool:
+        """A rank of this node raised, or its process is gone: a worker crash, not a node
+        lost."""
+        topo = self.session.topo
+        if topo.local_world_size <= 1:
+            return False
+        first = topo.rank - topo.local_rank
+        for rank in range(first, first + topo.local_world_size):
+            path = self._marker(CRASHED, rank)
+            if path is not None and os.path.exists(path):
+                return True
+        return _local_peer_gone(topo.local_world_size)
+
+    def _save_or_leave(
+        self, trainer: Any, exc: BaseException, manager: Any, step: Optional[int], lost_at: float
+    ) -> None:
+        session = self.session
+        if step is None:  # not reached: _refusal said why
+            return
+        os.makedirs(session.layout.status, exist_ok=True)
+        with _locked(os.path.join(session.layout.status, LOCK)):
+            if not self._saved_here(step):
+                ckpt_dir = session.layout.checkpoint_dir(step)
+                if validity.committed(ckpt_dir) is not None:  # a save of every rank: kept
+                    seconds = 0.0
+                    session.log.warning(
+                        "a peer is lost (%s): %s is committed, the last step completed",
+                        _short(exc),
+                        checkpoint_name(step),
+                    )
+                else:
+                    session.log.warning(
+                        "a peer is lost (%s): rank %d saves %s, the last step it completed",
+                        _short(exc),
+                        session.topo.rank,
+                        checkpoint_name(step),
+                    )
+                    seconds = self._save(trainer, step)
+                path = self._marker(SAVED, session.topo.node)
+                if path is not None:
+                    atomic.write_bytes(path, str(step).encode(), durable=False)
+                manager.records.jit(step, seconds, peer_lost_at=lost_at, any_rank=True)
+        session.exit(session.cfg.exit_code)
+
+    def _save(self, trainer: Any, step: int) -> float:
+        """Write and commit `step` from this rank alone; its seconds."""
+        from jitckpt_entrypoint.hook.saver import _sync_devices
+        from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
+        from jitckpt_entrypoint.hook.writer import WRITERS, write_files
+
+        session, started = self.session, time.time()
+        layout, topo = session.layout, session.topo
+        ckpt_dir = layout.checkpoint_dir(step)
+        if os.path.lexists(ckpt_dir):  # uncommitted, or not whole here (the lost node had part)
+            remove_checkpoint(ckpt_dir)
+        self._put_back(trainer)
+        ckpt = TrainerCheckpoint(trainer, alone=True)
+        ckpt.write_small(ckpt_dir)
+        tensors = ckpt.tensors()
+        _sync_devices(tensors)
+        write_files(ckpt.writers(ckpt_dir, tensors, WRITERS, None))
+        lineage = session.lineage if session.lineage is not None else m.new_lineage()
+        commit_node(
+            layout,
+            ckpt_dir,
+            {0: m.list_files(ckpt_dir)},
+            node=0,
+            nodes=1,
+            world_size=topo.world_size,
+            step=step,
+            kind="jit",
+            started_at=started,
+            run_id=session.run_id,
+            stage_for_upload=bool(session.cfg.storage_uri),
+            save_id=m.new_save_id(),
+            lineage=lineage,
+            writers=(topo.rank,),
+        )
+        return time.time() - started
+
+
+def _short(exc: BaseException) -> str:
+    """The error's first line, without gloo's source location."""
+    text = re.sub(r"^\[[^\]]*\] ", "", str(exc).strip().split("\n")[0])
+    return f"{type(exc).__name__}: {text[:100]}"
+
+
+def _persistent_buffers(trainer: Any) -> list[tuple[Any, str, str]]:
+    """(module, name, state-dict key) of the model's buffers its state dict holds
+    (BatchNorm's statistics: a forward changes them); parameters change only in the update."""
+    from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
+
+    model = TrainerCheckpoint(trainer)._model_to_save()
+    out = []
+    for module_name, module in model.named_modules():
+        skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in skip:
+                out.append((module, name, f"{module_name}.{name}" if module_name else name))
+    return out
+
+
+def _rng_states() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    states: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.random.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    if "python" in states:
+        random.setstate(states["python"])
+        np.random.set_state(states["numpy"])
+        torch.random.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.random.set_rng_state_all(states["cuda"])
+
+
+def _local_peer_gone(local_world_size: int) -> bool:
+    """Fewer of torchrun's workers on this node (this process's parent's children) live than
+    it started: a local rank crashed, not a node lost."""
+    if local_world_size <= 1:
+        return False
+    parent, alive = os.getppid(), 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] not in (b"Z", b"X"):
+            alive += 1
+    return alive < local_world_size
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Any:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _stop_in_flight(manager: Any) -> bool:
+    """Cancel the background save in flight (its step is saved here); True once it ended."""
+    inflight = manager.saver.inflight
+    save = inflight.save
+    if save is None or save.job is None:
+        return True
+    save.ready.set()
+    save.job.cancel()
+    if not save.job.wait(IN_FLIGHT_WAIT):
+        return False
+    inflight.save = None
+    return True

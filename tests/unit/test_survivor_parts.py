@@ -1,0 +1,181 @@
+"""The survivors' save's parts in one process (hook/survivors.py): which errors mean a lost peer,
+what is refused with one line, the crash marker a rank leaves its node-mates, the records."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch.distributed as dist
+
+from jitckpt_entrypoint import cli, supervisor
+from jitckpt_entrypoint.config import Config
+from jitckpt_entrypoint.hook import survivors, trainer_checkpoint
+from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.hook.survivors import Survivors, lost_peer
+from jitckpt_entrypoint.hook.topology import Topology
+from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import registry, status
+from jitckpt_entrypoint.protocol.layout import Layout
+
+GLOO = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+    "by peer [127.0.0.1]:22922"
+)
+
+
+def test_a_gloo_error_of_a_gone_peer_is_a_lost_peer_and_other_errors_are_not():
+    assert lost_peer(RuntimeError(GLOO))
+    assert lost_peer(RuntimeError(GLOO.replace("Connection closed", "Connection reset")))
+    assert not lost_peer(RuntimeError("urlopen: Connection reset by peer"))  # not gloo's
+    wrapped = ValueError("wrapped by a library")
+    wrapped.__cause__ = RuntimeError(GLOO)
+    assert lost_peer(wrapped)
+    assert lost_peer(dist.DistNetworkError("Connection reset by peer"))
+    assert not lost_peer(dist.DistNetworkError("timed out connecting to the store"))
+    assert not lost_peer(RuntimeError("CUDA out of memory"))
+    assert not lost_peer(ValueError("connection closed by peer"))  # not a collective's error
+    assert survivors._short(RuntimeError(GLOO)) == (
+        "RuntimeError: Connection closed by peer [127.0.0.1]:22922"
+    )
+
+
+def test_a_survivors_save_names_its_writers_in_the_manifest_and_others_do_not():
+    files = (m.FileEntry("model.safetensors", 10),)
+    saved = m.new_manifest(8, "jit", node=0, nodes=1, world_size=4, files=files, writers=(2,))
+    assert saved.to_json()["writers"] == [2]
+    assert m.Manifest.from_json(saved.to_json()) == saved
+    plain = m.new_manifest(8, "jit", node=0, nodes=1, world_size=4, files=files)
+    assert "writers" not in plain.to_json()
+    assert m.Manifest.from_json(plain.to_json()).writers == ()
+
+
+def session(tmp_path, rank: int = 0, local_world: int = 2, run_id: str = "run-1") -> Session:
+    topo = Topology(
+        rank=rank, world_size=4, local_rank=rank % 2, local_world_size=local_world, nodes=2
+    )
+    made = Session(Config(dir=str(tmp_path)), topo, run_id)
+    made.layout.ensure()
+    os.makedirs(registry.run_dir(made.layout.status, run_id), exist_ok=True)
+    return made
+
+
+class FakeTrainer:
+    def __init__(self, step: int) -> None:
+        self.state = types.SimpleNamespace(global_step=step, total_flos=0.0)
+        self.current_flos = 0.0
+
+
+@pytest.fixture
+def any_trainer(monkeypatch):
+    """The Trainer checks pass: what is tested is the step and the node's ranks."""
+    monkeypatch.setattr(trainer_checkpoint, "unsupported", lambda _trainer: None)
+    monkeypatch.setattr(survivors, "_persistent_buffers", lambda _trainer: [])
+
+
+class Lines:
+    """A session's log, kept: `refusals` are the lines that say why nothing was saved."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __getattr__(self, level: str):
+        return lambda message, *args: self.lines.append(message % args)
+
+    @property
+    def refusals(self) -> list[str]:
+        return [x for x in self.lines if "no survivors' save" in x]
+
+
+def keeper_for(tmp_path, rank: int = 0) -> tuple[Survivors, Lines]:
+    made, lines = session(tmp_path, rank=rank), Lines()
+    made.log = lines  # type: ignore[assignment]
+    return Survivors(made), lines
+
+
+def test_a_rank_inside_an_optimizer_update_does_not_save_and_says_why(tmp_path, any_trainer):
+    keeper, log = keeper_for(tmp_path)
+    trainer = FakeTrainer(5)
+    keeper.started(trainer, 0)
+    keeper.step_ended(trainer, 5, evaluating=False)
+    keeper.updating()
+    keeper.after_error(trainer, RuntimeError(GLOO), manager=None)  # returns: not saved
+    assert len(log.refusals) == 1
+    assert "inside an optimizer update" in log.refusals[0]
+
+    keeper.step_ended(trainer, 5, evaluating=True)  # the step's evaluation is still to come
+    keeper.after_error(trainer, RuntimeError(GLOO), manager=None)
+    assert "inside step 5's evaluation" in log.refusals[1]
+    keeper.same_step(trainer, evaluated=True)
+    assert keeper._step == 5
+
+    keeper.started(trainer, 5)  # resumed at 5: nothing newer to save
+    keeper.step_ended(trainer, 5, evaluating=False)
+    keeper.after_error(trainer, RuntimeError(GLOO), manager=None)
+    assert "no step completed since step 5" in log.refusals[2]
+
+
+def test_one_node_or_jit_off_keeps_nothing_per_step(tmp_path, any_trainer):
+    keeper, log = keeper_for(tmp_path)
+    keeper.session.topo = Topology(rank=0, world_size=2, local_world_size=2, nodes=1)
+    trainer = FakeTrainer(5)
+    keeper.started(trainer, 0)
+    keeper.step_ended(trainer, 5, evaluating=False)
+    assert keeper._kept == {}
+    keeper.after_error(trainer, RuntimeError(GLOO), manager=None)
+    assert "one node" in log.refusals[0]
+
+
+def test_a_log_inside_the_next_step_does_not_replace_the_kept_rng_states(tmp_path, any_trainer):
+    import torch
+
+    keeper, _ = keeper_for(tmp_path)
+    trainer = FakeTrainer(5)
+    keeper.started(trainer, 0)
+    keeper.step_ended(trainer, 5, evaluating=False)
+    kept = keeper._kept["rng"]["cpu"].clone()
+    keeper.step_begun()
+    torch.rand(3)  # the next step's dropout
+    keeper.same_step(trainer)  # a log from inside the next step's loss
+    assert torch.equal(keeper._kept["rng"]["cpu"], kept)
+
+
+def test_a_rank_that_raised_marks_it_and_its_node_mate_does_not_take_it_for_a_lost_node(
+    tmp_path, any_trainer, monkeypatch
+):
+    crashed, _ = keeper_for(tmp_path, rank=1)
+    crashed.after_error(FakeTrainer(3), RuntimeError("worker crash injected"), manager=None)
+    mate, log = keeper_for(tmp_path, rank=0)
+    trainer = FakeTrainer(3)
+    mate.started(trainer, 0)
+    mate.step_ended(trainer, 3, evaluating=False)
+    mate.after_error(trainer, RuntimeError(GLOO), manager=None)
+    assert "a rank of this node crashed" in log.refusals[0]
+    # A torchrun restart is another attempt: the marker of the first does not count.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setattr(survivors, "_local_peer_gone", lambda _world: False)
+    assert not mate._local_crash()
+
+
+def test_the_jit_record_and_the_exit_line_say_the_survivors_saved_after_a_peer_was_lost(tmp_path):
+    layout = Layout(str(tmp_path))
+    layout.ensure()
+    record = status.JitRecord("run-1", 8, "checkpoint-8", 110.5, None, 0.4, peer_lost_at=110.0)
+    status.write_jit(layout.status, record)
+    assert status.read_jit(layout.status, "run-1") == record
+    code, line = cli.outcome(Config(dir=str(tmp_path)), layout, "run-1", None, None)
+    assert code == 143
+    assert (
+        line == "JIT checkpoint checkpoint-8 committed by the survivors 0.5 s after a peer was lost"
+    )
+    # torchrun restarted the job after the survivors' save and training ended: exit 0.
+    done = supervisor.ChildExit(code=0)
+    code, line = cli.outcome(Config(dir=str(tmp_path)), layout, "run-1", done, None)
+    assert code == 0
+    assert "JIT" not in line
+    plain = status.JitRecord("run-2", 8, "checkpoint-8", 110.5, 100.0, 0.4)
+    status.write_jit(layout.status, plain)
+    obj = status.RUN_JIT.path(layout.status, "run-2")
+    with open(obj) as f:
+        assert "peer_lost_at" not in f.read()
