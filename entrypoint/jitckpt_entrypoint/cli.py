@@ -130,7 +130,7 @@ def outcome(
     if jit is not None:
         started = sigterm_at if sigterm_at is not None else jit.sigterm_at
         when = "" if started is None else f" {jit.committed_at - started:.1f} s after SIGTERM"
-        if jit.peer_lost_at is not None and sigterm_at is None:
+        if jit.peer_lost_at is not None:  # a SIGTERM after the loss does not time it
             lost = jit.committed_at - jit.peer_lost_at
             when = f" by the survivors {lost:.1f} s after a peer was lost"
         return cfg.exit_code, f"JIT checkpoint {jit.checkpoint} committed{when}"

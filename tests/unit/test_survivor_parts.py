@@ -72,6 +72,7 @@ def any_trainer(monkeypatch):
     """The Trainer checks pass: what is tested is the step and the node's ranks."""
     monkeypatch.setattr(trainer_checkpoint, "unsupported", lambda _trainer: None)
     monkeypatch.setattr(survivors, "_persistent_buffers", lambda _trainer: [])
+    monkeypatch.setattr(survivors, "IN_FLIGHT_WAIT", 0.2)  # a refused rank's wait for its mates
 
 
 class Lines:
@@ -107,7 +108,10 @@ def test_a_rank_inside_an_optimizer_update_does_not_save_and_says_why(tmp_path, 
     keeper.step_ended(trainer, 5, evaluating=True)  # the step's evaluation is still to come
     keeper.after_error(trainer, RuntimeError(GLOO), manager=None)
     assert "inside step 5's evaluation" in log.refusals[1]
-    keeper.same_step(trainer, evaluated=True)
+    keeper.same_step(trainer, evaluated=True)  # after the whole evaluation (best metric)
+    assert keeper._step == 5
+    keeper.step_ended(trainer, 5, evaluating=True)
+    keeper.evaluation_cancelled(5)  # a JIT stop at this step: no evaluation comes
     assert keeper._step == 5
 
     keeper.started(trainer, 5)  # resumed at 5: nothing newer to save
@@ -156,6 +160,37 @@ def test_a_rank_that_raised_marks_it_and_its_node_mate_does_not_take_it_for_a_lo
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     monkeypatch.setattr(survivors, "_local_peer_gone", lambda _world: False)
     assert not mate._local_crash()
+
+
+def test_a_refused_rank_waits_for_its_node_mates_save_and_leaves_as_it_did(
+    tmp_path, any_trainer, monkeypatch
+):
+    """Rank 1 is refused (inside an update) while rank 0 of its node saves under the lock:
+    rank 1 waits for that save, then exits with JITCKPT_EXIT_CODE instead of raising (a
+    worker that fails makes torchrun stop the node's workers, the saving one too)."""
+    import fcntl
+    import threading
+
+    monkeypatch.setattr(survivors, "_local_peer_gone", lambda _world: False)  # rank 0 lives
+    keeper, _ = keeper_for(tmp_path, rank=1)
+    codes: list[int] = []
+    keeper.session.exit = codes.append  # type: ignore[method-assign]
+    trainer = FakeTrainer(5)
+    keeper.started(trainer, 0)
+    keeper.updating()
+    status_dir = keeper.session.layout.status
+    fd = os.open(os.path.join(status_dir, survivors.LOCK), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # rank 0, saving
+
+    def rank0_commits() -> None:
+        marker = keeper._marker(survivors.SAVED, keeper.session.topo.node)
+        with open(marker or "", "w") as f:
+            f.write("5")
+        os.close(fd)  # its lock goes with its process
+
+    threading.Timer(0.3, rank0_commits).start()
+    keeper.after_error(trainer, RuntimeError(GLOO), manager=None)
+    assert codes == [143]
 
 
 def test_the_jit_record_and_the_exit_line_say_the_survivors_saved_after_a_peer_was_lost(tmp_path):

@@ -52,6 +52,8 @@ LOST_PEER = (
 """What gloo's errors say when the rank at the other end is gone (lower case)."""
 IN_FLIGHT_WAIT = 5.0
 """Seconds a background save in flight gets to stop before the survivors' save of its step."""
+BUFFERS_DIFFER = "the model's buffers differ per rank (only rank 0's are saved)"
+"""The one training-wide refusal a node-mate (rank 0) does not share."""
 LOCK = "survivors.lock"
 """The flock in status/ that one rank per node saves under."""
 CRASHED = "crashed-{restart}-{who}"
@@ -111,7 +113,7 @@ class Survivors:
         if not self._why_not and self._buffers and self.session.topo.rank != 0:
             # DDP broadcasts rank 0's buffers before each forward; a forward then changes each
             # rank's own: the checkpoint holds rank 0's, which a writer of another rank lacks.
-            self._why_not = "the model's buffers differ per rank (only rank 0's are saved)"
+            self._why_not = BUFFERS_DIFFER
 
     def _unsupported(self, trainer: Any) -> Optional[str]:
         from jitckpt_entrypoint.hook import trainer_checkpoint
@@ -132,6 +134,11 @@ class Survivors:
         is done."""
         if self._step is not None:
             self._step, self._evaluating = None, True
+
+    def evaluation_cancelled(self, step: int) -> None:
+        """A JIT stop at `step` cancels its evaluation: the state is the step's as kept."""
+        if self._evaluating and self._kept.get("step") == step:
+            self._step, self._evaluating = step, False
 
     def step_begun(self) -> None:
         """The next step's forward begins: the kept step's RNG states are final."""
@@ -205,9 +212,8 @@ class Survivors:
                 self._crashed()
                 return
             why = self._refusal(trainer, manager)
-            if why is not None and self._saved_here(0):  # a node-mate saved, then exited
-                self.session.exit(self.session.cfg.exit_code)
             if why is not None:
+                self._wait_for_mates(why)  # exits when a node-mate saved
                 self.session.log.error(
                     "a peer is lost (%s); no survivors' save: %s", _short(exc), why
                 )
@@ -232,6 +238,27 @@ class Survivors:
         if not _stop_in_flight(manager):
             return f"the background save in flight did not stop within {IN_FLIGHT_WAIT:.0f} s"
         return None
+
+    def _wait_for_mates(self, why: str) -> None:
+        """Refused here: a node-mate may save (it is rank 0, or its step is whole). Leaving at
+        once would have torchrun stop the node's workers mid-save; so wait (a few seconds at
+        most) while one may still take the lock, then for its save, and exit as it did."""
+        session = self.session
+        topo = session.topo
+        shared = self._why_not == why and why != BUFFERS_DIFFER  # every rank refuses alike
+        if topo.local_world_size <= 1 or shared or self._local_crash():
+            if self._saved_here(0):
+                session.exit(session.cfg.exit_code)
+            return
+        lock = os.path.join(session.layout.status, LOCK)
+        deadline = time.monotonic() + IN_FLIGHT_WAIT + 1.0
+        while time.monotonic() < deadline and not self._saved_here(0):
+            if _held(lock):
+                with _locked(lock):  # its save is done (or failed) when this returns
+                    break
+            time.sleep(0.05)
+        if self._saved_here(0):
+            session.exit(session.cfg.exit_code)
 
     def _saved_here(self, step: int) -> bool:
         """A rank of this node committed a survivors' save of `step` or a later one in this
@@ -416,6 +443,21 @@ def _locked(path: str) -> Any:
         yield
     finally:
         os.close(fd)
+
+
+def _held(path: str) -> bool:
+    """Another process holds the flock on `path`."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _stop_in_flight(manager: Any) -> bool:

@@ -42,7 +42,8 @@ _logged_overrides = False
 
 
 def patch(module: ModuleType) -> None:
-    """Wrap Trainer.__init__, train, _get_output_dir, _save_checkpoint and _load_best_model."""
+    """Wrap Trainer.__init__, train, _get_output_dir, _save_checkpoint, _load_best_model and
+    _determine_best_metric."""
     trainer_cls = module.Trainer
     if getattr(trainer_cls, "_jitckpt_patched", False):
         return
@@ -53,6 +54,7 @@ def patch(module: ModuleType) -> None:
     original_save = trainer_cls._save_checkpoint
     original_output_dir = trainer_cls._get_output_dir
     original_load_best = getattr(trainer_cls, "_load_best_model", None)
+    original_best_metric = getattr(trainer_cls, "_determine_best_metric", None)
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - it is __init__
@@ -81,6 +83,17 @@ def patch(module: ModuleType) -> None:
         manager.save_step(_save_request(self, self.state.global_step, own, trial is None))
         return None
 
+    if original_best_metric is not None:
+
+        @functools.wraps(original_best_metric)
+        def _determine_best_metric(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # Right after the step's whole evaluation (every eval dataset, the plateau
+            # scheduler's step): from here the state is the step's again (survivors.py).
+            result = original_best_metric(self, *args, **kwargs)
+            manager.survivors.same_step(self, evaluated=True)
+            return result
+
+        trainer_cls._determine_best_metric = _determine_best_metric
     if original_load_best is not None:
 
         @functools.wraps(original_load_best)
@@ -421,7 +434,8 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         return control
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self._same_step(evaluated=True)
+        # Not the evaluation's end: another eval dataset may follow, and the plateau scheduler
+        # and the best metric come after (`_determine_best_metric`, patched above).
         # Evaluation can take minutes; all ranks are in step here, so ask now. Only inside
         # train(): a script may call trainer.evaluate() afterwards, even on one rank.
         self.manager.cadence.not_compared()  # not a save's cost (the overhead budget)
@@ -447,17 +461,18 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         manager.training_ended()
         return control
 
-    def _same_step(self, evaluated: bool = False) -> None:
-        """Later in a step (a log, an evaluation, a save): the survivors' save of this step
-        takes the RNG states from here, as HF's own save of it would."""
+    def _same_step(self) -> None:
+        """Later in a step (a log, a save): the survivors' save of this step takes the RNG
+        states from here, as HF's own save of it would."""
         trainer = self._trainer()
         if trainer is not None:
-            self.manager.survivors.same_step(trainer, evaluated)
+            self.manager.survivors.same_step(trainer)
 
     def _stop(self, state: Any, control: Any) -> None:
         """Every rank agreed to stop at this step: the Trainer saves it next (unless committed:
         then the manager leaves at once)."""
         control.should_training_stop = True
         control.should_evaluate = False
+        self.manager.survivors.evaluation_cancelled(state.global_step)
         self.manager.stop_at(state.global_step)
         control.should_save = True
