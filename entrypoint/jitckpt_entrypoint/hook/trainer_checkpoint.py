@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import threading
 import warnings
 from collections.abc import Iterator
@@ -274,27 +275,22 @@ class TrainerCheckpoint:
         if world <= 1:
             return
         mine = os.path.join(path, f"rng_state_{own}.pth")
-        with open(mine, "rb") as f:
-            data = f.read()
-        cuda = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            cuda = torch.load(mine, weights_only=False).get("cuda")  # this rank's own file
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        for rank in range(world):
-            target = os.path.join(path, f"rng_state_{rank}.pth")
-            if rank == own:
-                continue
-            if isinstance(cuda, list):
-                # One state per visible device: rank r draws on device local_rank(r), so its
-                # copy holds this rank's own device's state there.
-                states = torch.load(mine, weights_only=False)
-                device = rank % max(1, local_world)
-                if device < len(cuda):
-                    states["cuda"][device] = cuda[torch.cuda.current_device()]
-                torch.save(states, target)
-            else:
-                with open(target, "wb") as f:
-                    f.write(data)
+        others = [r for r in range(world) if r != own]
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            for rank in others:
+                shutil.copyfile(mine, os.path.join(path, f"rng_state_{rank}.pth"))
+            return
+        # One CUDA state per visible device: rank r draws on device local_rank(r), so its copy
+        # holds this rank's own device's state there.
+        states = torch.load(mine, weights_only=False)  # this rank's own file
+        cuda = states.get("cuda")
+        local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        for rank in others:
+            copy, device = dict(states), rank % local_world
+            if isinstance(cuda, list) and device < len(cuda):
+                copy["cuda"] = [*cuda]
+                copy["cuda"][device] = cuda[torch.cuda.current_device()]
+            torch.save(copy, os.path.join(path, f"rng_state_{rank}.pth"))
 
     # -- Trainer._save, from a given state dict --
 
