@@ -98,11 +98,13 @@ def test_with_long_steps_a_sigterm_stops_at_the_step_in_progress(spawn, base_env
     """Steps long enough for a blocking agreement round after each (hook/control.py): SIGTERM
     to one rank during step N stops every rank at N, not one round later."""
     proc = spawn(
-        hf("--max-steps", "2000", "--save-steps", "1000", "--step-sleep", "0.3"), env=base_env
+        hf("--max-steps", "2000", "--save-steps", "1000", "--step-sleep", "1.0"), env=base_env
     )
     rank1 = int(proc.expect(r"^begin rank=1 pid=(\d+)").group(1))
     wait_for_step(proc, 10)  # calibrated after 8 steps
-    time.sleep(0.1)  # inside step 11's 0.3 s (or, on a slow runner, still at step 10's end)
+    # Steps of 1 s: a blocking round may cost 5 ms, which a loaded 2-core runner takes (2.1 ms
+    # seen in CI, where 0.3 s steps allowed 1.5 ms and calibration chose async rounds).
+    time.sleep(0.3)  # inside step 11 (or, on a slow runner, still at step 10's end)
     os.kill(rank1, signal.SIGTERM)
     assert proc.wait(timeout=120) == JIT_EXIT, proc.output()
     assert hook_lines(proc, "stop agreement after every step"), proc.output()

@@ -41,7 +41,7 @@ ROUND_SECONDS = 0.05
 """Training time per agreement round once steps are known to be short."""
 CALIBRATION_CALLS = 8
 """Steps (with a round each) whose durations decide how many steps share a round."""
-TIMED_ROUNDS = 3
+TIMED_ROUNDS = 5
 """Blocking rounds timed at calibration (the quickest counts: the first may include set-up)."""
 BLOCKING_COST = 0.005
 """A blocking round after every step when it costs at most this fraction of a step."""
