@@ -40,6 +40,7 @@ from typing import Any, Callable, NoReturn, Optional
 from jitckpt_entrypoint.hook import resume
 from jitckpt_entrypoint.hook.cadence import Cadence
 from jitckpt_entrypoint.hook.records import Records
+from jitckpt_entrypoint.hook.save_asks import SaveAsks
 from jitckpt_entrypoint.hook.saver import Saver
 from jitckpt_entrypoint.hook.saves import SaveParts, SaveRequest
 from jitckpt_entrypoint.hook.session import Session
@@ -69,6 +70,10 @@ class CheckpointManager:
         """One save from its request to committed or abandoned (saver.py)."""
         self.tier = self.saver.tier
         """Snapshots in RAM (memory_tier.py)."""
+        self.asks = SaveAsks(session)
+        """Saves asked for from outside training (save_asks.py: the sidecar's early notice)."""
+        self._finished: Optional[int] = None
+        """The last step `step_finished` was told of."""
         self.survivors = Survivors(session)
         """The last completed step, saved by the ranks left when peers are lost (survivors.py)."""
         self.resumed_dir: Optional[str] = None
@@ -109,6 +114,7 @@ class CheckpointManager:
         `began_at`: the step training began at (the resumed one's when None). Never raises
         into training."""
         start = self._resumed_step if began_at is None else began_at
+        self._finished = step
         self.records.step_finished(step, start)
         self.saver.poll_write_out()
 
@@ -160,16 +166,20 @@ class CheckpointManager:
         # A request is a token: one more than the periodic saves so far. A save that began
         # since (save_steps' own, in the rounds a request travels) answered it already: every
         # rank has the same count, so every rank drops it alike (no back-to-back saves).
+        # A save asked for from outside (save_asks.py: any node's) rides the same token.
         rank0 = session.topo.rank == 0
-        token = self.saver.periodic + 1 if rank0 and cadence.due(now) else 0
-        snap = self.tier.token(now) if rank0 else 0
         jit = session.cfg.jit
         if not (jit or cadence.active or self.tier.timed):
             return False
+        asked = self.asks.asked(now)
+        token = self.saver.periodic + 1 if (rank0 and cadence.due(now)) or asked else 0
+        snap = self.tier.token(now) if rank0 else 0
         stop, save, snapshot = session.control.agree(jit and session.flag.is_set, token, snap)
         if save:
             cadence.agreed(now)
         self._save_due = save > self.saver.periodic and not stop
+        if asked and (self._save_due or (stop and jit)):  # else asked again: a save is due
+            self.asks.agreed(self._finished)
         self.tier.agreed(snapshot)
         return stop and jit
 

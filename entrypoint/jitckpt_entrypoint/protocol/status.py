@@ -199,6 +199,26 @@ class Fetched:
 
 
 @dataclasses.dataclass(frozen=True)
+class SaveAsk:
+    """A save asked for now from outside training (the sidecar, on an early notice that the
+    node or pod goes): rank 0 reads it at a step and every rank saves one agreed step."""
+
+    id: str
+    """Unique per ask: one ask is answered once."""
+    reason: str
+    asked_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveAnswer:
+    """The hook's answer to the SaveAsk of the same id: the step every rank agreed to save."""
+
+    id: str
+    step: int
+    agreed_at: float
+
+
+@dataclasses.dataclass(frozen=True)
 class FirstStep:
     """The first optimizer step of a run finished (the end of a recovery)."""
 
@@ -342,6 +362,8 @@ POD_RESTORE = StatusFile("pod-restore.json", PodRestore)
 LINEAGE_TIP = StatusFile("lineage-tip.json", LineageTip, durable=True)
 FETCH = StatusFile("fetch.json", Fetch)
 FETCHED = StatusFile("fetched.json", Fetched)
+SAVE_ASK = StatusFile("save-ask.json", SaveAsk)
+SAVE_ANSWER = StatusFile("save-answer.json", SaveAnswer)
 FIRST_STEP = StatusFile("first-step.json", FirstStep)
 PROGRESS = StatusFile("progress.json", Progress)
 SIDECAR_READY = StatusFile(
