@@ -4,13 +4,11 @@ what is refused with one line, the crash marker a rank leaves its node-mates, th
 from __future__ import annotations
 
 import os
-import time
 import types
 
 import pytest
 import torch.distributed as dist
 
-from harness.procs import free_port
 from jitckpt_entrypoint import cli, supervisor
 from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.hook import survivors, trainer_checkpoint
@@ -216,46 +214,3 @@ def test_the_jit_record_and_the_exit_line_say_the_survivors_saved_after_a_peer_w
     obj = status.RUN_JIT.path(layout.status, "run-2")
     with open(obj) as f:
         assert "peer_lost_at" not in f.read()
-
-
-def test_with_three_nodes_the_first_node_to_claim_the_store_key_saves_and_the_others_leave(
-    tmp_path, monkeypatch
-):
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
-    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
-    first, second = (keeper_for(tmp_path / str(n), rank=n) for n in (0, 1))
-    for n, (keeper, _) in enumerate((first, second)):
-        keeper.session.topo = Topology(
-            rank=n, world_size=3, local_rank=0, local_world_size=1, node=n, nodes=3
-        )
-    assert first[0]._elected(RuntimeError(GLOO), 7)  # node 0 claims step 7
-    assert not second[0]._elected(RuntimeError(GLOO), 8)  # node 1 finished step 8: too late
-    assert second[1].lines == [
-        (
-            "a peer is lost (RuntimeError: Connection closed by peer [127.0.0.1]:22922); node 0 "
-            "saves checkpoint-7 for the nodes left, not this one"
-        )
-    ]
-    assert first[0]._elected(RuntimeError(GLOO), 7)  # a node-mate of the saver asks again
-
-
-def test_a_store_out_of_reach_or_silent_lets_each_node_left_save_its_own(tmp_path, monkeypatch):
-    keeper, log = keeper_for(tmp_path)
-    keeper.session.topo = Topology(rank=0, world_size=3, local_rank=0, local_world_size=1, nodes=3)
-
-    class Silent:
-        def compare_set(self, *_args):
-            time.sleep(5)
-
-    monkeypatch.setattr(survivors, "STORE_SECONDS", 0.2)
-    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", Silent)
-    started = time.monotonic()
-    assert keeper._elected(RuntimeError(GLOO), 7)
-    assert time.monotonic() - started < 2
-    assert "no answer from the store in 0 s" in log.lines[0]
-    assert "each node left saves its own copy" in log.lines[0]
-    monkeypatch.setattr(
-        dist.distributed_c10d, "_get_default_store", lambda: (_ for _ in ()).throw(ValueError("x"))
-    )
-    assert keeper._elected(RuntimeError(GLOO), 7)

@@ -17,10 +17,7 @@ rank (the dead ranks' RNG files are copies of this rank's: DDP ranks seed and dr
 committed as a one-node save of the job's world size (a resume at any node count loads it
 whole), kind jit, its manifest naming the rank that wrote it; then the rank exits with
 JITCKPT_EXIT_CODE. One rank per node saves (a lock in status/); the node's other ranks exit
-alike once it has (a marker per torchrun attempt in the run's status directory). With three
-nodes or more, one node saves for all that are left (`_elect`: the first to claim a key in the
-job's own TCPStore), so that every node's restore gets the same save; where the store went
-with the lost node, each node left saves its own (one line says so).
+alike once it has (a marker per torchrun attempt in the run's status directory).
 
 What this does not cover goes on as without it, with one line why (the error goes up into
 training): one node, no whole replica on a rank (FSDP, DeepSpeed, a Trainer that keeps its own
@@ -63,10 +60,6 @@ CRASHED = "crashed-{restart}-{who}"
 """A marker in the run's status directory: that rank of torchrun's `restart` raised."""
 SAVED = "survivors-{restart}-{who}"
 """A marker in the run's status directory: the step that node's survivors' save committed."""
-ELECTION = "jitckpt/survivors/{restart}"
-"""The key in the job's store that the first node left claims ("<node> <step>")."""
-STORE_SECONDS = 5.0
-"""How long the claim may take before each node left saves its own (the store's host lost)."""
 
 
 def lost_peer(exc: BaseException) -> bool:
@@ -326,8 +319,6 @@ class Survivors:
                         checkpoint_name(step),
                     )
                 else:
-                    if not self._elected(exc, step):
-                        return
                     session.log.warning(
                         "a peer is lost (%s): rank %d saves %s, the last step it completed",
                         _short(exc),
@@ -340,32 +331,6 @@ class Survivors:
                     atomic.write_bytes(path, str(step).encode(), durable=False)
                 manager.records.jit(step, seconds, peer_lost_at=lost_at, any_rank=True)
         session.exit(session.cfg.exit_code)
-
-    def _elected(self, exc: BaseException, step: int) -> bool:
-        """Whether this node saves for the nodes left (always with two nodes: one is left);
-        when another node claimed it first, say so (the error then goes on up)."""
-        topo = self.session.topo
-        if topo.nodes < 3:
-            return True
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        claim = _claim(ELECTION.format(restart=restart), f"{topo.node} {step}")
-        if isinstance(claim, BaseException):
-            self.session.log.warning(
-                "a peer is lost: the job's store is out of reach (%s); each node left saves "
-                "its own copy, and a restore takes one of them",
-                _short(claim),
-            )
-            return True
-        node, _, theirs = claim.partition(" ")
-        if node == str(topo.node):
-            return True
-        self.session.log.error(
-            "a peer is lost (%s); node %s saves %s for the nodes left, not this one",
-            _short(exc),
-            node,
-            checkpoint_name(int(theirs)),
-        )
-        return False
 
     def _save(self, trainer: Any, step: int) -> float:
         """Write and commit `step` from this rank alone; its seconds."""
@@ -468,30 +433,6 @@ def _local_peer_gone(local_world_size: int) -> bool:
         if int(fields[1]) == parent and fields[0] not in (b"Z", b"X"):
             alive += 1
     return alive < local_world_size
-
-
-def _claim(key: str, value: str) -> Any:
-    """The value of `key` in the job's store after setting it to `value` unless it was set (a
-    str), or the error (never waits longer than STORE_SECONDS: a store on a machine gone
-    without a reset would not answer)."""
-    import threading
-
-    import torch.distributed as dist
-
-    answer: list[Any] = [TimeoutError(f"no answer from the store in {STORE_SECONDS:.0f} s")]
-
-    def ask() -> None:
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            got = store.compare_set(key, "", value)
-            answer[0] = got.decode() if isinstance(got, bytes) else str(got)
-        except Exception as exc:  # noqa: BLE001 - the caller saves anyway
-            answer[0] = exc
-
-    thread = threading.Thread(target=ask, name="jitckpt-survivors-claim", daemon=True)
-    thread.start()
-    thread.join(STORE_SECONDS)
-    return answer[0]
 
 
 @contextlib.contextmanager
