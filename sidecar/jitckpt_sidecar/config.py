@@ -246,6 +246,51 @@ OPTIONS = (
         "unknown means every node restores every file",
     ),
     Option(
+        "notice_taints",
+        TEXT,
+        "node taints that give notice before SIGTERM (comma-separated; empty = none)",
+        doc="taints on this pod's node that give notice before SIGTERM, comma-separated (a "
+        "cordon counts as `node.kubernetes.io/unschedulable`): the sidecar asks the trainer "
+        'for a save now (docs/how-it-works.md, "A save asked for now"); empty: no node watch',
+        default_doc="drain/cordon, Karpenter, cluster autoscaler, AWS NTH, GKE (see docs)",
+    ),
+    Option(
+        "notice_conditions",
+        TEXT,
+        "pod conditions that give notice before SIGTERM (comma-separated; empty = none)",
+        doc="conditions of this pod that give notice before SIGTERM when True, comma-separated; "
+        "empty: no pod watch",
+    ),
+    Option(
+        "node_name",
+        TEXT,
+        "this pod's node (the downward API's spec.nodeName); empty = NODE_NAME",
+        fallbacks=(Fallback("NODE_NAME"),),
+        doc="this pod's node, for the notice watch (downward API `spec.nodeName`; inject, "
+        "the webhook and `k8s/` set it)",
+    ),
+    Option(
+        "pod_name",
+        TEXT,
+        "this pod's name (the downward API's metadata.name); empty = POD_NAME",
+        fallbacks=(Fallback("POD_NAME"),),
+        doc="this pod's name, for the notice watch (downward API `metadata.name`)",
+    ),
+    Option(
+        "pod_namespace",
+        TEXT,
+        "this pod's namespace; empty = POD_NAMESPACE, else the service account's",
+        fallbacks=(Fallback("POD_NAMESPACE"),),
+        default_doc="the service account's",
+        doc="this pod's namespace, for the notice watch",
+    ),
+    Option(
+        "kube_credentials",
+        TEXT,
+        "directory of the service account's token and ca.crt",
+        doc="the service account's token and `ca.crt` for the Kubernetes API (the notice watch)",
+    ),
+    Option(
         "exit_with_trainer",
         BOOLEAN,
         "1 = exit once the trainer exited and everything is uploaded",
@@ -314,6 +359,22 @@ class Config:
     nnodes: Optional[int] = None
     """The job's node count; None = unknown. With both known and equal to a checkpoint's own
     node count, the restore fetches only what this node's ranks load (validity.node_files)."""
+    notice_taints: str = (
+        "node.kubernetes.io/unschedulable,karpenter.sh/disrupted,karpenter.sh/disruption,"
+        "ToBeDeletedByClusterAutoscaler,aws-node-termination-handler/spot-itn,"
+        "aws-node-termination-handler/asg-lifecycle-termination,"
+        "aws-node-termination-handler/scheduled-maintenance,"
+        "cloud.google.com/impending-node-termination"
+    )
+    """Node taints that give notice before SIGTERM (notice.py): a drain's cordon, Karpenter's
+    disruption (v1 and v0.3x), the cluster autoscaler's scale-down, AWS NTH's spot interruption,
+    ASG termination and scheduled maintenance, GKE's spot preemption."""
+    notice_conditions: str = "DisruptionTarget"
+    """Pod conditions that give notice before SIGTERM when True."""
+    node_name: str = ""
+    pod_name: str = ""
+    pod_namespace: str = ""
+    kube_credentials: str = "/var/run/secrets/kubernetes.io/serviceaccount"
     exit_with_trainer: bool = False
     """Exit once the trainer exited and the queue is empty (plain-container variant)."""
     log_format: str = "text"

@@ -219,6 +219,28 @@ RECOVERY_BYTES = _gauge(
     late=True,
     doc="bytes downloaded for the last recovery (0 from the volume); absent before the first",
 )
+# The cluster's notice before SIGTERM (notice.py).
+NOTICE_SOURCES = ("node", "pod")
+NOTICES = _counter(
+    "jitckpt_notices_total",
+    "Notices before SIGTERM seen (a notice taint on this pod's node, a notice condition on "
+    "the pod), each answered by a save asked of the trainer.",
+    ("source", NOTICE_SOURCES),
+    doc=(
+        "notices seen before SIGTERM, each answered by a save asked of the trainer: a taint of "
+        '`JITCKPT_NOTICE_TAINTS` on this pod\'s node or a cordon (`source="node"`), a '
+        "condition of `JITCKPT_NOTICE_CONDITIONS` on the pod (`pod`)"
+    ),
+)
+NOTICE_TO_DURABLE = _gauge(
+    "jitckpt_notice_to_durable_seconds",
+    "Seconds from the last notice to the save it asked for committed in S3.",
+    late=True,
+    doc=(
+        "the last notice to the save it asked for committed in S3 (this node's part); absent "
+        "until one is"
+    ),
+)
 # Work at risk: the trainer's progress against the newest durable checkpoints (work_at_risk.py).
 DURABILITIES = ("s3", "volume")
 WORK_AT_RISK_STEPS = _define(

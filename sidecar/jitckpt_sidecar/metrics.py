@@ -171,6 +171,17 @@ class RestoreMetrics:
         self.seconds.set(seconds)
 
 
+class NoticeMetrics:
+    """The cluster's notices before SIGTERM and how soon the save each asked for was in S3."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.notices = counter(names.NOTICES, registry)
+        self.to_durable = LateGauge(names.NOTICE_TO_DURABLE, registry)
+
+    def seen(self, source: str) -> None:
+        self.notices.labels(source).inc()
+
+
 class RecoveryMetrics:
     """The last recovery: start to the first training step, where from, bytes downloaded."""
 
@@ -258,5 +269,6 @@ class Metrics:
         )
         self.restore = RestoreMetrics(registry)
         self.recovery = RecoveryMetrics(registry)
+        self.notice = NoticeMetrics(registry)
         registry.register(WorkAtRiskCollector(risk))
         self.storage = StorageMetrics(registry, storage, pressure_threshold)

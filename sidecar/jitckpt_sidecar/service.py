@@ -36,6 +36,7 @@ from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.fetch import Fetcher
 from jitckpt_sidecar.final import FinalModel, FinalUploader
 from jitckpt_sidecar.metrics import Metrics
+from jitckpt_sidecar.notice import NoticeWatcher
 from jitckpt_sidecar.pressure import Pruner, Storage
 from jitckpt_sidecar.readiness import Readiness, process_start
 from jitckpt_sidecar.remote import Remote
@@ -138,6 +139,9 @@ class Service:
             logger=logger,
         )
         self.watcher = Watcher(layout, self.wake, logger)
+        self.notice = NoticeWatcher(
+            layout.status, cfg, on_notice=self.metrics.notice.seen, log=logger
+        )
         self.server = server
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -194,6 +198,7 @@ class Service:
         settler = threading.Thread(target=self._settle, name="jitckpt-settle", daemon=True)
         try:
             self.watcher.start()
+            self.notice.start()
             self.save_peaks.start()
             worker.start()
             settler.start()
@@ -204,6 +209,7 @@ class Service:
             self.final.stop()
             self.backlog.close()
             self.save_peaks.stop()
+            self.notice.stop()
             self.watcher.stop()
             self.server.stop()
             if worker.is_alive():  # it stops at its next check; never past the grace period
@@ -323,6 +329,9 @@ class Service:
         self.final.tick()
         self.feed.poll()
         self.fetcher.tick()
+        seconds = self.notice.durable(self.metrics.uploads.last_uploaded_step.value)
+        if seconds is not None:
+            self.metrics.notice.to_durable.set(seconds)
         try:
             self.pruner.prune()
         except Exception as exc:  # noqa: BLE001 - pruning is retried at the next tick; the loop must go on

@@ -23,7 +23,14 @@ VERSIONS = sorted(
     {v for v in all_versions() if tuple(int(p) for p in v.split(".")[:2]) >= OLDEST},
     key=lambda v: tuple(int(p) for p in v.split(".")),
 )
-CORE_API = ("v1", "batch/v1", "apps/v1", "policy/v1", "admissionregistration.k8s.io/v1")
+CORE_API = (
+    "v1",
+    "batch/v1",
+    "apps/v1",
+    "policy/v1",
+    "admissionregistration.k8s.io/v1",
+    "rbac.authorization.k8s.io/v1",
+)
 
 
 def load_all(path: Path) -> list[dict[str, Any]]:

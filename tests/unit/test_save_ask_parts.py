@@ -4,6 +4,7 @@ that an ask is answered once, also by a trainer started again on the same volume
 from __future__ import annotations
 
 import os
+import time
 
 from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.hook.save_asks import CHECK_SECONDS, SaveAsks
@@ -19,8 +20,9 @@ def asks(tmp_path, local_rank: int = 0) -> SaveAsks:
     return SaveAsks(made)
 
 
-def ask(tmp_path, ask_id: str) -> None:
-    status.SAVE_ASK.write(str(tmp_path / "status"), status.SaveAsk(ask_id, "node drained", 1.0))
+def ask(tmp_path, ask_id: str, asked_at: float = 0.0) -> None:
+    record = status.SaveAsk(ask_id, "node drained", asked_at or time.time())
+    status.SAVE_ASK.write(str(tmp_path / "status"), record)
 
 
 def test_an_ask_is_read_by_the_nodes_local_rank_0_once_a_second_and_answered_once(tmp_path):
@@ -42,6 +44,20 @@ def test_an_ask_is_read_by_the_nodes_local_rank_0_once_a_second_and_answered_onc
     assert not asks(tmp_path).asked(500.0)  # a trainer started again: answered already
     ask(tmp_path, "b")
     assert leader.asked(600.0)
+
+
+def test_an_ask_from_before_the_trainer_started_is_not_its_own(tmp_path):
+    """The trainer before it saved for it or crashed; this one resumes from the newest save."""
+    leader = asks(tmp_path)
+    ask(tmp_path, "old", asked_at=1.0)
+    assert not leader.asked(100.0)
+
+
+def test_an_ask_that_cannot_be_read_turns_asks_off_with_one_line(tmp_path):
+    leader = asks(tmp_path)
+    (tmp_path / "status" / "save-ask.json").mkdir()  # read as a file: IsADirectoryError
+    assert not leader.asked(100.0)
+    assert not leader.asked(200.0)
 
 
 def test_a_torn_or_empty_ask_is_none_and_never_raises(tmp_path):

@@ -74,6 +74,7 @@ def test_unknown_gauges_appear_with_their_first_value(tmp_path):
     metrics.restore.finished("success", 2.5)
     metrics.checkpoints.jit(status.JitRecord("r", 7, "checkpoint-7", 10.0, 8.0, 1.0))
     metrics.recovery.recovered(12.5, "s3", 1000)
+    metrics.notice.to_durable.set(1.5)
     training(str(tmp_path), "r", began_at=120, first_step_at=time.time(), step=121, at=time.time())
     assert exposed(registry) == set(METRICS)
     value = registry.get_sample_value

@@ -50,7 +50,8 @@ def should_stop(step: Optional[int] = None) -> bool:
 def should_save() -> bool:
     """After `should_stop()` in the same step: True on every rank at the same step when a
     time-based periodic save is due (JITCKPT_SAVE_INTERVAL, or the interval the
-    JITCKPT_SAVE_OVERHEAD budget picked); always False when neither is set. Not collective.
+    JITCKPT_SAVE_OVERHEAD budget picked) or a save was asked for now (the sidecar, on the
+    cluster's notice before SIGTERM: save_asks.py). Not collective.
     """
     from jitckpt_entrypoint.hook.manager import current
 

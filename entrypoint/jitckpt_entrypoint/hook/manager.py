@@ -178,8 +178,10 @@ class CheckpointManager:
         if save:
             cadence.agreed(now)
         self._save_due = save > self.saver.periodic and not stop
-        if asked and (self._save_due or (stop and jit)):  # else asked again: a save is due
+        if asked and (self._save_due or (stop and jit)):
             self.asks.agreed(self._finished)
+        elif asked and save:  # a save began since the ask was sent (save_steps'): it answers
+            self.asks.agreed(self.saver.periodic_step)
         self.tier.agreed(snapshot)
         return stop and jit
 
@@ -263,6 +265,7 @@ class CheckpointManager:
             session.control.barrier()
             session.exit(1)
         self.records.jit(step, save_seconds)
+        self.asks.agreed(step)  # an ask still waiting: this save answers it
         session.control.barrier()  # the record exists before any rank's exit is seen
         session.exit(session.cfg.exit_code)
 

@@ -6,8 +6,9 @@ before SIGTERM comes, and the JIT save then adds only the steps since. Each node
 writes into its own volume, so each node's local rank 0 looks (a stat at most once a second:
 nothing per step) and an ask rides in the next step agreement like a time-based save's token
 (control.py): every rank saves the same step. The answer names that step; an ask is answered
-once (its id), also across restarts of the trainer, and a save that began meanwhile (a
-`save_steps` save, the JIT save on SIGTERM) answers it too.
+once (its id), and a save that began meanwhile (a `save_steps` save, the JIT save on SIGTERM)
+answers it too. An ask from before this process started is not this trainer's: the one before
+it saved for it, or crashed, and this one resumes from the newest save (nothing new to save).
 
 The agreement runs when JIT or a time-based save is on (the defaults): with JITCKPT_JIT=0 and
 no interval, asks are not read. Never raises into training: an ask that cannot be read is none.
@@ -30,6 +31,7 @@ class SaveAsks:
     def __init__(self, session: Session) -> None:
         self.session = session
         self._reads = session.topo.is_leader
+        self._born = _process_start()
         self._next_check = 0.0
         self._seen: Optional[tuple[int, int]] = None
         """(mtime_ns, size) of the ask file last read."""
@@ -43,7 +45,11 @@ class SaveAsks:
         for its save. Only a node's local rank 0 reads asks."""
         if self.pending is None and self._reads and now >= self._next_check:
             self._next_check = now + CHECK_SECONDS
-            self.pending = self._new_ask()
+            try:
+                self.pending = self._new_ask()
+            except Exception as exc:  # noqa: BLE001 - an ask it cannot read is none, never an error
+                self._reads = False
+                self.session.log.warning("cannot read a save asked for (%r): asks not read", exc)
             if self.pending is not None:
                 self.session.log.info(
                     "a save is asked for now (%s): at the next agreed step", self.pending.reason
@@ -65,7 +71,9 @@ class SaveAsks:
         if self._answered is None:
             answer = status.SAVE_ANSWER.read(directory)
             self._answered = "" if answer is None else answer.id
-        return ask if ask is not None and ask.id and ask.id != self._answered else None
+        if ask is None or not ask.id or ask.id == self._answered or ask.asked_at < self._born:
+            return None
+        return ask
 
     def agreed(self, step: Optional[int]) -> None:
         """Every rank saves `step` now (a periodic or a JIT save): answer the ask waiting."""
@@ -76,5 +84,17 @@ class SaveAsks:
         answer = status.SaveAnswer(ask.id, -1 if step is None else step, time.time())
         try:
             status.SAVE_ANSWER.write(self.session.layout.status, answer)
-        except OSError as exc:
-            self.session.log.warning("cannot answer the save asked for: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - the sidecar's timing only, never an error
+            self.session.log.warning("cannot answer the save asked for: %r", exc)
+
+
+def _process_start() -> float:
+    """When this process started (wall clock; now where /proc does not say)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()

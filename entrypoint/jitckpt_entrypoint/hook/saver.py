@@ -112,6 +112,8 @@ class Saver:
         self.periodic = 0
         """Periodic saves begun in this process (the same on every rank): save requests'
         tokens (the manager's step agreement)."""
+        self.periodic_step: Optional[int] = None
+        """The step of the last periodic save begun."""
         self.blocking: list[tuple[int, float]] = []
         """(step, seconds the training thread was held) of every async save, in order."""
         self._handed: Optional[Handed] = None
@@ -367,6 +369,7 @@ class Saver:
             self.tier.covered()  # a newer save than any snapshot: the snapshot clock restarts
         if save.kind == "periodic":
             self.periodic += 1
+            self.periodic_step = step
             save.measured = self.cadence.save_began(time.monotonic())
         self._pending = save
         return save

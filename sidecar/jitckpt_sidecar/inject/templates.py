@@ -73,6 +73,17 @@ def security_context(trainer_container: Optional[Obj] = None) -> Obj:
     return ctx
 
 
+DOWNWARD_ENV = [
+    {"name": sidecar.OPTION_BY_FIELD[option].env, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+    for option, path in (
+        ("node_name", "spec.nodeName"),
+        ("pod_name", "metadata.name"),
+        ("pod_namespace", "metadata.namespace"),
+    )
+]
+"""What the notice watch reads (notice.py), from the downward API."""
+
+
 def sidecar_env(opts: Options, grace: int, *, exit_with_trainer: bool = False) -> list[Obj]:
     env = [
         _var("dir", DATA_DIR),
@@ -80,6 +91,7 @@ def sidecar_env(opts: Options, grace: int, *, exit_with_trainer: bool = False) -
         _var("storage_capacity", opts.capacity),
         _var("grace_seconds", grace),
         _var("metrics_port", METRICS_PORT),
+        *DOWNWARD_ENV,
     ]
     if exit_with_trainer:
         env.append(_var("exit_with_trainer", "1"))
