@@ -166,6 +166,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+PODMAN_FIELDS = ("metadata.name", "metadata.uid")
+"""The downward API's fieldRef paths podman 4.3's kube play fills (and labels, annotations); it
+refuses a pod with any other (spec.nodeName, metadata.namespace: the sidecar's notice watch,
+which has no API server here anyway)."""
+
+
+def without_unplayable_fields(container: dict[str, Any]) -> None:
+    def playable(env: dict[str, Any]) -> bool:
+        path = ((env.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+        return (
+            path is None
+            or path in PODMAN_FIELDS
+            or path.startswith(("metadata.labels", "metadata.annotations"))
+        )
+
+    container["env"] = [e for e in container.get("env", []) if playable(e)]
+
+
 def pod_from_k8s(storage_uri: str, s3_endpoint: str, sidecar: str = SIDECAR) -> dict[str, Any]:
     """k8s/init-container/job.yaml's pod, made runnable by `podman kube play` here: local
     images, the tiny training script, S3 on the host's loopback (hostNetwork), no GPUs.
@@ -193,6 +211,7 @@ def pod_from_k8s(storage_uri: str, s3_endpoint: str, sidecar: str = SIDECAR) -> 
         for key in ("resources", "envFrom", "ports", "livenessProbe", "startupProbe"):
             c.pop(key, None)
         c["image"] = sidecar if c["image"].startswith("jitckpt-sidecar") else BASE
+        without_unplayable_fields(c)
         for env in c.get("env", []):
             if env["name"] == "JITCKPT_STORAGE_URI":
                 env["value"] = storage_uri
@@ -396,6 +415,7 @@ def pytorchjob_pod_through_the_webhook(tmp_path: Path, s3_endpoint: str) -> dict
         for key_ in ("resources", "ports", "livenessProbe", "startupProbe"):  # podman 4.3
             c.pop(key_, None)
         c["imagePullPolicy"] = "Never"
+        without_unplayable_fields(c)
         if c["name"] in ("jitckpt-sidecar", "jitckpt-restore"):
             c["env"] = c.get("env", []) + s3_env
     mounts = next(c for c in spec["containers"] if c["name"] == "pytorch")["volumeMounts"]
