@@ -6,7 +6,8 @@ Four scenarios run at once, each under its own pod label: a normal run (train, S
 fresh pod restores from S3 and trains on), an S3 outage while training keeps saving (then S3
 comes back), disk pressure (an emptyDir about one checkpoint big) and a restore that S3 refuses
 (its sidecar restarted once in the same pod, as the kubelet would). Each alert fires in its
-scenario and never in the others; every dashboard query returns data for the normal run. The
+scenario and never in the others; every dashboard query returns data for the normal run (whose
+first pod gets the cluster's notice before its SIGTERM: a Kubernetes API of tests/harness). The
 alert and panel tables are printed (`-s`) for the record.
 
 JitckptWorkAtRisk has a small test of its own (a sidecar and the trainer's status files, no
@@ -29,6 +30,7 @@ from typing import Any, Callable, Optional
 import pytest
 
 from harness.checkpoints import commit, hf_files, scrape, upload_directly, write_trainer
+from harness.kube_api import KubeApi
 from harness.pod import Pod
 from harness.procs import wait_for
 from harness.prometheus import DASHBOARD, Prometheus, needs_prometheus, rule_file, rule_groups
@@ -47,6 +49,8 @@ FAST = {"JitckptUploadLag": ("> 900", "> 15")}  # 15 min at 60x
 ARGS = ["--max-steps", "100000", "--save-steps", "50"]
 """A save every few seconds here: uploads keep up with it even on a loaded 2-core machine (at a
 save every 2 s they did not, and JitckptUploadLag rightly fired in the normal run)."""
+NODE = "node-a"
+"""The normal run's first pod's node, which Karpenter taints (the sidecar's notice watch)."""
 EXPECTED = {
     "normal": set(),
     "outage": {"JitckptUploadLag", "JitckptUploadFailures"},
@@ -94,13 +98,18 @@ def du(path: Path) -> int:
 # --- the scenarios ------------------------------------------------------------------------
 
 
-def normal(run: Run, first: Pod, second: Pod, proxy: S3Proxy) -> None:
-    """Train and upload; SIGTERM (JIT checkpoint, its upload 2 s long as a real one would be, so
-    the terminating sidecar is scraped with it); a fresh pod restores it and trains on."""
+def normal(run: Run, first: Pod, second: Pod, proxy: S3Proxy, api: KubeApi) -> None:
+    """Train and upload; the cluster's notice (Karpenter taints the first pod's node: a save
+    asked for and uploaded); SIGTERM (JIT checkpoint, its upload 2 s long as a real one would
+    be, so the terminating sidecar is scraped with it); a fresh pod restores it and trains on."""
     uploaded: Metric = ("jitckpt_last_uploaded_step", ())
     run.started = time.time()
     first.start()
     wait_for(lambda: (value(first.metrics_port, uploaded) or 0) >= 150, 240, "three uploads")
+    api.taint(NODE, "karpenter.sh/disrupted")
+    notice: Metric = ("jitckpt_notice_to_durable_seconds", ())
+    wait_for(lambda: value(first.metrics_port, notice) is not None, 60, "the notice's save in S3")
+    time.sleep(2.0)  # scraped once a second
     slow = proxy.delay(manifest_put, 2.0, times=None)
     out = first.terminate()
     assert (out.trainer, out.sidecar, out.sigkilled) == (143, 0, False), first.output()
@@ -209,13 +218,20 @@ def test_each_alert_fires_in_its_scenario_only_and_the_dashboard_shows_the_norma
     assert set().union(*EXPECTED.values()) == alerts - OWN_TEST
     rules = rule_file(tmp_path / "rules.yaml", speedup=SPEEDUP, replace=FAST)
     prom = Prometheus(tmp_path / "prometheus", rules).start()
+    api = KubeApi(tmp_path / "kube")
+    api.add_node(NODE)
     flaky = s3_bucket.server.proxy().start()
     refusing = s3_bucket.server.proxy().start()
     try:
         uri = f"s3://{s3_bucket.name}"
         via = {p: s3_bucket.env({}, endpoint=p.url) for p in (proxy, flaky, refusing)}
+        kube = {
+            **api.env(),
+            "JITCKPT_KUBE_CREDENTIALS": str(api.credentials),
+            "JITCKPT_NODE_NAME": NODE,
+        }
         made = {
-            "normal-0": pods(ARGS, s3_env=via[proxy], storage_uri=f"{uri}/normal"),
+            "normal-0": pods(ARGS, s3_env=via[proxy], storage_uri=f"{uri}/normal", env=kube),
             "normal-1": pods(ARGS, s3_env=via[proxy], storage_uri=f"{uri}/normal"),
             "outage": pods(
                 ARGS,
@@ -246,7 +262,7 @@ def test_each_alert_fires_in_its_scenario_only_and_the_dashboard_shows_the_norma
         }
         with ThreadPoolExecutor(len(runs)) as pool:
             futures = [
-                pool.submit(normal, runs["normal"], made["normal-0"], made["normal-1"], proxy),
+                pool.submit(normal, runs["normal"], made["normal-0"], made["normal-1"], proxy, api),
                 pool.submit(outage, runs["outage"], made["outage"], flaky, prom),
                 pool.submit(disk, runs["disk"], made["disk"], made["normal-0"], prom),
                 pool.submit(restore, runs["restore"], made["restore"], prom),
@@ -313,6 +329,7 @@ def test_each_alert_fires_in_its_scenario_only_and_the_dashboard_shows_the_norma
         flaky.stop()
         refusing.stop()
         prom.stop()
+        api.stop()
         print(prom.output())
 
 
