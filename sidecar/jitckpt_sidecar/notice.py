@@ -63,7 +63,7 @@ class ApiError(Exception):
 
 
 class Api:
-    """GET and watch on the Kubernetes API with the pod's service account."""
+    """Watches on the Kubernetes API with the pod's service account."""
 
     def __init__(self, host: str, port: str, credentials: str) -> None:
         self.host, self.port, self.credentials = host, int(port), credentials
