@@ -18,6 +18,12 @@ Variants (save_steps --save-steps for all):
 - jitckpt: the defaults (async periodic saves, the JIT save, the survivors' save).
 
     .venv/bin/python bench/bench_node_loss.py [--trials 3] [--save-steps 20] [--seed 1]
+        [--silent [--hang 60]]
+
+--silent: node 1 is instead a machine gone without closing its connections (its tree stopped,
+its packets dropped, in a network namespace of the bench's own; root): node 0 waits in a
+collective until its connection times out (jitckpt: JITCKPT_PEER_TIMEOUT, 8 s; the anchors:
+the process group's timeout, 30 min, shown as "hung" after --hang seconds).
 
 The floor: losing the step in progress (0 when the loss falls between steps) and writing one
 checkpoint (its bytes at the disk's bandwidth: milliseconds for this model); the rest of "commit
@@ -27,6 +33,7 @@ s" is the time until the survivor's collective fails and the save's own set-up.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -38,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from harness.netns import netns
 from harness.procs import Proc, free_port
 from harness.training import TRAIN_HF, entrypoint, steps_seen, torchrun_node
 from jitckpt_entrypoint.protocol import manifest as m
@@ -74,19 +82,27 @@ def run(variant: str, kill_at: int, opts: argparse.Namespace, root: Path) -> dic
     port = free_port()
     dirs = [root / f"node{n}" for n in (0, 1)]
     procs = []
-    for n, d in enumerate(dirs):
-        d.mkdir(parents=True)
-        env = {**base_env(), **extra_env, "JITCKPT_DIR": str(d)}
-        command = torchrun_node(TRAIN_HF, *args, node=n, nodes=2, port=port, nproc=1)
-        procs.append(Proc(entrypoint(command), env=env))
-    try:
-        wait_step(procs[0], kill_at)
-        procs[1].kill_tree()
-        killed = time.time()
-        code = procs[0].wait(timeout=120)
-    finally:
-        for proc in procs:
-            proc.kill_tree()
+    with contextlib.ExitStack() as stack:
+        ns = stack.enter_context(netns()) if opts.silent else None
+        for n, d in enumerate(dirs):
+            d.mkdir(parents=True)
+            env = {**base_env(), **extra_env, "JITCKPT_DIR": str(d)}
+            command = torchrun_node(TRAIN_HF, *args, node=n, nodes=2, port=port, nproc=1)
+            procs.append(Proc([*(ns.prefix if ns else []), *entrypoint(command)], env=env))
+        try:
+            wait_step(procs[0], kill_at)
+            if ns is not None:
+                ns.silence(procs[1].pid)
+            else:
+                procs[1].kill_tree()
+            killed = time.time()
+            try:
+                code = procs[0].wait(timeout=opts.hang if ns else 120)
+            except AssertionError:
+                code = -1  # still waiting in its collective
+        finally:
+            for proc in procs:
+                proc.kill_tree()
     last = steps_seen(procs[0])[-1]
     committed = validity.committed_steps(str(dirs[0] / "checkpoints"), node=0)
     newest = committed[-1] if committed else 0
@@ -104,6 +120,8 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=20)
     parser.add_argument("--step-sleep", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--silent", action="store_true", help="node 1 silenced, not killed")
+    parser.add_argument("--hang", type=float, default=60, help="--silent: seconds to wait")
     opts = parser.parse_args()
     rng = random.Random(opts.seed)
     kills = [rng.randint(opts.save_steps + 2, 3 * opts.save_steps - 2) for _ in range(opts.trials)]
@@ -119,7 +137,8 @@ def main() -> None:
                 print(
                     f"  trial {trial + 1} {variant}: kill after step {kill_at}: {json.dumps(result)}"
                 )
-    print(f"\n2 nodes x 1 CPU rank, node 1 SIGKILLed; save_steps {opts.save_steps}; "
+    how = f"silenced (hung: no exit within {opts.hang:.0f} s)" if opts.silent else "SIGKILLed"
+    print(f"\n2 nodes x 1 CPU rank, node 1 {how}; save_steps {opts.save_steps}; "
           f"{opts.trials} trials (kill steps {kills}); medians")  # fmt: skip
     print(f"{'variant':<10} {'steps lost':>10} {'commit s after the loss':>24} {'exit codes':>12}")
     base = statistics.median(r["lost"] for r in results["periodic"])
@@ -127,7 +146,7 @@ def main() -> None:
         lost = statistics.median(r["lost"] for r in runs)
         secs = [r["seconds"] for r in runs if r["seconds"] == r["seconds"]]
         shown = f"{statistics.median(secs):.2f}" if secs else "none committed"
-        codes = ",".join(sorted({str(int(r["exit"])) for r in runs}))
+        codes = ",".join(sorted({str(int(r["exit"])) if r["exit"] >= 0 else "hung" for r in runs}))
         ratio = f" ({lost / base:.2f}x periodic)" if base else ""
         print(f"{variant:<10} {lost:>10.1f} {shown:>24} {codes:>12}{ratio}")
 

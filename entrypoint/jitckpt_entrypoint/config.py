@@ -190,6 +190,19 @@ OPTIONS = (
         doc="a periodic save due while the previous one is still being written: `wait` for it, "
         "or `skip` this one (logged)",
     ),
+    Option(
+        "peer_timeout",
+        INTEGER,
+        "seconds until a machine that acknowledges nothing counts as lost; 0 = TCP's own",
+        check=between(0, 3600, "whole seconds from 0 to 3600"),
+        doc="a job of several nodes whose survivors can save (DDP under the Trainer): while "
+        "no step ends, a training process's TCP connection (gloo's, torchrun's store) whose "
+        "other machine acknowledged nothing for this many seconds (data or a keepalive probe "
+        "awaiting it) is shut down, so a node powered off or cut off fails the collective and "
+        "the survivors save; a peer that is only slow, busy or stopped still acknowledges. "
+        "`0`: the connections as they are (a collective then waits for the process group's "
+        "timeout, 30 min by default)",
+    ),
     GRACE_SECONDS,
     Option(
         "exit_code",
@@ -235,6 +248,8 @@ class Config:
     """How often a snapshot goes to memory_dir: a duration, or "<N>steps"."""
     async_busy: str = "wait"
     """A periodic save due while the previous one is still being written: wait for it, or skip."""
+    peer_timeout: int = 8
+    """Seconds without an acknowledgement before a training connection ends (0: TCP's own)."""
     grace_seconds: int = 30
     """The pod's terminationGracePeriodSeconds: the whole budget from SIGTERM to SIGKILL."""
     exit_code: int = 143

@@ -9,6 +9,7 @@ sidecar's restore does) resumes there and ends bitwise equal to an uninterrupted
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.netns import netns
 from harness.pod import final_weights
-from harness.procs import free_port
+from harness.procs import descendants, free_port
 from harness.training import (
     TRAIN_HF,
     entrypoint,
@@ -37,15 +39,24 @@ STEPS = 24
 ARGS = ("--max-steps", str(STEPS), "--save-steps", "1000", "--dropout", "0.1")
 
 
-def job(spawn, base_env, dirs: list[Path], *args: str, nproc: int = 1):
-    """One torchrun per node (static rendezvous on node 0), each with its own JITCKPT_DIR."""
+def job(spawn, base_env, dirs: list[Path], *args: str, nproc: int = 1, prefix=(), env=None):
+    """One torchrun per node (static rendezvous on node 0), each with its own JITCKPT_DIR;
+    `prefix` before each command (a network namespace's nsenter)."""
     port = free_port()
     return [
         spawn(
-            entrypoint(
-                torchrun_node(TRAIN_HF, *args, node=n, nodes=len(dirs), port=port, nproc=nproc)
-            ),
-            env={**base_env, "JITCKPT_DIR": str(d), "JITCKPT_TERMINATION_LOG": str(d / "tlog")},
+            [
+                *prefix,
+                *entrypoint(
+                    torchrun_node(TRAIN_HF, *args, node=n, nodes=len(dirs), port=port, nproc=nproc)
+                ),
+            ],
+            env={
+                **base_env,
+                **(env or {}),
+                "JITCKPT_DIR": str(d),
+                "JITCKPT_TERMINATION_LOG": str(d / "tlog"),
+            },
         )
         for n, d in enumerate(dirs)
     ]
@@ -79,37 +90,72 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def lose(procs, lost, ns) -> float:
+    """At step 8: node `lost` killed, or silenced in `ns`; None: rank 3 (on node 1) killed.
+    When the loss was."""
+    if lost is None:
+        worker = int(procs[1].expect(r"^begin rank=3 pid=(\d+)").group(1))
+    wait_for_step(procs[0], 8)
+    if lost is None:
+        os.kill(worker, signal.SIGKILL)  # an OOM kill of one worker
+    elif ns is not None:
+        assert ns.silence(procs[lost].pid), "node 1 has no TCP connections"
+    else:
+        procs[lost].kill_tree()  # the node lost: no SIGTERM, no Python left to unwind
+    killed = time.time()
+    if ns is not None:  # node 0 is done before the namespace goes; node 1 then killed
+        assert procs[0].wait(timeout=60) == JIT_EXIT, procs[0].output()
+        assert any("JITCKPT_PEER_TIMEOUT" in x for x in procs[0].stderr), procs[0].output()
+        procs[lost].kill_tree()
+    return killed
+
+
+PEER_TIMEOUT = 4
+"""JITCKPT_PEER_TIMEOUT for the silenced node (the default is 8 s)."""
+
+
 @pytest.mark.parametrize(
-    ("nodes", "nproc", "lost", "sigterm_after"),
-    [(2, 1, 1, None), (2, 1, 0, None), (2, 2, 1, 3.0), (3, 1, 2, None), (2, 2, None, None)],
+    ("nodes", "nproc", "lost", "sigterm_after", "silent"),
+    [
+        (2, 1, 1, None, False),
+        (2, 1, 0, None, False),
+        (2, 2, 1, 3.0, False),
+        (3, 1, 2, None, False),
+        (2, 2, None, None, False),
+        (2, 1, 1, None, True),
+    ],
     ids=[
         "node-1-killed",
         "node-0-killed",
         "2-rank-nodes-node-1-killed-then-sigterm",
         "3-nodes",
         "a-worker-of-node-1-killed",
+        "node-1-silent",
     ],
 )
 def test_a_lost_node_costs_at_most_one_step(
-    spawn, base_env, tmp_path, nodes, nproc, lost, sigterm_after
+    spawn, base_env, tmp_path, nodes, nproc, lost, sigterm_after, silent
 ):
     """Node 0 hosts torchrun's store: its loss leaves node 1's agent without one. With 2 ranks a
     node, one rank of the node left saves; the other leaves once it has. With 3 nodes, each node
     left saves its own whole copy; a restore (here: a copy of node 0's to every node) resumes
     from one. One worker killed (lost None: rank 3, on node 1): node 0 saves; node 1's other
-    rank, whose node-mate crashed, does not (torchrun's restart and the RAM tier handle it)."""
+    rank, whose node-mate crashed, does not (torchrun's restart and the RAM tier handle it).
+    Silent: node 1 is a machine gone without closing its connections (stopped, its packets
+    dropped in a network namespace of the test's own); node 0's collective, which would wait
+    for the process group's 30 minutes, fails after JITCKPT_PEER_TIMEOUT, and node 0 saves."""
     straight = uninterrupted(spawn, base_env, tmp_path, (nodes, nproc))
 
     dirs = node_dirs(tmp_path, "lost", nodes)
-    procs = job(spawn, base_env, dirs, *ARGS, "--step-sleep", "0.2", nproc=nproc)
-    if lost is None:
-        worker = int(procs[1].expect(r"^begin rank=3 pid=(\d+)").group(1))
-    wait_for_step(procs[0], 8)
-    if lost is None:
-        os.kill(worker, signal.SIGKILL)  # an OOM kill of one worker
-    else:
-        procs[lost].kill_tree()  # the node lost: no SIGTERM, no Python left to unwind
-    killed = time.time()
+    with contextlib.ExitStack() as stack:
+        ns = stack.enter_context(netns()) if silent else None
+        prefix = ns.prefix if ns is not None else []
+        env = {"JITCKPT_PEER_TIMEOUT": str(PEER_TIMEOUT)} if silent else {}
+        procs = job(
+            spawn, base_env, dirs, *ARGS, "--step-sleep", "0.2", nproc=nproc, prefix=prefix,
+            env=env,
+        )  # fmt: skip
+        killed = lose(procs, lost, ns)
     if sigterm_after is not None:  # what a controller deleting the job's pods sends next
         time.sleep(sigterm_after)
         for n, proc in enumerate(procs):
@@ -129,7 +175,8 @@ def test_a_lost_node_costs_at_most_one_step(
     left, left_dir, first = procs[saver], dirs[saver], saver * nproc
     record = jit_record(left_dir)
     assert record is not None, left.output()
-    assert record["committed_at"] - killed < 10, record  # the issue's goal: <= 10 s
+    # the issue's goal: <= 10 s; silent: the detection (PEER_TIMEOUT) and the save
+    assert record["committed_at"] - killed < 10, record
     step = record["step"]
     assert "peer_lost_at" in record
     man = manifest(left_dir, step, 0)
@@ -165,3 +212,26 @@ def test_a_lost_node_costs_at_most_one_step(
     assert same(final_weights(dirs[0], STEPS), straight)
     state = json.loads((dirs[0] / "checkpoints" / f"checkpoint-{STEPS}" / STATE).read_text())
     assert state["total_flos"] == pytest.approx(_uninterrupted_flos[(nodes, nproc)], rel=1e-9)
+
+
+def test_a_peer_stopped_longer_than_the_peer_timeout_is_waited_for(spawn, base_env, tmp_path):
+    """Node 1 stopped (SIGSTOP) for 2.5x JITCKPT_PEER_TIMEOUT, then continued: its kernel
+    acknowledged all along, so node 0 waits as without jitckpt (no survivors' save, no closed
+    connection) and the job ends as an uninterrupted run does."""
+    straight = uninterrupted(spawn, base_env, tmp_path, (2, 1))
+    dirs = node_dirs(tmp_path, "stopped")
+    env = {"JITCKPT_PEER_TIMEOUT": str(PEER_TIMEOUT)}
+    procs = job(spawn, base_env, dirs, *ARGS, "--step-sleep", "0.2", env=env)
+    wait_for_step(procs[0], 8)
+    tree = [procs[1].pid, *descendants(procs[1].pid)]
+    for pid in tree:
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(2.5 * PEER_TIMEOUT)
+    for pid in tree:
+        os.kill(pid, signal.SIGCONT)
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0, proc.output()
+    assert jit_record(dirs[0]) is None, procs[0].output()
+    assert not any("acknowledged nothing" in x for x in procs[0].stderr), procs[0].output()
+    assert any("JITCKPT_PEER_TIMEOUT" in x for x in procs[0].stderr), procs[0].output()
+    assert same(final_weights(dirs[0], STEPS), straight)

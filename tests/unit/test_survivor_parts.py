@@ -3,7 +3,11 @@ what is refused with one line, the crash marker a rank leaves its node-mates, th
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import socket
+import time
 import types
 
 import pytest
@@ -12,6 +16,7 @@ import torch.distributed as dist
 from jitckpt_entrypoint import cli, supervisor
 from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.hook import survivors, trainer_checkpoint
+from jitckpt_entrypoint.hook.peer_timeout import PeerTimeout
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.survivors import Survivors, lost_peer
 from jitckpt_entrypoint.hook.topology import Topology
@@ -34,6 +39,9 @@ def test_a_gloo_error_of_a_gone_peer_is_a_lost_peer_and_other_errors_are_not():
     assert lost_peer(wrapped)
     assert lost_peer(dist.DistNetworkError("Connection reset by peer"))
     assert not lost_peer(dist.DistNetworkError("timed out connecting to the store"))
+    timed_out = GLOO.replace("Connection closed by peer", "Read error") + ": Connection timed out"
+    assert lost_peer(RuntimeError(timed_out))  # its machine silent for JITCKPT_PEER_TIMEOUT
+    assert not lost_peer(RuntimeError("[gloo] Timed out waiting 1800000ms for recv operation"))
     assert not lost_peer(RuntimeError("CUDA out of memory"))
     assert not lost_peer(ValueError("connection closed by peer"))  # not a collective's error
     assert survivors._short(RuntimeError(GLOO)) == (
@@ -214,3 +222,61 @@ def test_the_jit_record_and_the_exit_line_say_the_survivors_saved_after_a_peer_w
     obj = status.RUN_JIT.path(layout.status, "run-2")
     with open(obj) as f:
         assert "peer_lost_at" not in f.read()
+
+
+def test_the_peer_timeout_sets_keepalive_on_connections_only_once_each_and_not_when_zero():
+    """Keepalive on connected TCP sockets; a listening socket, a UDP socket and a pipe are left
+    alone; 0 leaves every connection as it is."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    read, write = os.pipe()
+    log = logging.getLogger("test")
+    try:
+        assert PeerTimeout(0, log).apply() == 0
+        assert client.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
+        timeout = PeerTimeout(8, log)
+        assert timeout.apply() >= 2  # both ends (and whatever else this process has open)
+        for sock in (client, server):
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            # an idle connection is probed well before the timeout
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 4
+        assert listener.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
+        assert udp.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
+        assert timeout.apply() == 0  # each once
+        client.sendall(b"still open")  # the duplicates it used are closed, the sockets are not
+        assert server.recv(10) == b"still open"
+    finally:
+        for sock in (client, server, listener, udp):
+            sock.close()
+        os.close(read)
+        os.close(write)
+
+
+def test_a_peer_that_does_not_read_is_not_taken_for_a_silent_machine(caplog):
+    """A receiver that stops reading (a straggler, a long evaluation) fills its window: the
+    sender's data waits, but its probes are answered, so the watch leaves the connection open
+    (TCP_USER_TIMEOUT would end it)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    timeout = PeerTimeout(2, logging.getLogger("test"))
+    try:
+        timeout.apply()
+        client.setblocking(False)
+        deadline = time.monotonic() + 6
+        suspects: dict[tuple[int, int], float] = {}
+        while time.monotonic() < deadline:
+            with contextlib.suppress(BlockingIOError):
+                client.send(b"x" * 65536)
+            suspects = timeout._look(suspects)
+            time.sleep(0.05)
+        assert not suspects
+        assert not caplog.records
+        assert client.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+        server.setblocking(False)
+        assert server.recv(65536)  # the connection still works
+    finally:
+        for sock in (client, server, listener):
+            sock.close()

@@ -17,7 +17,9 @@ rank (the dead ranks' RNG files are copies of this rank's: DDP ranks seed and dr
 committed as a one-node save of the job's world size (a resume at any node count loads it
 whole), kind jit, its manifest naming the rank that wrote it; then the rank exits with
 JITCKPT_EXIT_CODE. One rank per node saves (a lock in status/); the node's other ranks exit
-alike once it has (a marker per torchrun attempt in the run's status directory).
+alike once it has (a marker per torchrun attempt in the run's status directory). A machine gone
+without closing its connections fails the collective once they time out (peer_timeout.py,
+set here when such a save can be made).
 
 What this does not cover goes on as without it, with one line why (the error goes up into
 training): one node, no whole replica on a rank (FSDP, DeepSpeed, a Trainer that keeps its own
@@ -37,6 +39,7 @@ import re
 import time
 from typing import Any, Optional
 
+from jitckpt_entrypoint.hook.peer_timeout import PeerTimeout
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol import atomic, registry, validity
 from jitckpt_entrypoint.protocol import manifest as m
@@ -48,8 +51,13 @@ LOST_PEER = (
     "connection reset by peer",
     "broken pipe",
     "connection refused",
+    "connection timed out",
 )
-"""What gloo's errors say when the rank at the other end is gone (lower case)."""
+"""What gloo's errors say when the rank at the other end is gone (lower case); the first also
+when its machine acknowledged nothing for JITCKPT_PEER_TIMEOUT seconds (peer_timeout.py shut
+the connection down), the last when the kernel's keepalive ended it."""
+REAPPLY_STEPS = 100
+"""Steps between looks for connections made since (a group created at the first save)."""
 IN_FLIGHT_WAIT = 5.0
 """Seconds a background save in flight gets to stop before the survivors' save of its step."""
 BUFFERS_DIFFER = "the model's buffers differ per rank (only rank 0's are saved)"
@@ -97,6 +105,8 @@ class Survivors:
         self._buffers: list[tuple[Any, str, str]] = []
         """(module, name, state-dict key) of the model's persistent buffers."""
         self._buffer_copies: dict[str, Any] = {}
+        self._timeout = PeerTimeout(session.cfg.peer_timeout, session.log)
+        """Ends a connection whose other machine acknowledges nothing (a node gone silent)."""
 
     # -- training thread --
 
@@ -114,6 +124,23 @@ class Survivors:
             # DDP broadcasts rank 0's buffers before each forward; a forward then changes each
             # rank's own: the checkpoint holds rank 0's, which a writer of another rank lacks.
             self._why_not = BUFFERS_DIFFER
+        if not self._why_not:
+            self._timeout.progressed()
+            self._shorten_timeouts(first=True)
+
+    def _shorten_timeouts(self, first: bool = False) -> None:
+        try:
+            count = self._timeout.apply()
+        except Exception as exc:  # noqa: BLE001 - only the detection of a silent machine
+            self.session.log.debug("connections not watched (JITCKPT_PEER_TIMEOUT): %r", exc)
+            return
+        if first and count and self.session.topo.rank == 0:
+            self.session.log.info(
+                "a machine that acknowledges nothing for %d s counts as lost "
+                "(JITCKPT_PEER_TIMEOUT; %d connections watched)",
+                self._timeout.seconds,
+                count,
+            )
 
     def _unsupported(self, trainer: Any) -> Optional[str]:
         from jitckpt_entrypoint.hook import trainer_checkpoint
@@ -162,6 +189,9 @@ class Survivors:
             self._keep(trainer)
             self._step, self._in_step = (None if evaluating else step), False
             self._evaluating = evaluating
+            self._timeout.progressed()
+            if step % REAPPLY_STEPS == 0:
+                self._shorten_timeouts()
         except Exception as exc:  # noqa: BLE001 - only the survivors' save depends on it
             self._step = None
             self.session.log.debug("step %d not kept for a survivors' save: %r", step, exc)
