@@ -50,3 +50,27 @@ def test_draining_one_node_stops_both_at_one_step_and_the_new_job_resumes_from_s
     finish_resumed_job(
         [pods(["--max-steps", str(total + 3), "--save-steps", "1000"]).start()], total
     )
+
+
+def test_a_node_lost_without_notice_the_survivors_save_reaches_s3_and_a_new_job_resumes(
+    pods, s3_bucket
+):
+    """Node 1's pod SIGKILLed (a node lost): node 0 saves the last completed step alone (a
+    one-node save of the 4-rank job), its sidecar uploads it, and both nodes' new pods restore
+    that save whole from S3 and resume there."""
+    node0, node1 = job(pods, ARGS)
+    node0.wait_step(6)
+    node1.kill()
+    assert node0.trainer is not None
+    assert node0.trainer.wait(timeout=120) == 143, node0.output()
+    record = json.loads((node0.jdir / "status" / status.JIT.name).read_text())
+    step = record["step"]
+    assert "peer_lost_at" in record, record
+    rest = node0.terminate()  # the Job controller deletes the pods left
+    assert (rest.sidecar, rest.sigkilled) == (0, False), node0.output()
+
+    name = f"checkpoint-{step}"
+    keys = set(s3_bucket.keys(name))
+    assert f"{name}/jitckpt-manifest.node-0.json" in keys, sorted(keys)
+    assert f"{name}/jitckpt-manifest.node-1.json" not in keys, sorted(keys)
+    finish_resumed_job(job(pods, ["--max-steps", str(step + 4), "--save-steps", "1000"]), step)

@@ -93,9 +93,11 @@ class PeerTimeout:
                 return
 
     def _look(self, suspects: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
-        """Shut down the connections silent since a look at least CONFIRM seconds ago; the
-        silent ones now, with when each was first seen so."""
-        silent, now = {}, time.monotonic()
+        """Shut down the connections silent for the timeout, and so on looks at least CONFIRM
+        seconds apart; the ones silent now (for the timeout less CONFIRM), with when each was
+        first seen so."""
+        silent, now, limit = {}, time.monotonic(), self.seconds * 1000
+        soon = limit - CONFIRM * 1000
         with self._lock:
             known = list(self._known)
         for key in known:
@@ -105,9 +107,9 @@ class PeerTimeout:
                         self._known.discard(key)
                     continue
                 waited = _unacknowledged_ms(sock)
-                if waited is None or waited < self.seconds * 1000:
+                if waited is None or waited < soon:
                     continue
-                if now - suspects.get(key, now) < CONFIRM:
+                if waited < limit or now - suspects.get(key, now) < CONFIRM:
                     silent[key] = suspects.get(key, now)
                     continue
                 with contextlib.suppress(OSError):
