@@ -473,3 +473,27 @@ def test_dashboard_shows_every_exported_metric():
         series_names()[s.name] for e in dashboard_exprs() for s in selectors(promql_parser.parse(e))
     }
     assert used == set(METRICS)
+
+
+def test_no_pod_fixes_the_user_or_group_ids_that_openshift_assigns():
+    """OpenShift's restricted-v2 SCC rejects a runAsUser, runAsGroup or fsGroup outside the
+    namespace's range and assigns its own: no workload or webhook pod sets one (the images run
+    as 1001:0 by their USER)."""
+    fixed, pods = [], 0
+    for path, doc in DOCS:
+        specs = [pod for _, pod in pod_specs(doc)]
+        if doc["kind"] == "Deployment":
+            specs.append(doc["spec"]["template"]["spec"])
+        for pod in specs:
+            pods += 1
+            contexts = [pod.get("securityContext") or {}]
+            for c in [*pod.get("initContainers", []), *pod["containers"]]:
+                contexts.append(c.get("securityContext") or {})
+            for context in contexts:
+                fixed += [
+                    f"{rel(path)}: {key}"
+                    for key in ("runAsUser", "runAsGroup", "fsGroup")
+                    if key in context
+                ]
+    assert not fixed, fixed
+    assert pods > 10
