@@ -215,7 +215,7 @@ def test_settings_that_must_agree_do(path, doc, job, pod):
             return
         rules = job["podFailurePolicy"]["rules"]
         assert {
-            "action": "Ignore",
+            "action": action(doc),
             "onExitCodes": {
                 "containerName": trainer["name"],
                 "operator": "In",
@@ -223,10 +223,57 @@ def test_settings_that_must_agree_do(path, doc, job, pod):
             },
         } in rules
     assert {
-        "action": "Ignore",
+        "action": action(doc),
         "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
     } in job["podFailurePolicy"]["rules"]
     assert pod["restartPolicy"] == "Never"
+
+
+def action(doc: dict[str, Any]) -> str:
+    """A Job ignores a preemption and a JIT exit; a JobSet's Job fails on them, and the JobSet
+    restarts every Job without counting it (test_a_jobset_restarts_on_preemption...)."""
+    return "FailJob" if doc["kind"] in ("TrainingRuntime", "ClusterTrainingRuntime") else "Ignore"
+
+
+def test_a_jobset_restarts_on_preemption_and_jit_exits_without_counting_them():
+    """The runtime's JobSet rule names exactly its Jobs' two FailJob rules, by index, in the
+    Kubernetes Job controller's failure messages (`Pod ns/name has condition DisruptionTarget
+    matching FailJob rule at index 0`, `Container node for pod ns/name failed with exit code
+    143 matching FailJob rule at index 1`); a crash fails the Job at once and is counted."""
+    runtime = load_all(K8S / "trainjob" / "runtime.yaml")[0]
+    jobset = runtime["spec"]["template"]["spec"]
+    (rule,) = jobset["failurePolicy"]["rules"]
+    assert re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", rule["name"])
+    assert (rule["action"], rule["onJobFailureReasons"]) == (
+        "RestartJobSetAndIgnoreMaxRestarts",
+        ["PodFailurePolicy"],
+    )
+    assert jobset["failurePolicy"]["maxRestarts"] >= 1
+    for replicated in jobset["replicatedJobs"]:
+        job = replicated["template"]["spec"]
+        assert job["backoffLimit"] == 0
+        pod = job["template"]["spec"]
+        messages = []
+        for index, r in enumerate(job["podFailurePolicy"]["rules"]):
+            if "onPodConditions" in r:
+                (condition,) = r["onPodConditions"]
+                messages.append(
+                    f"Pod ns/p has condition {condition['type']} matching {r['action']} rule "
+                    f"at index {index}"
+                )
+            else:
+                codes = r["onExitCodes"]
+                (code,) = codes["values"]
+                messages.append(
+                    f"Container {codes['containerName']} for pod ns/p failed with exit code "
+                    f"{code} matching {r['action']} rule at index {index}"
+                )
+                assert code == int(env_of(trainers(pod)[0]).get("JITCKPT_EXIT_CODE", "143"))
+        patterns = rule["onJobFailureMessagePatterns"]
+        assert len(messages) == len(patterns) == 2
+        for message, pattern in zip(messages, patterns):
+            assert re.search(pattern, message), (pattern, message)
+        assert not any(re.search(p, messages[0].replace("index 0", "index 2")) for p in patterns)
 
 
 @pytest.mark.parametrize(("path", "doc", "job", "pod"), POD_CASES, ids=POD_IDS)
