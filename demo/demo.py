@@ -5,7 +5,10 @@ Everything runs on this machine with the test harness's real parts: a moto S3 se
 `torchrun --nproc-per-node 2` on a tiny Llama with the HF Trainer, beside a jitckpt-sidecar.
 
   pod-1  trains from scratch; SIGTERM (to both containers, as the kubelet does) at a random step
-  pod-2  fresh emptyDir: its sidecar restores the JIT checkpoint from S3; SIGTERM again
+  pod-2  fresh emptyDir: its sidecar restores the JIT checkpoint from S3; at a random step the
+         cluster's notice comes first (Karpenter's disruption taint on its node, through a
+         Kubernetes API on 127.0.0.1 that speaks the watch protocol: tests/harness/kube_api.py):
+         its sidecar asks for a save now and has it in S3 before the SIGTERM that follows
   pod-3  restores the second JIT checkpoint and trains to the end
   reference  the same job, uninterrupted, under its own S3 prefix
 
@@ -31,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the po
 
 import report
 import timeline
+from harness.checkpoints import committed_in_s3
+from harness.kube_api import KubeApi
 from harness.pod import Pod, final_weights, last_step, resumed_from
+from harness.procs import wait_for
 from harness.s3 import Bucket, MotoServer
 from jitckpt_entrypoint.protocol import status
 from observe import MetricsTap, PodRun, read_status
@@ -45,6 +51,10 @@ TRAIN_ARGS = ["--max-steps", str(TOTAL), "--save-steps", str(SAVE_STEPS), *MODEL
 POD_ENV = {"JITCKPT_METRICS_HOST": "127.0.0.1"}
 BUCKET = "jitckpt-demo"
 TOLERANCE = 1e-7
+NOTICE_LEAD = 1.0
+"""Seconds from pod-2's save asked for being in S3 to its SIGTERM (Karpenter's own lead varies)."""
+NODE, NAMESPACE = "node-b", "demo"
+"""pod-2's node and namespace in the demo's Kubernetes API."""
 OUTPUTS = ("*-trainer.log", "*-sidecar.log", "metrics-*.txt", "timeline.png", "report.txt")
 
 
@@ -54,11 +64,15 @@ class Demo:
         self.seed = seed
         rng = random.Random(seed)
         first = rng.randint(10, TOTAL // 2 - 5)
-        self.targets = (first, rng.randint(first + 15, TOTAL - 15))
-        """The steps after which pod-1 and pod-2 get SIGTERM."""
+        self.targets = (first, rng.randint(first + 15, TOTAL - 40))
+        """The steps after which pod-1 gets SIGTERM and pod-2 the cluster's notice (its SIGTERM
+        follows NOTICE_LEAD s after the save asked for is in S3)."""
         self.started = time.monotonic()
         self.t0 = self.started  # reset when pod-1 is created: the timeline's zero
         self.server: Optional[MotoServer] = None
+        self.api: Optional[KubeApi] = None
+        self.notice: dict[str, float] = {}
+        """pod-2's notice: the step it came after, the step saved, seconds to S3 and SIGTERM."""
         self.runs: list[PodRun] = []
         self.reference: Optional[PodRun] = None
         self.failures: list[str] = []
@@ -73,14 +87,14 @@ class Demo:
 
     # -- the pods --
 
-    def launch(self, name: str, bucket: Bucket) -> PodRun:
+    def launch(self, name: str, bucket: Bucket, env: Optional[dict[str, str]] = None) -> PodRun:
         pod = Pod(
             self.out / "pods",
             name,
             TRAIN_ARGS,
             s3_env=bucket.env({}),
             storage_uri=bucket.uri,
-            env=POD_ENV,
+            env={**POD_ENV, **(env or {})},
         )
         run = PodRun(pod, MetricsTap(pod), time.monotonic(), bucket.keys())
         if name == "reference":
@@ -137,6 +151,45 @@ class Demo:
                 f"{run.name}: {name} is not committed in S3",
             )
 
+    def kube(self) -> KubeApi:
+        if self.api is None:
+            raise RuntimeError("the demo's Kubernetes API is not started")
+        return self.api
+
+    def kube_env(self, pod: str) -> dict[str, str]:
+        """What the downward API and the service account give a pod on NODE."""
+        api = self.kube()
+        api.add_pod(NAMESPACE, pod)
+        return {
+            **api.env(),
+            "JITCKPT_KUBE_CREDENTIALS": str(api.credentials),
+            "JITCKPT_NODE_NAME": NODE,
+            "JITCKPT_POD_NAME": pod,
+            "JITCKPT_POD_NAMESPACE": NAMESPACE,
+        }
+
+    def notify(self, run: PodRun, bucket: Bucket, target: int) -> None:
+        """The cluster's notice before the SIGTERM: Karpenter taints the pod's node; its sidecar
+        asks the trainer for a save now and uploads it while training goes on."""
+        api = self.kube()
+        run.pod.wait_step(max(target, run.begin + 1))
+        after_step, noticed = last_step(run.pod), time.monotonic()
+        api.taint(NODE, "karpenter.sh/disrupted")
+        self.say(f"{run.name}: notice after step {after_step}: Karpenter taints {NODE}")
+        folder = str(run.pod.jdir / "status")
+        answer = wait_for(lambda: status.SAVE_ANSWER.read(folder), 60, "the trainer's answer")
+        saved = answer.step
+        wait_for(lambda: saved in committed_in_s3(bucket), 60, f"checkpoint-{saved} in S3")
+        durable = time.monotonic() - noticed
+        self.say(
+            f"{run.name}: checkpoint-{saved} (asked for by the sidecar) in S3 {durable:.2f} s "
+            "after the notice; training goes on"
+        )
+        self.check(saved >= after_step, f"{run.name}: the notice's save {saved} < {after_step}")
+        self.notice = {"after": after_step, "saved": saved, "durable": durable}
+        time.sleep(NOTICE_LEAD)
+        self.notice["sigterm"] = time.monotonic() - noticed
+
     def finish(self, run: PodRun, bucket: Bucket) -> None:
         run.exit = run.pod.finish()
         run.settle(bucket)
@@ -155,6 +208,8 @@ class Demo:
 
     def run(self) -> tuple[float, float]:
         """Returns (max abs weight difference, seconds the job took)."""
+        self.api = KubeApi(self.out / "kube")
+        self.api.add_node(NODE)
         self.server = MotoServer().start()
         client = self.server.client()
         client.create_bucket(Bucket=BUCKET)
@@ -165,8 +220,9 @@ class Demo:
         self.t0 = time.monotonic()
         first = self.launch("pod-1", job)
         self.preempt(first, job, self.targets[0])
-        second = self.launch("pod-2", job)
-        self.preempt(second, job, self.targets[1])
+        second = self.launch("pod-2", job, self.kube_env("pod-2"))
+        self.notify(second, job, self.targets[1])
+        self.preempt(second, job, last_step(second.pod))
         third = self.launch("pod-3", job)
         self.finish(third, job)
         for steps_lost, after in zip(report.lost(self.runs), self.runs[1:]):
@@ -203,6 +259,8 @@ class Demo:
             run.ended_at = run.ended_at or time.monotonic()
         if self.server is not None:
             self.server.stop()
+        if self.api is not None:
+            self.api.stop()
 
     def write_outputs(self) -> None:
         every = [*self.runs, *([self.reference] if self.reference else [])]
@@ -227,6 +285,8 @@ def summary(demo: Demo, worst: float, wall: float, job_seconds: float, shown: Pa
         "  SIGTERM->commit: status/jit.json; SIGTERM->in S3: until the sidecar logged the upload.",
         "  steps lost: the last step the pod completed minus the step the next pod resumed at.",
         "",
+        notice(demo),
+        "",
         "Pods",
         report.pods(demo.runs),
         "",
@@ -240,14 +300,31 @@ def summary(demo: Demo, worst: float, wall: float, job_seconds: float, shown: Pa
         "Metrics: each sidecar served Prometheus text at the /metrics URL printed above while its",
         f"  pod ran; its last scrape is saved as {shown}/metrics-<pod>.txt",
         f"Logs: {shown}/<pod>-trainer.log, <pod>-sidecar.log   Timeline: {shown}/timeline.png",
-        f"PASS: 2 preemptions, 0 steps lost, final weights {'bitwise equal' if equal else 'match'}",
+        (
+            "PASS: 2 preemptions (one after the cluster's notice), 0 steps lost, final weights "
+            f"{'bitwise equal' if equal else 'match'}"
+        ),
     ]
     return "\n".join(lines)
+
+
+def notice(demo: Demo) -> str:
+    """pod-2's early save: what of its checkpoint was durable when SIGTERM came."""
+    n, run = demo.notice, demo.runs[1]
+    jit = run.jit.get("step")
+    return (
+        f"Early notice (pod-2): Karpenter's taint on {NODE} after step {n['after']:.0f}; the "
+        f"sidecar asked for a save now:\n  checkpoint-{n['saved']:.0f} was in S3 "
+        f"{n['durable']:.2f} s after the notice, {n['sigterm'] - n['durable']:.1f} s before "
+        f"SIGTERM; the JIT save at SIGTERM (checkpoint-{jit}) added the {jit - n['saved']:.0f} "
+        "steps trained since."
+    )
 
 
 def clean(out: Path) -> None:
     """Remove what an earlier demo wrote there, and nothing else."""
     shutil.rmtree(out / "pods", ignore_errors=True)
+    shutil.rmtree(out / "kube", ignore_errors=True)
     for pattern in OUTPUTS:
         for path in out.glob(pattern):
             path.unlink()
@@ -279,8 +356,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     demo = Demo(out, seed)
     print(
-        f"  SIGTERM after step {demo.targets[0]} (pod-1) and step {demo.targets[1]} (pod-2); "
-        f"outputs in {shown}/"
+        f"  SIGTERM after step {demo.targets[0]} (pod-1); the cluster's notice after step "
+        f"{demo.targets[1]} (pod-2), its SIGTERM {NOTICE_LEAD:.0f} s after the save asked for is "
+        f"in S3; outputs in {shown}/"
     )
     worst, job_seconds, error = float("inf"), 0.0, ""
     try:
