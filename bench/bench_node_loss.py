@@ -18,12 +18,12 @@ Variants (save_steps --save-steps for all):
 - jitckpt: the defaults (async periodic saves, the JIT save, the survivors' save).
 
     .venv/bin/python bench/bench_node_loss.py [--trials 3] [--save-steps 20] [--seed 1]
-        [--silent [--hang 60]]
+        [--silent [--hang 60] [--peer-timeout 8]]
 
 --silent: node 1 is instead a machine gone without closing its connections (its tree stopped,
 its packets dropped, in a network namespace of the bench's own; root): node 0 waits in a
-collective until its connection times out (jitckpt: JITCKPT_PEER_TIMEOUT, 8 s; the anchors:
-the process group's timeout, 30 min, shown as "hung" after --hang seconds).
+collective until its connection is found silent (jitckpt: JITCKPT_PEER_TIMEOUT=--peer-timeout,
+opt-in; the anchors: the process group's timeout, 30 min, shown as "hung" after --hang s).
 
 The floor: losing the step in progress (0 when the loss falls between steps) and writing one
 checkpoint (its bytes at the disk's bandwidth: milliseconds for this model); the rest of "commit
@@ -75,6 +75,8 @@ def wait_step(proc: Proc, step: int, timeout: float = 300) -> None:
 
 def run(variant: str, kill_at: int, opts: argparse.Namespace, root: Path) -> dict[str, float]:
     extra_env, extra_args = VARIANTS[variant]
+    if opts.silent and variant == "jitckpt":
+        extra_env = {**extra_env, "JITCKPT_PEER_TIMEOUT": str(opts.peer_timeout)}
     args = [
         "--max-steps", "100000", "--save-steps", str(opts.save_steps), "--dropout", "0.1",
         "--step-sleep", str(opts.step_sleep), *extra_args,
@@ -122,6 +124,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--silent", action="store_true", help="node 1 silenced, not killed")
     parser.add_argument("--hang", type=float, default=60, help="--silent: seconds to wait")
+    parser.add_argument("--peer-timeout", type=int, default=8, help="--silent: jitckpt's")
     opts = parser.parse_args()
     rng = random.Random(opts.seed)
     kills = [rng.randint(opts.save_steps + 2, 3 * opts.save_steps - 2) for _ in range(opts.trials)]

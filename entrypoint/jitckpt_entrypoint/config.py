@@ -193,15 +193,15 @@ OPTIONS = (
     Option(
         "peer_timeout",
         INTEGER,
-        "seconds until a machine that acknowledges nothing counts as lost; 0 = TCP's own",
-        check=between(0, 3600, "whole seconds from 0 to 3600"),
-        doc="a job of several nodes whose survivors can save (DDP under the Trainer): while "
-        "no step ends, a training process's TCP connection (gloo's, torchrun's store) whose "
-        "other machine acknowledged nothing for this many seconds (data or a keepalive probe "
-        "awaiting it) is shut down, so a node powered off or cut off fails the collective and "
-        "the survivors save; a peer that is only slow, busy or stopped still acknowledges. "
-        "`0`: the connections as they are (a collective then waits for the process group's "
-        "timeout, 30 min by default)",
+        "seconds until a machine that acknowledges nothing counts as lost; 0 = off",
+        check=rule(lambda v: v == 0 or 4 <= v <= 3600, "0 (off) or whole seconds from 4 to 3600"),
+        doc="opt-in, for a job of several nodes whose survivors can save (DDP under the "
+        "Trainer): keepalive on the training processes' TCP connections (every one: gloo's, "
+        "torchrun's store's, and any other the script opened), and while no step ends, one "
+        "that owes an acknowledgement for this many seconds is shut down, so a node powered off "
+        "or cut off fails the collective and the survivors save; a peer that is only slow, "
+        "busy or stopped still acknowledges. `0`: the connections as they are (a collective "
+        "then waits for the process group's timeout, 30 min by default)",
     ),
     GRACE_SECONDS,
     Option(
@@ -248,8 +248,8 @@ class Config:
     """How often a snapshot goes to memory_dir: a duration, or "<N>steps"."""
     async_busy: str = "wait"
     """A periodic save due while the previous one is still being written: wait for it, or skip."""
-    peer_timeout: int = 8
-    """Seconds without an acknowledgement before a training connection ends (0: TCP's own)."""
+    peer_timeout: int = 0
+    """Seconds a training connection may owe an acknowledgement while no step ends (0: off)."""
     grace_seconds: int = 30
     """The pod's terminationGracePeriodSeconds: the whole budget from SIGTERM to SIGKILL."""
     exit_code: int = 143

@@ -224,55 +224,75 @@ def test_the_jit_record_and_the_exit_line_say_the_survivors_saved_after_a_peer_w
         assert "peer_lost_at" not in f.read()
 
 
-def test_the_peer_timeout_sets_keepalive_on_connections_only_once_each_and_not_when_zero():
+@pytest.fixture
+def peer_timeout():
+    """`peer_timeout(seconds)`: a PeerTimeout whose watch thread ends with the test."""
+    made: list[PeerTimeout] = []
+
+    def make(seconds: int) -> PeerTimeout:
+        made.append(PeerTimeout(seconds, logging.getLogger("test")))
+        return made[-1]
+
+    yield make
+    for timeout in made:
+        timeout.close()
+
+
+def test_the_peer_timeout_sets_keepalive_on_connections_only_once_each_and_not_when_zero(
+    peer_timeout,
+):
     """Keepalive on connected TCP sockets; a listening socket, a UDP socket and a pipe are left
-    alone; 0 leaves every connection as it is."""
+    alone; 0 leaves every connection as it is. The sockets keep their blocking mode, even under
+    a default socket timeout (a Python socket object made on a descriptor would change it)."""
     listener = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(listener.getsockname())
     server, _ = listener.accept()
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     read, write = os.pipe()
-    log = logging.getLogger("test")
+    socket.setdefaulttimeout(30)
     try:
-        assert PeerTimeout(0, log).apply() == 0
+        assert peer_timeout(0).started() == 0
         assert client.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
-        timeout = PeerTimeout(8, log)
-        assert timeout.apply() >= 2  # both ends (and whatever else this process has open)
+        timeout = peer_timeout(8)
+        assert timeout.started() >= 2  # both ends (and whatever else this process has open)
         for sock in (client, server):
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             # an idle connection is probed well before the timeout
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 4
+            assert sock.getblocking()
+            assert os.get_blocking(sock.fileno())
         assert listener.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
         assert udp.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
-        assert timeout.apply() == 0  # each once
-        client.sendall(b"still open")  # the duplicates it used are closed, the sockets are not
+        assert timeout.started() == 0  # each once
+        client.sendall(b"still open")
         assert server.recv(10) == b"still open"
     finally:
+        socket.setdefaulttimeout(None)
         for sock in (client, server, listener, udp):
             sock.close()
         os.close(read)
         os.close(write)
 
 
-def test_a_peer_that_does_not_read_is_not_taken_for_a_silent_machine(caplog):
+def test_a_peer_that_does_not_read_is_not_taken_for_a_silent_machine(caplog, peer_timeout):
     """A receiver that stops reading (a straggler, a long evaluation) fills its window: the
     sender's data waits, but its probes are answered, so the watch leaves the connection open
     (TCP_USER_TIMEOUT would end it)."""
     listener = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(listener.getsockname())
     server, _ = listener.accept()
-    timeout = PeerTimeout(2, logging.getLogger("test"))
+    timeout = peer_timeout(4)
     try:
-        timeout.apply()
+        timeout.started()
+        timeout.stopped()  # the looks below only
         client.setblocking(False)
         deadline = time.monotonic() + 6
-        suspects: dict[tuple[int, int], float] = {}
+        silent: dict = {}
         while time.monotonic() < deadline:
             with contextlib.suppress(BlockingIOError):
                 client.send(b"x" * 65536)
-            suspects = timeout._look(suspects)
+            silent = timeout._look(silent, time.monotonic())
             time.sleep(0.05)
-        assert not suspects
         assert not caplog.records
         assert client.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
         server.setblocking(False)

@@ -1,44 +1,53 @@
-"""A machine gone without closing its connections fails the next collective in seconds.
+"""A machine gone without closing its connections fails the next collective in seconds (opt-in:
+JITCKPT_PEER_TIMEOUT).
 
 A node that is powered off, cut off the network or hung in its kernel sends no FIN and no RST:
 its peers' gloo collectives wait for the process group's timeout (30 minutes by default, HF's
 `ddp_timeout`), and the survivors' save (survivors.py) waits with them; TCP itself retransmits
 for about 15 minutes.
 
-So the training processes' TCP connections get keepalive probes (an idle connection is probed
-after half of `seconds`), and while training has not finished a step for half of `seconds`, a
-watch thread reads each connection's TCP_INFO: one that has data or a probe awaiting an
-acknowledgement and has received none for `seconds`, on looks 1.5 s apart, is shut down. gloo
-then raises `Connection closed by peer` at once, and the survivors save as after a closed
-connection.
+So the training process's TCP connections get keepalive probes (an idle connection is probed
+after half of `seconds`), and while training is on and has not finished a step for LOOK_AFTER
+seconds, a watch thread reads each connection's TCP_INFO every LOOK seconds. A connection that
+owes an acknowledgement (data or a probe sent, none back) on every look for `seconds`, with no
+acknowledgement between the looks, is shut down: gloo then raises `Connection closed by peer` at
+once, and the survivors save as after a closed connection. The silence counts from the first
+look that saw it, never from the last acknowledgement (an idle connection's probe goes out long
+after that), so an outage shorter than `seconds` never ends a connection.
 
 Only the other machine's kernel matters: a peer process that is slow, holds its GIL, waits in a
-long evaluation or is stopped still has its connections acknowledged (a full receive window
-answers its probes), so nothing alive is cut short, as TCP_USER_TIMEOUT would (it also ends a
-connection whose receiver does not read for that long). Never raises into training.
+long evaluation, does not read (its zero window answers the probes) or is stopped still
+acknowledges. The socket calls go through libc on the process's own descriptors (no Python
+socket object, which would change a socket's blocking mode; no duplicate to close).
+Never raises into training.
 """
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import socket
 import struct
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
-PROBES = 9
-"""Keepalive probes unanswered before the kernel itself ends an idle connection (a backstop:
-the watch ends it first)."""
 LOOK = 0.5
-"""Seconds between looks while no step ends."""
-CONFIRM = 1.5
-"""Seconds a connection must stay silent across looks: a probe the other end's rate limit on
-out-of-window acknowledgements (500 ms) left unanswered is answered by the next."""
+"""Seconds between looks."""
+LOOK_AFTER = 1.0
+"""Looks start once no step has ended for this long (a stalled collective)."""
+PROBES = 9
+"""Keepalive probes unanswered before the kernel itself ends an idle connection: a backstop well
+after the watch (seconds/2 + 9 x seconds/4)."""
+ACK_SLACK = 0.25
+"""Seconds an acknowledgement's time may differ between two reads of the same one."""
+REAPPLY = 10.0
+"""Seconds between looks for connections made since (a group created at the first save)."""
 TCP_INFO = struct.Struct("8B14I")
 """struct tcp_info up to tcpi_last_ack_recv (linux/tcp.h, a stable ABI)."""
+ESTABLISHED = 1
 
 
 class PeerTimeout:
@@ -51,24 +60,23 @@ class PeerTimeout:
         self._known: set[tuple[int, int]] = set()
         """(fd, inode) of the connections set."""
         self._progress = time.monotonic()
+        self._on = False
+        """Training is on (between `started` and `stopped`)."""
+        self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
+        self._libc: Any = None
 
-    def apply(self) -> int:
-        """Keepalive on every established TCP connection not yet set, and the watch started;
-        how many were set now."""
-        if self.seconds <= 0 or not hasattr(socket, "TCP_INFO"):
+    def started(self) -> int:
+        """Training starts: keepalive on the connections, the watch on; how many were set."""
+        if self.seconds <= 0:
             return 0
-        count = 0
-        for key in _sockets():
-            with self._lock:
-                if key in self._known:
-                    continue
-            if _keepalive(key, self.seconds):
-                count += 1
-                with self._lock:
-                    self._known.add(key)
-        if self._thread is None and self._known:
+        if self._libc is None:
+            self._libc = _libc()
+            if self._libc is None:
+                return 0
+        self._progress, self._on = time.monotonic(), True
+        count = self._apply()
+        if self._thread is None:
             self._thread = threading.Thread(
                 target=self._watch, name="jitckpt-peer-timeout", daemon=True
             )
@@ -79,120 +87,170 @@ class PeerTimeout:
         """Training finished a step: its connections are working."""
         self._progress = time.monotonic()
 
+    def stopped(self) -> None:
+        """Training ended (or raised): no more looks until it starts again."""
+        self._on = False
+
+    def close(self) -> None:
+        """End the watch thread."""
+        self._on = False
+        self._stop.set()
+
+    def _apply(self) -> int:
+        count = 0
+        for key in _sockets():
+            if key not in self._known and self._keepalive(key):
+                self._known.add(key)
+                count += 1
+        return count
+
     def _watch(self) -> None:
-        suspects: dict[tuple[int, int], float] = {}
-        while True:
-            time.sleep(LOOK)
-            if time.monotonic() - self._progress < self.seconds / 2:
-                suspects = {}
+        silent: dict[tuple[int, int], tuple[float, float]] = {}
+        """Connections owing an acknowledgement: (the first look that saw it, when its last
+        acknowledgement came, as that look read it)."""
+        applied = time.monotonic()
+        while not self._stop.wait(LOOK):
+            now = time.monotonic()
+            if not self._on or now - self._progress < LOOK_AFTER:
+                silent = {}
                 continue
             try:
-                suspects = self._look(suspects)
+                if now - applied >= REAPPLY:
+                    applied = now
+                    self._apply()
+                silent = self._look(silent, now)
             except Exception as exc:  # noqa: BLE001 - the watch only: TCP's own timeouts stay
                 self.log.debug("peer timeout watch ended: %r", exc)
                 return
 
-    def _look(self, suspects: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
-        """Shut down the connections silent for the timeout, and so on looks at least CONFIRM
-        seconds apart; the ones silent now (for the timeout less CONFIRM), with when each was
-        first seen so."""
-        silent, now, limit = {}, time.monotonic(), self.seconds * 1000
-        soon = limit - CONFIRM * 1000
-        with self._lock:
-            known = list(self._known)
-        for key in known:
-            with _open(key) as sock:
-                if sock is None:
-                    with self._lock:
-                        self._known.discard(key)
-                    continue
-                waited = _unacknowledged_ms(sock)
-                if waited is None or waited < soon:
-                    continue
-                if waited < limit or now - suspects.get(key, now) < CONFIRM:
-                    silent[key] = suspects.get(key, now)
-                    continue
-                with contextlib.suppress(OSError):
-                    peer = "%s:%s" % sock.getpeername()[:2]  # noqa: UP031 - IPv4 and IPv6 alike
-                    sock.shutdown(socket.SHUT_RDWR)
-                    self.log.warning(
-                        "the machine at %s acknowledged nothing for %.0f s "
-                        "(JITCKPT_PEER_TIMEOUT): its connection is closed, so the collective "
-                        "waiting on it fails and the survivors save",
-                        peer,
-                        waited / 1000,
-                    )
-                with self._lock:
-                    self._known.discard(key)
-        return silent
+    def _look(
+        self, silent: dict[tuple[int, int], tuple[float, float]], now: float
+    ) -> dict[tuple[int, int], tuple[float, float]]:
+        """Shut down the connections silent for `seconds`; those silent now."""
+        still: dict[tuple[int, int], tuple[float, float]] = {}
+        for key in list(self._known):
+            if not _is(key):
+                self._known.discard(key)
+                continue
+            owed = self._owed(key[0])
+            if owed is None:
+                continue  # nothing owed now: a silence seen before is over
+            acked = now - owed / 1000  # when its last acknowledgement came
+            since, first_acked = silent.get(key, (now, acked))
+            if acked > first_acked + ACK_SLACK:  # one came since the first look: a new silence
+                since, first_acked = now, acked
+            if now - since < self.seconds:
+                still[key] = (since, first_acked)
+                continue
+            peer = _peer(key[0])
+            if _is(key) and self._libc.shutdown(key[0], socket.SHUT_RDWR) == 0:
+                self._known.discard(key)
+                self.log.warning(
+                    "the machine at %s acknowledged nothing for %.0f s (JITCKPT_PEER_TIMEOUT): "
+                    "its connection is closed, so the collective waiting on it fails and the "
+                    "survivors save",
+                    peer,
+                    now - since,
+                )
+        return still
+
+    def _owed(self, fd: int) -> Optional[int]:
+        """Milliseconds since `fd` last received an acknowledgement, when it has data or a
+        probe awaiting one (else None)."""
+        info = self._getsockopt(fd, socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO.size)
+        if info is None or len(info) < TCP_INFO.size:
+            return None
+        fields = TCP_INFO.unpack_from(info)
+        state, probes, unacked, last_ack_recv = fields[0], fields[3], fields[12], fields[20]
+        if state != ESTABLISHED or not (probes or unacked):
+            return None
+        return int(last_ack_recv)
+
+    def _keepalive(self, key: tuple[int, int]) -> bool:
+        fd = key[0]
+        kind = self._getsockopt(fd, socket.SOL_SOCKET, socket.SO_TYPE, 4)
+        family = self._getsockopt(fd, socket.SOL_SOCKET, socket.SO_DOMAIN, 4)
+        info = self._getsockopt(fd, socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO.size)
+        if kind is None or family is None or info is None or not _is(key):
+            return False
+        stream = struct.unpack("i", kind)[0] == socket.SOCK_STREAM
+        inet = struct.unpack("i", family)[0] in (socket.AF_INET, socket.AF_INET6)
+        if not (stream and inet and info[0] == ESTABLISHED):
+            return False
+        options = (
+            (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, self.seconds // 2)),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, self.seconds // 4)),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, PROBES),
+        )
+        for level, name, value in options:
+            raw = ctypes.c_int(value)
+            if self._libc.setsockopt(fd, level, name, ctypes.byref(raw), 4) != 0:
+                return False
+        return True
+
+    def _getsockopt(self, fd: int, level: int, name: int, size: int) -> Optional[bytes]:
+        buffer = ctypes.create_string_buffer(size)
+        length = ctypes.c_uint32(size)
+        if self._libc.getsockopt(fd, level, name, buffer, ctypes.byref(length)) != 0:
+            return None
+        return buffer.raw[: length.value]
+
+
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    for name in ("getsockopt", "setsockopt", "shutdown"):
+        if not hasattr(libc, name):
+            return None
+    return libc
 
 
 def _sockets() -> list[tuple[int, int]]:
     """(fd, inode) of this process's sockets."""
-    out = []
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/self/fd/{name}")
-                if target.startswith("socket:["):
-                    out.append((int(name), int(target[8:-1])))
+    out: list[tuple[int, int]] = []
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        inode = _inode(int(name))
+        if inode is not None:
+            out.append((int(name), inode))
     return out
 
 
-@contextlib.contextmanager
-def _open(key: tuple[int, int]):  # type: ignore[no-untyped-def]
-    """A duplicate of the connected TCP socket `key` (fd, inode), or None when that fd is no
-    longer it. Closing the duplicate leaves the socket open."""
+def _inode(fd: int) -> Optional[int]:
     try:
-        dup = os.dup(key[0])
-    except OSError:
-        yield None
-        return
-    try:
-        if os.fstat(dup).st_ino != key[1]:
-            os.close(dup)
-            yield None
-            return
-        sock = socket.socket(fileno=dup)
-    except OSError:
-        os.close(dup)
-        yield None
-        return
-    with sock:
-        try:
-            connected = sock.type == socket.SOCK_STREAM and sock.family in (
-                socket.AF_INET,
-                socket.AF_INET6,
-            )
-            sock.getpeername()  # listening or unconnected: not a connection
-        except OSError:
-            connected = False
-        yield sock if connected else None
-
-
-def _keepalive(key: tuple[int, int], seconds: int) -> bool:
-    with _open(key) as sock:
-        if sock is None:
-            return False
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, seconds // 2))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, seconds // 4))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, PROBES)
-        except OSError:
-            return False
-    return True
-
-
-def _unacknowledged_ms(sock: socket.socket) -> Optional[int]:
-    """Milliseconds since `sock` last received an acknowledgement, when it has data or a
-    probe awaiting one (else None: nothing is owed to it)."""
-    try:
-        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO.size)
+        target = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return None
-    if len(raw) < TCP_INFO.size:
-        return None
-    info = TCP_INFO.unpack_from(raw)
-    probes, unacked, last_ack_recv = info[3], info[12], info[20]
-    return last_ack_recv if (probes or unacked) else None
+    return int(target[8:-1]) if target.startswith("socket:[") else None
+
+
+def _is(key: tuple[int, int]) -> bool:
+    """The descriptor is still that socket (not closed, not reused)."""
+    return _inode(key[0]) == key[1]
+
+
+def _peer(fd: int) -> str:
+    """host:port of the other end (from /proc, without a socket object)."""
+    inode = _inode(fd)
+    for table, size in (("tcp", 8), ("tcp6", 32)):
+        try:
+            with open(f"/proc/self/net/{table}", encoding="ascii") as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[9] == str(inode):
+                host, port = fields[2].split(":")
+                raw = bytes.fromhex(host)
+                if size == 8:
+                    return f"{socket.inet_ntop(socket.AF_INET, raw[::-1])}:{int(port, 16)}"
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                return f"[{socket.inet_ntop(socket.AF_INET6, words)}]:{int(port, 16)}"
+    return "?"

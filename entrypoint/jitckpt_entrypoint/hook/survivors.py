@@ -56,8 +56,7 @@ LOST_PEER = (
 """What gloo's errors say when the rank at the other end is gone (lower case); the first also
 when its machine acknowledged nothing for JITCKPT_PEER_TIMEOUT seconds (peer_timeout.py shut
 the connection down), the last when the kernel's keepalive ended it."""
-REAPPLY_STEPS = 100
-"""Steps between looks for connections made since (a group created at the first save)."""
+
 IN_FLIGHT_WAIT = 5.0
 """Seconds a background save in flight gets to stop before the survivors' save of its step."""
 BUFFERS_DIFFER = "the model's buffers differ per rank (only rank 0's are saved)"
@@ -125,22 +124,26 @@ class Survivors:
             # rank's own: the checkpoint holds rank 0's, which a writer of another rank lacks.
             self._why_not = BUFFERS_DIFFER
         if not self._why_not:
-            self._timeout.progressed()
-            self._shorten_timeouts(first=True)
+            self._watch_connections()
 
-    def _shorten_timeouts(self, first: bool = False) -> None:
+    def _watch_connections(self) -> None:
+        """JITCKPT_PEER_TIMEOUT: a connection silent that long is closed (peer_timeout.py)."""
         try:
-            count = self._timeout.apply()
+            count = self._timeout.started()
         except Exception as exc:  # noqa: BLE001 - only the detection of a silent machine
             self.session.log.debug("connections not watched (JITCKPT_PEER_TIMEOUT): %r", exc)
             return
-        if first and count and self.session.topo.rank == 0:
+        if count and self.session.topo.rank == 0:
             self.session.log.info(
                 "a machine that acknowledges nothing for %d s counts as lost "
                 "(JITCKPT_PEER_TIMEOUT; %d connections watched)",
                 self._timeout.seconds,
                 count,
             )
+
+    def ended(self) -> None:
+        """Training ended: the connections are no longer watched."""
+        self._timeout.stopped()
 
     def _unsupported(self, trainer: Any) -> Optional[str]:
         from jitckpt_entrypoint.hook import trainer_checkpoint
@@ -182,6 +185,7 @@ class Survivors:
         its best metric, a plateau scheduler). Never raises."""
         if self._why_not:
             return
+        self._timeout.progressed()
         try:
             self._buffer_copies = {
                 key: getattr(module, name).detach().clone() for module, name, key in self._buffers
@@ -189,9 +193,6 @@ class Survivors:
             self._keep(trainer)
             self._step, self._in_step = (None if evaluating else step), False
             self._evaluating = evaluating
-            self._timeout.progressed()
-            if step % REAPPLY_STEPS == 0:
-                self._shorten_timeouts()
         except Exception as exc:  # noqa: BLE001 - only the survivors' save depends on it
             self._step = None
             self.session.log.debug("step %d not kept for a survivors' save: %r", step, exc)
@@ -237,6 +238,7 @@ class Survivors:
         """`train()` raised `exc`: when a peer is lost, save the last step and exit (does not
         return); else return (the error goes on up). Never raises."""
         lost_at = time.time()
+        self._timeout.stopped()
         try:
             if not lost_peer(exc):
                 self._crashed()

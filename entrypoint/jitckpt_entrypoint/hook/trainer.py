@@ -458,6 +458,7 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
             manager.training_ending(state.global_step, None)
         if state.is_world_process_zero:
             manager.record_output(args.output_dir, state.global_step)
+        manager.survivors.ended()
         manager.training_ended()
         return control
 
