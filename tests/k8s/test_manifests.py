@@ -71,7 +71,7 @@ def test_custom_resources_are_only_the_known_ones():
     """Anything not validated against a core schema is one of the CRDs we check by hand."""
     kinds = {d["kind"] for _, d in DOCS if d["apiVersion"] not in CORE_API}
     assert kinds <= {"TrainJob", "TrainingRuntime", "PyTorchJob", "PodMonitor", "PrometheusRule",
-                     "Certificate", "Issuer"}  # fmt: skip
+                     "Certificate", "Issuer", "ServiceMonitor"}  # fmt: skip
 
 
 WEBHOOK = {(d["kind"], d["metadata"]["name"]): d
@@ -533,9 +533,9 @@ def test_no_pod_fixes_the_user_or_group_ids_that_openshift_assigns():
             specs.append(doc["spec"]["template"]["spec"])
         for pod in specs:
             pods += 1
+            every = [*pod.get("initContainers", []), *pod["containers"]]
             contexts = [pod.get("securityContext") or {}]
-            for c in [*pod.get("initContainers", []), *pod["containers"]]:
-                contexts.append(c.get("securityContext") or {})
+            contexts += [c.get("securityContext") or {} for c in every]
             for context in contexts:
                 fixed += [
                     f"{rel(path)}: {key}"
