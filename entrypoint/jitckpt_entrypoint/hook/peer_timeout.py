@@ -7,13 +7,18 @@ its peers' gloo collectives wait for the process group's timeout (30 minutes by 
 for about 15 minutes.
 
 So the training process's TCP connections get keepalive probes (an idle connection is probed
-after half of `seconds`), and while training is on and has not finished a step for LOOK_AFTER
-seconds, a watch thread reads each connection's TCP_INFO every LOOK seconds. A connection that
-owes an acknowledgement (data or a probe sent, none back) on every look for `seconds`, with no
+after half of `seconds`, then every quarter) and, where the kernel has it (Linux >= 6.15), a
+retransmission and zero-window probe interval capped at a quarter of `seconds`
+(TCP_RTO_MAX_MS): after an outage the next retransmission or probe, and so its answer, comes
+within that quarter. While training is on and has not finished a step for LOOK_AFTER seconds, a
+watch thread reads each connection's TCP_INFO every LOOK seconds. A connection that owes an
+acknowledgement (data or a probe sent, none back) on every look for `seconds`, with no
 acknowledgement between the looks, is shut down: gloo then raises `Connection closed by peer` at
 once, and the survivors save as after a closed connection. The silence counts from the first
 look that saw it, never from the last acknowledgement (an idle connection's probe goes out long
-after that), so an outage shorter than `seconds` never ends a connection.
+after that), so an outage shorter than three quarters of `seconds` never ends a live connection
+(with the cap; without it, the kernel's backoff can leave a connection owing for up to the
+outage's length again after it ended: about half of `seconds`).
 
 Only the other machine's kernel matters: a peer process that is slow, holds its GIL, waits in a
 long evaluation, does not read (its zero window answers the probes) or is stopped still
@@ -25,7 +30,6 @@ Never raises into training.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import socket
@@ -48,6 +52,8 @@ REAPPLY = 10.0
 TCP_INFO = struct.Struct("8B14I")
 """struct tcp_info up to tcpi_last_ack_recv (linux/tcp.h, a stable ABI)."""
 ESTABLISHED = 1
+TCP_RTO_MAX_MS = 44
+"""linux/tcp.h (6.15): the largest retransmission timeout, in ms."""
 
 
 class PeerTimeout:
@@ -59,6 +65,8 @@ class PeerTimeout:
         self.log = log
         self._known: set[tuple[int, int]] = set()
         """(fd, inode) of the connections set."""
+        self._other: set[tuple[int, int]] = set()
+        """(fd, inode) of sockets that are not TCP connections (not looked at again)."""
         self._progress = time.monotonic()
         self._on = False
         """Training is on (between `started` and `stopped`)."""
@@ -76,7 +84,7 @@ class PeerTimeout:
                 return 0
         self._progress, self._on = time.monotonic(), True
         count = self._apply()
-        if self._thread is None:
+        if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(
                 target=self._watch, name="jitckpt-peer-timeout", daemon=True
             )
@@ -99,9 +107,13 @@ class PeerTimeout:
     def _apply(self) -> int:
         count = 0
         for key in _sockets():
-            if key not in self._known and self._keepalive(key):
+            if key in self._known or key in self._other:
+                continue
+            if self._keepalive(key):
                 self._known.add(key)
                 count += 1
+            else:
+                self._other.add(key)
         return count
 
     def _watch(self) -> None:
@@ -118,22 +130,22 @@ class PeerTimeout:
                 if now - applied >= REAPPLY:
                     applied = now
                     self._apply()
-                silent = self._look(silent, now)
+                silent = self._look(silent)
             except Exception as exc:  # noqa: BLE001 - the watch only: TCP's own timeouts stay
-                self.log.debug("peer timeout watch ended: %r", exc)
-                return
+                self.log.warning("peer timeout: a look failed (%r); looking again", exc)
+                silent = {}
 
     def _look(
-        self, silent: dict[tuple[int, int], tuple[float, float]], now: float
+        self, silent: dict[tuple[int, int], tuple[float, float]]
     ) -> dict[tuple[int, int], tuple[float, float]]:
         """Shut down the connections silent for `seconds`; those silent now."""
         still: dict[tuple[int, int], tuple[float, float]] = {}
         for key in list(self._known):
-            if not _is(key):
-                self._known.discard(key)
-                continue
+            now = time.monotonic()  # per read: a look can take long under contention
             owed = self._owed(key[0])
             if owed is None:
+                if not _is(key):
+                    self._known.discard(key)
                 continue  # nothing owed now: a silence seen before is over
             acked = now - owed / 1000  # when its last acknowledgement came
             since, first_acked = silent.get(key, (now, acked))
@@ -142,14 +154,15 @@ class PeerTimeout:
             if now - since < self.seconds:
                 still[key] = (since, first_acked)
                 continue
-            peer = _peer(key[0])
-            if _is(key) and self._libc.shutdown(key[0], socket.SHUT_RDWR) == 0:
+            # The descriptor is checked just before: one closed and reused by another socket
+            # in between (microseconds) would be shut down instead; nothing here ever closes.
+            if self._on and _is(key) and self._libc.shutdown(key[0], socket.SHUT_RDWR) == 0:
                 self._known.discard(key)
                 self.log.warning(
                     "the machine at %s acknowledged nothing for %.0f s (JITCKPT_PEER_TIMEOUT): "
-                    "its connection is closed, so the collective waiting on it fails and the "
+                    "its connection is shut down, so the collective waiting on it fails and the "
                     "survivors save",
-                    peer,
+                    self._peer(key[0]),
                     now - since,
                 )
         return still
@@ -187,7 +200,23 @@ class PeerTimeout:
             raw = ctypes.c_int(value)
             if self._libc.setsockopt(fd, level, name, ctypes.byref(raw), 4) != 0:
                 return False
+        cap = ctypes.c_int(max(1000, self.seconds * 250))  # older kernels: ENOPROTOOPT, as is
+        self._libc.setsockopt(fd, socket.IPPROTO_TCP, TCP_RTO_MAX_MS, ctypes.byref(cap), 4)
         return True
+
+    def _peer(self, fd: int) -> str:
+        """host:port of the other end."""
+        address = ctypes.create_string_buffer(128)
+        length = ctypes.c_uint32(128)
+        if self._libc.getpeername(fd, address, ctypes.byref(length)) != 0:
+            return "?"
+        raw = address.raw
+        family, port = struct.unpack_from("=H", raw)[0], struct.unpack_from("!H", raw, 2)[0]
+        if family == socket.AF_INET:
+            return f"{socket.inet_ntop(socket.AF_INET, raw[4:8])}:{port}"
+        if family == socket.AF_INET6:
+            return f"[{socket.inet_ntop(socket.AF_INET6, raw[8:24])}]:{port}"
+        return "?"
 
     def _getsockopt(self, fd: int, level: int, name: int, size: int) -> Optional[bytes]:
         buffer = ctypes.create_string_buffer(size)
@@ -199,10 +228,10 @@ class PeerTimeout:
 
 def _libc() -> Any:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols: libc's
     except OSError:
         return None
-    for name in ("getsockopt", "setsockopt", "shutdown"):
+    for name in ("getsockopt", "setsockopt", "shutdown", "getpeername"):
         if not hasattr(libc, name):
             return None
     return libc
@@ -233,24 +262,3 @@ def _inode(fd: int) -> Optional[int]:
 def _is(key: tuple[int, int]) -> bool:
     """The descriptor is still that socket (not closed, not reused)."""
     return _inode(key[0]) == key[1]
-
-
-def _peer(fd: int) -> str:
-    """host:port of the other end (from /proc, without a socket object)."""
-    inode = _inode(fd)
-    for table, size in (("tcp", 8), ("tcp6", 32)):
-        try:
-            with open(f"/proc/self/net/{table}", encoding="ascii") as f:
-                lines = f.readlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 9 and fields[9] == str(inode):
-                host, port = fields[2].split(":")
-                raw = bytes.fromhex(host)
-                if size == 8:
-                    return f"{socket.inet_ntop(socket.AF_INET, raw[::-1])}:{int(port, 16)}"
-                words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
-                return f"[{socket.inet_ntop(socket.AF_INET6, words)}]:{int(port, 16)}"
-    return "?"

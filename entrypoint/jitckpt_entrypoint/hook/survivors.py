@@ -18,8 +18,9 @@ committed as a one-node save of the job's world size (a resume at any node count
 whole), kind jit, its manifest naming the rank that wrote it; then the rank exits with
 JITCKPT_EXIT_CODE. One rank per node saves (a lock in status/); the node's other ranks exit
 alike once it has (a marker per torchrun attempt in the run's status directory). A machine gone
-without closing its connections fails the collective once they time out (peer_timeout.py,
-set here when such a save can be made).
+without closing its connections fails the collective only after the process group's timeout,
+unless JITCKPT_PEER_TIMEOUT (opt-in) has its silent connections shut down sooner
+(peer_timeout.py, started here when such a save can be made).
 
 What this does not cover goes on as without it, with one line why (the error goes up into
 training): one node, no whole replica on a rank (FSDP, DeepSpeed, a Trainer that keeps its own
@@ -127,7 +128,7 @@ class Survivors:
             self._watch_connections()
 
     def _watch_connections(self) -> None:
-        """JITCKPT_PEER_TIMEOUT: a connection silent that long is closed (peer_timeout.py)."""
+        """JITCKPT_PEER_TIMEOUT: a connection silent that long is shut down (peer_timeout.py)."""
         try:
             count = self._timeout.started()
         except Exception as exc:  # noqa: BLE001 - only the detection of a silent machine

@@ -70,6 +70,8 @@ def patch(module: ModuleType) -> None:
         except Exception as exc:
             manager.survivors.after_error(self, exc, manager)  # a peer lost: saves, exits
             raise
+        finally:
+            manager.survivors.ended()  # also after a BaseException (no on_train_end)
 
     @functools.wraps(original_output_dir)
     def _get_output_dir(self: Any, trial: Any) -> str:
