@@ -41,11 +41,12 @@ class NetNs:
 
 @contextlib.contextmanager
 def netns() -> Iterator[NetNs]:
-    holder = subprocess.Popen(
-        ["unshare", "--net", "sh", "-c", "ip link set lo up && echo up && exec sleep 3600"],
+    holder = subprocess.Popen(  # killed with this process, even when it is SIGKILLed
+        ["setpriv", "--pdeathsig", "KILL", "unshare", "--net", "sh", "-c",
+         "ip link set lo up && echo up && exec sleep 3600"],
         stdout=subprocess.PIPE,
         text=True,
-    )
+    )  # fmt: skip
     try:
         assert holder.stdout is not None
         assert holder.stdout.readline().strip() == "up", "unshare --net failed"
