@@ -62,6 +62,11 @@ IN_FLIGHT_WAIT = 5.0
 """Seconds a background save in flight gets to stop before the survivors' save of its step."""
 BUFFERS_DIFFER = "the model's buffers differ per rank (only rank 0's are saved)"
 """The one training-wide refusal a node-mate (rank 0) does not share."""
+LOCAL_SETTLE = 0.5
+"""Seconds a rank whose node-mates all look alive keeps looking before it takes a peer's error
+for a node lost (a node-mate killed a moment ago may not show as exiting yet)."""
+PF_EXITING = 0x4
+"""linux/sched.h: the process is exiting (/proc/PID/stat's flags)."""
 LOCK = "survivors.lock"
 """The flock in status/ that one rank per node saves under."""
 CRASHED = "crashed-{restart}-{who}"
@@ -264,7 +269,7 @@ class Survivors:
             return "this rank was inside an optimizer update"
         if self._step <= self._began_at:
             return f"no step completed since step {self._began_at}"
-        if self._local_crash():
+        if self._local_crash(settle=LOCAL_SETTLE):
             return "a rank of this node crashed (torchrun's restart and the RAM tier handle it)"
         if getattr(manager.saver, "_handed", None) is not None:
             return "the RAM writer is writing a save out"
@@ -321,18 +326,24 @@ class Survivors:
             with contextlib.suppress(OSError):
                 os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
 
-    def _local_crash(self) -> bool:
-        """A rank of this node raised, or its process is gone: a worker crash, not a node
-        lost."""
+    def _local_crash(self, settle: float = 0.0) -> bool:
+        """A rank of this node raised, or its process is gone or exiting: a worker crash, not a
+        node lost. `settle`: seconds to keep looking while every node-mate looks alive."""
         topo = self.session.topo
         if topo.local_world_size <= 1:
             return False
         first = topo.rank - topo.local_rank
-        for rank in range(first, first + topo.local_world_size):
-            path = self._marker(CRASHED, rank)
-            if path is not None and os.path.exists(path):
+        deadline = time.monotonic() + settle
+        while True:
+            for rank in range(first, first + topo.local_world_size):
+                path = self._marker(CRASHED, rank)
+                if path is not None and os.path.exists(path):
+                    return True
+            if _local_peer_gone(topo.local_world_size):
                 return True
-        return _local_peer_gone(topo.local_world_size)
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
     def _save_or_leave(
         self, trainer: Any, exc: BaseException, manager: Any, step: Optional[int], lost_at: float
@@ -451,7 +462,9 @@ def _set_rng_states(states: dict[str, Any]) -> None:
 
 def _local_peer_gone(local_world_size: int) -> bool:
     """Fewer of torchrun's workers on this node (this process's parent's children) live than
-    it started: a local rank crashed, not a node lost."""
+    it started: a local rank crashed, not a node lost. A process being killed counts as gone
+    from the start of its exit (PF_EXITING): its sockets close, and its peers' collectives
+    fail, a moment before it is a zombie."""
     if local_world_size <= 1:
         return False
     parent, alive = os.getppid(), 0
@@ -463,7 +476,8 @@ def _local_peer_gone(local_world_size: int) -> bool:
                 fields = f.read().rsplit(b")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == parent and fields[0] not in (b"Z", b"X"):
+        exiting = int(fields[6]) & PF_EXITING
+        if int(fields[1]) == parent and fields[0] not in (b"Z", b"X") and not exiting:
             alive += 1
     return alive < local_world_size
 
