@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.jitckpt-installed
 PYTEST_ARGS ?=
 
-.PHONY: test test-py39 test-oldest test-gpu unit integration lint fmt docs demo bench image image-test k8s-check clean
+.PHONY: deepspeed-ops test test-py39 test-oldest test-gpu unit integration lint fmt docs demo bench image image-test k8s-check clean
 
 $(STAMP): requirements-dev.txt requirements-deepspeed.txt requirements-states.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "make: $(PYTHON) not found; set PYTHON=/path/to/python3.11" >&2; exit 2; }
@@ -21,6 +21,13 @@ $(STAMP): requirements-dev.txt requirements-deepspeed.txt requirements-states.tx
 	touch $@
 
 venv: $(STAMP)
+
+# DeepSpeed builds its CPU shared-memory collective op (deepspeed_shm_comm) with ninja in every
+# ZeRO run that finds it unbuilt: ~90 CPU-seconds. The tests build it into the venv
+# (TORCH_EXTENSIONS_DIR: tests/harness/training.py); .ci/run does it ahead, on idle CPU.
+deepspeed-ops: $(STAMP)
+	PYTHONPATH=$(VENV)/deepspeed TORCH_EXTENSIONS_DIR=$(VENV)/torch_extensions \
+	  $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 
 # make test never needs podman: the image tests are `make image-test`.
 test: $(STAMP)

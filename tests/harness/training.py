@@ -17,11 +17,16 @@ DEEPSPEED = str(Path(sys.executable).parent.parent / "deepspeed")
 """DeepSpeed, apart from the venv's site-packages (make: pip install --target .venv/deepspeed):
 accelerate imports it in every training process that can find it. Put it on PYTHONPATH for the
 ZeRO runs only (`strategy_env`)."""
+TORCH_EXTENSIONS = str(Path(sys.executable).parent.parent / "torch_extensions")
+"""Where DeepSpeed's JIT-built CPU op lives: in the venv, built once (make deepspeed-ops), not
+in ~/.cache, where every checkout's other source path rebuilt it."""
 
 
 def strategy_env(strategy: str) -> dict[str, str]:
     """Environment a training run of `strategy` (train_hf.py --strategy) needs."""
-    return {"PYTHONPATH": DEEPSPEED} if strategy.startswith("zero") else {}
+    if not strategy.startswith("zero"):
+        return {}
+    return {"PYTHONPATH": DEEPSPEED, "TORCH_EXTENSIONS_DIR": TORCH_EXTENSIONS}
 
 
 def torchrun(script: Path, *args: str, nproc: int = 2) -> list[str]:
