@@ -16,6 +16,12 @@ variant meets every failure after the same training time whatever its restarts c
 - pod-kill: a node loss. SIGKILL to the whole pod; a new pod restores from S3.
 - worker-crash: SIGKILL to rank 1's worker. torchrun fails the container, which restarts in
   place at once (no CrashLoopBackOff delay) with the same emptyDir and the same sidecar.
+- notice-N (one per --notices N): the cluster's notice, then a preemption. Karpenter's
+  disruption taint on the pod's node (a Kubernetes API on loopback that speaks the watch
+  protocol: tests/harness/kube_api.py), then N s of training, then SIGTERM as above. The jitckpt
+  variants' sidecars watch their node and ask the trainer for a save now; the hf ones do not
+  listen (nothing in HF's checkpointing would act on it). Reported per notice length: the
+  newest step in S3 when SIGTERM came, and how much of the notice's save was there.
 The run ends when training reaches its last step (max_steps = the trace's training seconds /
 the uninterrupted step time), so a variant that loses work runs longer.
 
@@ -56,7 +62,7 @@ Per variant:
   RGW's access log (as bench_recovery.py counts them).
 
     .venv/bin/python bench/bench_goodput.py [--minutes 3] [--repeat 1] [--seed 1]
-        [--sigterms 2] [--save-steps 500] [--step-sleep 0.1] [--interval 10s]
+        [--sigterms 2] [--notices N ...] [--save-steps 500] [--step-sleep 0.1] [--interval 10s]
         [--overhead 5%] [--overhead-cap 30s] [--variants NAME ...] [--logs DIR]
 
 Needs Ceph's binaries (tests/harness/rgw.py names the packages). One repeat of the default
@@ -67,6 +73,7 @@ Needs Ceph's binaries (tests/harness/rgw.py names the packages). One repeat of t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import random
@@ -90,12 +97,17 @@ sys.path[:0] = [*CODE, str(REPO / "tests"), str(REPO / "bench")]
 
 from bench_recovery import AccessLog  # noqa: E402
 from harness import rgw  # noqa: E402
+from harness.kube_api import KubeApi  # noqa: E402
 from harness.pod import Pod  # noqa: E402
 from harness.procs import Proc, descendants, environ_of  # noqa: E402
 from harness.s3 import FAKE_CREDENTIALS, Bucket, RgwStore  # noqa: E402
 
 MB = 1e6
 KINDS = ("sigterm", "pod-kill", "worker-crash")
+NOTICE = "notice-"
+"""A kind `notice-<N>`: the cluster's notice (Karpenter's taint on the pod's node), then SIGTERM
+N s later."""
+NOTICE_TAINT = "karpenter.sh/disrupted"
 STEP = re.compile(r"^step (\d+) rank=0$")
 BEGIN = re.compile(r"^begin rank=0 pid=\d+ step=(\d+)$")
 
@@ -107,13 +119,16 @@ class Variant:
     args: tuple[str, ...] = ()
     memory: bool = False
     """Each pod gets a memory directory of its own (JITCKPT_MEMORY_DIR)."""
+    hears_notice: bool = True
+    """Its sidecars watch their Node through the Kubernetes API (HF's own checkpointing has
+    nothing that would act on a notice: its variants do not)."""
 
 
 def variants(opts: argparse.Namespace) -> list[Variant]:
     hf = {"JITCKPT_JIT": "0", "JITCKPT_ASYNC_SAVE": "0"}
     return [
-        Variant("hf-periodic", hf),
-        Variant("hf-jit", hf, ("--hf-jit",)),
+        Variant("hf-periodic", hf, hears_notice=False),
+        Variant("hf-jit", hf, ("--hf-jit",), hears_notice=False),
         Variant("jitckpt", {}),
         Variant("jitckpt-interval", {"JITCKPT_SAVE_INTERVAL": opts.interval}),
         Variant(
@@ -131,14 +146,38 @@ class Event:
     kind: str
 
 
-def make_trace(seed: int, minutes: float, sigterms: int) -> tuple[list[Event], float]:
+def make_trace(
+    seed: int, minutes: float, sigterms: int, notices: list[float]
+) -> tuple[list[Event], float]:
     """The failures in a seeded order and spacing, and the training seconds after the last."""
     rng = random.Random(seed)
     kinds = ["sigterm"] * sigterms + ["pod-kill", "worker-crash"]
+    kinds += [f"{NOTICE}{lead:g}" for lead in notices]
     rng.shuffle(kinds)
     weights = [rng.uniform(0.5, 1.5) for _ in range(len(kinds) + 1)]
     seconds = [minutes * 60 * w / sum(weights) for w in weights]
     return [Event(round(s, 1), k) for s, k in zip(seconds, kinds)], round(seconds[-1], 1)
+
+
+@dataclasses.dataclass
+class AtSigterm:
+    """What was durable in S3 when SIGTERM came after a notice."""
+
+    lead: float
+    """Seconds from the taint to the SIGTERM, measured."""
+    noticed: int
+    """The last step rank 0 finished when the node was tainted."""
+    last: int
+    """... and when SIGTERM came."""
+    durable: int
+    """The newest step committed in S3 then (0: none)."""
+    saved: str
+    """The notice's save (the first checkpoint at or after the taint's step) then: "committed"
+    on the pod's volume, "being written" or "not begun"."""
+    save_mb: float
+    """... its size on the volume, MB."""
+    durable_mb: float
+    """... of it in S3 then."""
 
 
 @dataclasses.dataclass
@@ -150,6 +189,7 @@ class Failure:
     recovery: float
     down: float
     """From the failure to the old pod (or container) gone: the grace period's share."""
+    notice: Optional[AtSigterm] = None
 
 
 @dataclasses.dataclass
@@ -181,14 +221,26 @@ class Runner:
     """Pods of one variant on its own bucket, through the trace."""
 
     def __init__(
-        self, root: Path, bucket: Bucket, variant: Variant, args: list[str], grace: int
+        self,
+        root: Path,
+        bucket: Bucket,
+        variant: Variant,
+        args: list[str],
+        grace: int,
+        *,
+        api: Optional[KubeApi] = None,
     ) -> None:
-        self.root, self.bucket, self.variant = root, bucket, variant
+        self.root, self.bucket, self.variant, self.api = root, bucket, variant, api
         self.args, self.grace = [*args, *variant.args], grace
         self.pods: list[Pod] = []
         self.trainers: list[Proc] = []
         self.startups: list[float] = []
         self.memory: list[str] = []
+        self.notice: Optional[AtSigterm] = None
+
+    def node(self) -> str:
+        """The node of the newest pod (every pod lands on a node of its own)."""
+        return f"{self.variant.name}-node-{len(self.pods) - 1}"
 
     def new_pod(self) -> Pod:
         env = {
@@ -196,13 +248,25 @@ class Runner:
             "AWS_SDK_UA_APP_ID": "goodput",
             "PYTHONPATH": os.pathsep.join(CODE),
         }
+        name = f"{self.variant.name}-{len(self.pods)}"
+        if self.api is not None and self.variant.hears_notice:
+            node = f"{self.variant.name}-node-{len(self.pods)}"
+            self.api.add_node(node)
+            self.api.add_pod("training", name)
+            env.update(self.api.env())
+            env.update(
+                JITCKPT_KUBE_CREDENTIALS=str(self.api.credentials),
+                JITCKPT_NODE_NAME=node,
+                JITCKPT_POD_NAME=name,
+                JITCKPT_POD_NAMESPACE="training",
+            )
         if self.variant.memory:  # the pod's own medium: Memory emptyDir
             shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
             self.memory.append(tempfile.mkdtemp(prefix="goodput-memory-", dir=shm))
             env["JITCKPT_MEMORY_DIR"] = self.memory[-1]
         pod = Pod(
             self.root,
-            f"{self.variant.name}-{len(self.pods)}",
+            name,
             self.args,
             self.bucket.env({}),
             self.bucket.uri,
@@ -240,7 +304,13 @@ class Runner:
         before it (its output is complete once the pod or container is gone) and when the
         failed pod or container was gone."""
         pod, proc = self.pods[-1], self.trainers[-1]
-        if kind == "sigterm":
+        self.notice = None
+        if kind.startswith(NOTICE):
+            self.notice = self.warn(pod, proc, float(kind[len(NOTICE) :]))
+            pod.terminate()
+            gone = time.monotonic()
+            self.new_pod()
+        elif kind == "sigterm":
             pod.terminate()
             gone = time.monotonic()
             self.new_pod()
@@ -260,6 +330,39 @@ class Runner:
             self.start_trainer(pod)
         return _last_step(proc), gone
 
+    def warn(self, pod: Pod, proc: Proc, lead: float) -> AtSigterm:
+        """The notice: taint the pod's node (if its variant listens, it hears it), wait `lead` s
+        and see what is durable in S3 just before the SIGTERM the caller sends."""
+        noticed, at = _last_step(proc), time.monotonic()
+        if self.api is not None and self.variant.hears_notice:
+            self.api.taint(self.node(), NOTICE_TAINT)
+        while time.monotonic() < at + lead:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{self.variant.name}: the trainer exited after the notice")
+            time.sleep(0.05)
+        # One LIST (tens of ms, not a read of every manifest): the SIGTERM follows at once.
+        last, in_s3 = _last_step(proc), self.bucket.keys()
+        durable = max(
+            (int(k.split("/")[0][len("checkpoint-") :]) for k in in_s3 if _commit(k)), default=0
+        )
+        local = sorted(
+            (int(d.name.split("-")[1]), d)
+            for d in (pod.jdir / "checkpoints").glob("checkpoint-*")
+            if d.name.split("-")[1].isdigit() and int(d.name.split("-")[1]) >= noticed
+        )
+        save_mb = durable_mb = 0.0
+        saved = "not begun"
+        if local:
+            step, directory = local[0]
+            whole = (directory / "jitckpt-manifest.node-0.json").exists()
+            saved = "committed" if whole else "being written"
+            save_mb = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()) / MB
+            mine = f"checkpoint-{step}/"
+            durable_mb = sum(size for k, size in in_s3.items() if k.startswith(mine)) / MB
+        return AtSigterm(
+            time.monotonic() - at, noticed, last, durable, saved, save_mb, min(durable_mb, save_mb)
+        )
+
     def close(self, logs: Optional[Path] = None) -> None:
         for memory in self.memory:
             shutil.rmtree(memory, ignore_errors=True)
@@ -271,6 +374,11 @@ class Runner:
 
     def output(self) -> str:
         return "\n".join(pod.output()[-6000:] for pod in self.pods)
+
+
+def _commit(key: str) -> bool:
+    """A single-node checkpoint's manifest in S3: the sidecar puts it after every file."""
+    return key.startswith("checkpoint-") and key.endswith("/jitckpt-manifest.node-0.json")
 
 
 def _last_step(proc: Proc) -> int:
@@ -328,8 +436,10 @@ def through(runner: Runner, trace: list[Event], max_steps: int) -> tuple[float, 
             time.sleep(0.05)
         at = time.monotonic()
         last, gone = runner.fail(event.kind)
+        if runner.notice is not None:  # the failure is the SIGTERM; the notice came before it
+            at += runner.notice.lead
         resumed, segment = runner.began()
-        failures.append(Failure(event.kind, last, resumed, segment - at, gone - at))
+        failures.append(Failure(event.kind, last, resumed, segment - at, gone - at, runner.notice))
         print(
             f"  {runner.variant.name}: {event.kind} at step {last}, resumed at {resumed}, "
             f"training again {segment - at:.1f} s later",
@@ -375,6 +485,10 @@ def _median(values: list[float]) -> float:
 
 
 def report(results: dict[str, list[Result]], step_times: list[float]) -> None:
+    kinds = [*KINDS]
+    for runs in results.values():
+        for f in (f for r in runs for f in r.failures):
+            kinds += [f.kind] if f.kind not in kinds else []
     step = statistics.median(step_times)
     repeats = len(step_times)
     anchor = results.get("hf-periodic")
@@ -384,18 +498,18 @@ def report(results: dict[str, list[Result]], step_times: list[float]) -> None:
         f" ({', '.join(f'{s * 1e3:.0f}' for s in step_times)} ms per repeat)\n"
     )
     print(
-        "| variant | goodput | vs hf-periodic | goodput excl. start-ups | steps lost: sigterm "
-        "| pod-kill | worker-crash | recovery s (median) | sigterm: pod gone s | start-ups s | wall s "
+        f"| variant | goodput | vs hf-periodic | goodput excl. start-ups | steps lost: "
+        f"{' | '.join(kinds)} | recovery s (median) | sigterm: pod gone s | start-ups s | wall s "
         "| S3 MB written | vs hf-periodic | uploads |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (12 + len(kinds)) + "|")
     base_good = _median([r.goodput(s) for r, s in zip(anchor, step_times)]) if anchor else None
     base_mb = _median([r.s3_bytes / MB for r in anchor]) if anchor else None
     for name, runs in results.items():
         good = _median([r.goodput(s) for r, s in zip(runs, step_times)])
         excl = _median([r.goodput(s, exclude_startups=True) for r, s in zip(runs, step_times)])
         lost = []
-        for kind in KINDS:
+        for kind in kinds:
             values = [v for r in runs if (v := r.lost(kind)) is not None]
             lost.append(f"{_median(values):.0f}" if values else "-")
         recovery = _median([f.recovery for r in runs for f in r.failures])
@@ -417,6 +531,7 @@ def report(results: dict[str, list[Result]], step_times: list[float]) -> None:
         " goodput excl. start-ups takes them out of the wall time; uploads: checkpoints the"
         " sidecars uploaded."
     )
+    notices(results)
     for name, runs in results.items():
         for i, r in enumerate(runs):
             detail = ", ".join(
@@ -428,6 +543,38 @@ def report(results: dict[str, list[Result]], step_times: list[float]) -> None:
                 print(f"    {line}")
 
 
+def notices(results: dict[str, list[Result]]) -> None:
+    """Per variant and notice length: what was durable in S3 when SIGTERM came."""
+    rows = [(name, f) for name, runs in results.items() for r in runs for f in r.failures]
+    rows = [(name, f, f.notice) for name, f in rows if f.notice is not None]
+    if not rows:
+        return
+    print(
+        "\n### The cluster's notice before SIGTERM\n\n"
+        "| variant | notice s before SIGTERM | steps in the lead | newest step in S3 at SIGTERM "
+        "| steps at risk then | the notice's save in S3 then | steps lost | pod gone s |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+    for name, f, n in sorted(rows, key=lambda row: (row[0], row[2].lead)):
+        save = (
+            f"{n.durable_mb:.1f} of {n.save_mb:.1f} MB ({n.durable_mb / n.save_mb:.0%})"
+            if n.saved == "committed"
+            else n.saved
+        )
+        print(
+            f"| {name} | {n.lead:.1f} | {n.last - n.noticed} | {n.durable or '-'} "
+            f"| {n.last - n.durable} | {save} | {f.last - f.resumed} | {f.down:.1f} |"
+        )
+    print(
+        "\nsteps at risk: the last step rank 0 finished at SIGTERM minus the newest step"
+        " committed in S3 then (what a node lost at that moment would cost); the notice's save:"
+        " the first checkpoint at or after the step of the taint, its bytes in S3 at SIGTERM"
+        " against its size on the volume once committed there, else whether it was being"
+        " written (a variant that does not hear the notice begins none);"
+        " steps lost: after the SIGTERM's own JIT save, the grace period and the restore."
+    )
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -437,6 +584,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--sigterms", type=int, default=2)
+    parser.add_argument(
+        "--notices",
+        type=float,
+        nargs="*",
+        default=[],
+        metavar="N",
+        help="a notice-N failure per N: Karpenter's taint on the node, SIGTERM N s later",
+    )
     parser.add_argument("--save-steps", type=int, default=500)
     parser.add_argument("--step-sleep", type=float, default=0.1)
     parser.add_argument(
@@ -462,7 +617,7 @@ def main() -> None:
     if rgw.missing_binaries():
         raise SystemExit(f"needs Ceph: {rgw.INSTALL_HINT}")
     chosen = [v for v in variants(opts) if opts.variants is None or v.name in opts.variants]
-    trace, tail = make_trace(opts.seed, opts.minutes, opts.sigterms)
+    trace, tail = make_trace(opts.seed, opts.minutes, opts.sigterms, opts.notices)
     model = ["--hidden", str(opts.hidden), "--layers", str(opts.layers), "--vocab", str(opts.vocab)]
     common = [*model, "--step-sleep", str(opts.step_sleep), "--save-total-limit", "2"]
     revision = subprocess.run(
@@ -484,7 +639,9 @@ def main() -> None:
     step_times: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp_name:
         tmp = Path(tmp_name)
-        with rgw.running(tmp / "ceph", *keys) as cluster:
+        api = KubeApi(tmp / "kube")
+        with contextlib.ExitStack() as stack, rgw.running(tmp / "ceph", *keys) as cluster:
+            stack.callback(api.stop)
             print(f"Ceph RGW up in {cluster.start_seconds:.1f} s", file=sys.stderr, flush=True)
             store = RgwStore(cluster)
             log = AccessLog(cluster.root / "log" / "client.rgw.a.log", "")
@@ -515,7 +672,12 @@ def main() -> None:
                 for variant in order:
                     started = time.monotonic()
                     runner = Runner(
-                        tmp / f"r{rep}", bucket(f"{variant.name}-{rep}"), variant, args, opts.grace
+                        tmp / f"r{rep}",
+                        bucket(f"{variant.name}-{rep}"),
+                        variant,
+                        args,
+                        opts.grace,
+                        api=api,
                     )
                     logs = opts.logs / f"r{rep}" if opts.logs else None
                     result = run_variant(runner, trace, max_steps, log, logs)
