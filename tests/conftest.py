@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from harness.procs import Proc
+from harness.procs import Proc, clean_env
 
 pytest_plugins = ("harness.s3",)  # moto_server and s3_bucket: a real S3 server on loopback
 
@@ -24,18 +23,7 @@ def jdir(tmp_path: Path) -> Path:
 @pytest.fixture
 def base_env(jdir: Path) -> dict[str, str]:
     """The environment for processes under test: no JITCKPT_* leaking in from outside."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JITCKPT_", "TORCH_ELASTIC_"))}
-    env.update(
-        JITCKPT_DIR=str(jdir),
-        JITCKPT_TERMINATION_LOG=str(jdir / "termination-log"),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        PYTHONUNBUFFERED="1",
-        OMP_NUM_THREADS="1",
-    )
-    env.pop("PYTHONPATH", None)
-    return env
+    return clean_env(jdir)
 
 
 @pytest.fixture

@@ -25,7 +25,15 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file
 
-from harness.procs import ENTRYPOINT, UNSHARE_PID, Proc, children_of, free_port, wait_for
+from harness.procs import (
+    ENTRYPOINT,
+    UNSHARE_PID,
+    Proc,
+    children_of,
+    clean_env,
+    free_port,
+    wait_for,
+)
 from harness.training import TORCHRUN, TRAIN_HF, steps_seen
 from jitckpt_entrypoint.protocol import status
 
@@ -235,17 +243,28 @@ def finish_resumed_job(members: list[Pod], step: int) -> None:
         assert (ready.restore, ready.step) == ("s3", step)
 
 
+def restored_by_sidecars(members: list[Pod], source: Path, step: int) -> None:
+    """New pods' sidecars alone (no trainer; what it would get): each restored checkpoint-`step`
+    from S3, every file of `source` (the saving pod's copy) byte for byte; the manifests, which
+    the restore writes anew, by name."""
+    for pod in members:
+        pod.start_sidecar()
+    for pod in members:
+        pod.wait_ready()
+        ready = status.SIDECAR_READY.read(str(pod.jdir / "status"))
+        assert ready is not None, pod.output()
+        assert (ready.restore, ready.step) == ("s3", step), pod.output()
+        restored = pod.jdir / "checkpoints" / source.name
+        for path in (p for p in source.rglob("*") if p.is_file()):
+            mine = restored / path.relative_to(source)
+            if path.name.startswith("jitckpt-manifest."):
+                assert mine.is_file(), mine
+            else:
+                assert mine.read_bytes() == path.read_bytes(), path
+
+
 def _clean_env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("JITCKPT_", "TORCH_ELASTIC_", "AWS_"))
-    }
-    env.pop("PYTHONPATH", None)
-    env.update(
-        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"
-    )
-    return env
+    return {k: v for k, v in clean_env().items() if not k.startswith("AWS_")}
 
 
 def resumed_from(pod: Pod, timeout: float = 300) -> int:

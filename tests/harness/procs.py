@@ -96,6 +96,24 @@ def kill_tree(pid: int) -> None:
             os.kill(target, signal.SIGKILL)
 
 
+def clean_env(jdir: Optional[Path] = None) -> dict[str, str]:
+    """The environment for processes under test (conftest's base_env; for module-scoped runs
+    too): this one's without JITCKPT_* or TORCH_ELASTIC_* from outside, without PYTHONPATH, no
+    hub; JITCKPT_DIR and the termination log in `jdir` when given."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JITCKPT_", "TORCH_ELASTIC_"))}
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+    )
+    if jdir is not None:
+        env.update(JITCKPT_DIR=str(jdir), JITCKPT_TERMINATION_LOG=str(jdir / "termination-log"))
+    env.pop("PYTHONPATH", None)
+    return env
+
+
 class Proc:
     """A running command whose stdout and stderr are read line by line in the background."""
 

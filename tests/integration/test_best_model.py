@@ -10,7 +10,6 @@ last evaluation the best and "highest" the first one.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.procs import Proc
+from harness.procs import Proc, clean_env
 from harness.training import TRAIN_HF, checkpoint_steps, entrypoint, manifest, torchrun
 
 pytestmark = pytest.mark.integration
@@ -117,11 +116,7 @@ def assert_as_plain(hooked: Run, plain: Run, reference: Run) -> None:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], Run]:
     """HF alone, EPOCHS with epoch saves and the last epoch the best: the environment, and HF's
     checkpoints of steps 8, 16 and 24."""
-    # conftest's base_env, for a module: no JITCKPT_* from outside, no hub, no PYTHONPATH
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JITCKPT_", "TORCH_ELASTIC_"))}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
-               OMP_NUM_THREADS="1")  # fmt: skip
-    env.pop("PYTHONPATH", None)
+    env = clean_env()
     where = tmp_path_factory.mktemp("reference")
     run = train(env, where, *EPOCHS, "--save-strategy", "epoch", "--load-best", "lowest",
                 hooked=False)  # fmt: skip

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from harness.pod import final_weights
+from harness.procs import Proc, clean_env
 from harness.training import (
     TRAIN_HF,
     TRAIN_LOOP,
@@ -45,14 +46,16 @@ def memory_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def straight(spawn, base_env, tmp_path) -> dict[str, torch.Tensor]:
-    """The final weights of the same run, uninterrupted and without snapshots."""
-    jdir = tmp_path / "straight"
-    jdir.mkdir()
-    env = {**base_env, "JITCKPT_DIR": str(jdir)}
-    proc = spawn(entrypoint(torchrun(TRAIN_HF, *ARGS)), env=env)
-    assert proc.wait(timeout=300) == 0, proc.output()
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The final weights of the same run, uninterrupted and without snapshots (once for the
+    module; without --step-sleep, which changes no weight)."""
+    jdir = tmp_path_factory.mktemp("straight")
+    proc = Proc(entrypoint(torchrun(TRAIN_HF, *ARGS[:4])), env=clean_env(jdir))
+    try:
+        assert proc.wait(timeout=300) == 0, proc.output()
+    finally:
+        proc.kill_tree()
     return final_weights(jdir, STEPS)
 
 
