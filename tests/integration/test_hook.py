@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 from harness.procs import descendants, free_port, wait_for
 from harness.training import (
     TRAIN_HF,
-    TRAIN_LOOP,
     checkpoint_steps,
     entrypoint,
     hook_lines,
@@ -52,46 +51,6 @@ def finish(spawn, env, command):
 
 def resumed_from(proc) -> int:
     return int(proc.expect(r"^begin rank=0 pid=\d+ step=(\d+)$").group(1))
-
-
-def test_sigterm_commits_the_last_completed_step_and_a_rerun_resumes(spawn, base_env, jdir):
-    """SIGTERM mid-training: the last completed step is committed, exit 143; a rerun resumes."""
-    proc, code = sigterm_at(spawn, base_env, hf("--max-steps", "2000", "--save-steps", "1000"), 10)
-    assert code == JIT_EXIT, proc.output()
-    record = jit_record(jdir)
-    assert record is not None
-    step = record["step"]
-    assert step == max(steps_seen(proc, 0)) == max(steps_seen(proc, 1)) >= 10
-    assert checkpoint_steps(jdir) == [step]
-    man = manifest(jdir, step)
-    assert (man["kind"], man["world_size"], man["nodes"]) == ("jit", 2, 1)
-    names = {f["path"] for f in man["files"]}
-    assert {"model.safetensors", "optimizer.pt", "rng_state_0.pth", "rng_state_1.pth"} <= names
-    assert (
-        (jdir / "termination-log")
-        .read_text()
-        .startswith(f"JIT checkpoint checkpoint-{step} committed ")
-    )
-    assert "s after SIGTERM" in (jdir / "termination-log").read_text()
-    assert "SignalException" not in proc.output()  # torchrun's is one line (hook/torchrun.py)
-
-    rerun = finish(spawn, base_env, hf("--max-steps", str(step + 5), "--save-steps", "1000"))
-    assert resumed_from(rerun) == step
-    assert min(steps_seen(rerun, 0)) == step + 1
-    assert manifest(jdir, step + 5)["kind"] == "final"
-
-
-def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(spawn, base_env, jdir):
-    """Only rank 1 gets SIGTERM (a drained node): both ranks save one step and exit, no hang."""
-    proc = spawn(hf("--max-steps", "2000", "--save-steps", "1000"), env=base_env)
-    rank1 = int(proc.expect(r"^begin rank=1 pid=(\d+)").group(1))
-    wait_for_step(proc, 10)
-    os.kill(rank1, signal.SIGTERM)
-    assert proc.wait(timeout=120) == JIT_EXIT, proc.output()
-    step = jit_record(jdir)["step"]  # type: ignore[index]
-    assert max(steps_seen(proc, 0)) == max(steps_seen(proc, 1)) == step
-    assert len(hook_lines(proc, "SIGTERM received")) == 1
-    assert manifest(jdir, step)["kind"] == "jit"
 
 
 def test_with_long_steps_a_sigterm_stops_at_the_step_in_progress(spawn, base_env, jdir):
@@ -161,27 +120,50 @@ def final_weights(jdir: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 def test_two_sigterms_and_resumes_end_with_the_weights_of_an_uninterrupted_run(
-    spawn, base_env, tmp_path
+    spawn, base_env, jdir, tmp_path
 ):
-    """Interrupted twice by SIGTERM and resumed: final weights equal the uninterrupted run's."""
+    """SIGTERM mid-training: the last completed step is committed, exit 143. The rerun resumes
+    there; SIGTERM to rank 1 only (a drained node): both ranks save one step and exit, no hang.
+    The next rerun resumes there and ends with the weights of the uninterrupted run."""
     total = 60
     args = ("--max-steps", str(total), "--save-steps", "1000")
     straight = tmp_path / "straight"
     straight.mkdir()
     finish(spawn, {**base_env, "JITCKPT_DIR": str(straight)}, hf(*args))
 
-    interrupted = tmp_path / "interrupted"
-    interrupted.mkdir()
-    env = {**base_env, "JITCKPT_DIR": str(interrupted)}
-    first, code = sigterm_at(spawn, env, hf(*args), 8)
+    first, code = sigterm_at(spawn, base_env, hf(*args), 8)
     assert code == JIT_EXIT, first.output()
+    step = jit_record(jdir)["step"]  # type: ignore[index]
+    assert step == max(steps_seen(first, 0)) == max(steps_seen(first, 1)) >= 8
+    assert checkpoint_steps(jdir) == [step]
+    man = manifest(jdir, step)
+    assert (man["kind"], man["world_size"], man["nodes"]) == ("jit", 2, 1)
+    names = {f["path"] for f in man["files"]}
+    assert {"model.safetensors", "optimizer.pt", "rng_state_0.pth", "rng_state_1.pth"} <= names
+    summary = (jdir / "termination-log").read_text()
+    assert summary.startswith(f"JIT checkpoint checkpoint-{step} committed "), summary
+    assert "s after SIGTERM" in summary, summary
+    assert "SignalException" not in first.output()  # torchrun's is one line (hook/torchrun.py)
+
+    second = spawn(hf(*args), env=base_env)
+    begins = [second.expect(r"^begin rank=(\d) pid=(\d+) step=(\d+)$") for _ in (0, 1)]
+    assert {int(b.group(3)) for b in begins} == {step}
+    rank1 = next(int(b.group(2)) for b in begins if b.group(1) == "1")
     # Short steps share an agreement round (hook/control.py), so the stop may come a few
     # steps after SIGTERM: the second one is timed from where the first stopped.
-    second, code = sigterm_at(spawn, env, hf(*args), jit_record(interrupted)["step"] + 4)
-    assert code == JIT_EXIT, second.output()
-    finish(spawn, env, hf(*args))
+    wait_for_step(second, step + 4)
+    os.kill(rank1, signal.SIGTERM)
+    assert second.wait(timeout=120) == JIT_EXIT, second.output()
+    assert min(steps_seen(second, 0)) == step + 1
+    step = jit_record(jdir)["step"]  # type: ignore[index]
+    assert max(steps_seen(second, 0)) == max(steps_seen(second, 1)) == step
+    assert len(hook_lines(second, "SIGTERM received")) == 1
+    assert manifest(jdir, step)["kind"] == "jit"
 
-    expected, got = final_weights(straight, total), final_weights(interrupted, total)
+    last = finish(spawn, base_env, hf(*args))
+    assert resumed_from(last) == step
+    assert manifest(jdir, total)["kind"] == "final"
+    expected, got = final_weights(straight, total), final_weights(jdir, total)
     assert expected.keys() == got.keys()
     worst = max((expected[k] - got[k]).abs().max().item() for k in expected)
     assert worst <= 1e-7, f"max abs diff {worst}"
@@ -218,22 +200,6 @@ def test_variant_jit_saves_and_resumes(spawn, base_env, jdir, label, args, stop_
     assert resumed_from(rerun) == step
     assert max(steps_seen(rerun, 0)) == total
     assert manifest(jdir, total)["kind"] in ("final", "periodic")
-
-
-def test_plain_pytorch_loop_with_the_public_api_jit_saves_and_resumes(spawn, base_env, jdir):
-    """README's plain loop: should_stop() + save(kind='jit') commit and exit; a rerun resumes."""
-    command = entrypoint(torchrun(TRAIN_LOOP, "--steps", "5000", "--save-every", "1000"))
-    proc, code = sigterm_at(spawn, base_env, command, 20)
-    assert code == JIT_EXIT, proc.output()
-    step = jit_record(jdir)["step"]  # type: ignore[index]
-    assert step == max(steps_seen(proc, 0)) == max(steps_seen(proc, 1))
-    man = manifest(jdir, step)
-    assert man["kind"] == "jit"
-    assert ".metadata" in {f["path"] for f in man["files"]}
-
-    rerun = finish(spawn, base_env, entrypoint(torchrun(TRAIN_LOOP, "--steps", str(step + 10))))
-    assert resumed_from(rerun) == step
-    assert manifest(jdir, step + 10)["kind"] == "final"
 
 
 def assert_prompt_plain_exit(proc, jdir: Path) -> None:
@@ -313,13 +279,5 @@ def test_draining_one_of_two_nodes_stops_both_and_each_commits_its_own_part(
     line = "no node holds every file its ranks load"
     assert any(line in x for p in again for x in p.stderr)
 
-    # What the sidecar's restore gives each new pod: every file of every manifest.
-    for src, dst in ((dirs[0], dirs[1]), (dirs[1], dirs[0])):
-        for path in (src / "checkpoints" / f"checkpoint-{step}").iterdir():
-            target = dst / "checkpoints" / f"checkpoint-{step}" / path.name
-            if not target.exists():
-                target.write_bytes(path.read_bytes())
-    resumed = two_nodes(spawn, base_env, dirs, "--max-steps", str(step + 4), "--save-steps", "1000")
-    for proc in resumed:
-        assert proc.wait(timeout=180) == 0, proc.output()
-    assert resumed_from(resumed[0]) == step
+    # With every file of every manifest restored (the sidecar's restore), the job resumes there:
+    # tests/system/test_multinode.py.

@@ -1,8 +1,8 @@
 """Crashes: the whole pod SIGKILLed (a node lost) at random points — mid-step, mid-save (the
-Trainer's own), mid-write of an async save (background writer), mid-upload, mid-restore — ten
-times on Ceph RGW (the real store; every point twice). Every restart resumes from the
-newest checkpoint committed in S3, never a partial one, and the job still ends with the weights
-of an uninterrupted run."""
+Trainer's own), mid-write of an async save (background writer), mid-upload, mid-restore — once
+each on Ceph RGW (the real store), the restore last, when S3 holds something to restore. Every
+restart resumes from the newest checkpoint committed in S3, never a partial one, and the job
+still ends with the weights of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ SAVE = 4
 ARGS = ["--max-steps", str(TOTAL), "--save-steps", str(SAVE), "--hidden", "128", "--layers", "4"]
 SEED = 11
 KINDS = ["step", "save", "write", "upload", "restore"]
+"""In this order: by the restore, four pods have committed checkpoints to S3."""
 
 
 def put_from(bucket, step: int):
@@ -44,12 +45,10 @@ def test_sigkills_at_random_points_resume_from_the_newest_committed_checkpoint(
     assert straight.finish().trainer == 0, straight.output()
 
     rng = random.Random(SEED)
-    kinds = KINDS * 2
-    rng.shuffle(kinds)
     s3_env = s3_bucket.env({}, endpoint=proxy.url)
     release = tmp_path / "never"
     seen = []
-    for trial, planned in enumerate(kinds):
+    for trial, planned in enumerate(KINDS):
         newest = (committed_in_s3(s3_bucket) or [0])[-1]
         kind = "step" if planned == "restore" and newest == 0 else planned  # nothing to restore
         nxt = (newest // SAVE + 2) * SAVE  # this pod's second periodic save

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from harness.pod import Node, Pod, finish_resumed_job, start_job
+from harness.pod import Node, Pod, finish_resumed_job, restored_by_sidecars, start_job
 from harness.procs import free_port
 from jitckpt_entrypoint.protocol import status
 
@@ -57,7 +57,7 @@ def test_a_node_lost_without_notice_the_survivors_save_reaches_s3_and_a_new_job_
 ):
     """Node 1's pod SIGKILLed (a node lost): node 0 saves the last completed step alone (a
     one-node save of the 4-rank job), its sidecar uploads it, and both nodes' new pods restore
-    that save whole from S3 and resume there."""
+    that save whole from S3 (their trainers' resume from such a save: test_survivors.py)."""
     node0, node1 = job(pods, ARGS)
     node0.wait_step(6)
     node1.kill()
@@ -73,4 +73,6 @@ def test_a_node_lost_without_notice_the_survivors_save_reaches_s3_and_a_new_job_
     keys = set(s3_bucket.keys(name))
     assert f"{name}/jitckpt-manifest.node-0.json" in keys, sorted(keys)
     assert f"{name}/jitckpt-manifest.node-1.json" not in keys, sorted(keys)
-    finish_resumed_job(job(pods, ["--max-steps", str(step + 4), "--save-steps", "1000"]), step)
+    port = free_port()
+    new = [pods(ARGS, node=Node(rank, 2, port)) for rank in (0, 1)]
+    restored_by_sidecars(new, node0.jdir / "checkpoints" / name, step)

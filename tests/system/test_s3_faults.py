@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from harness.checkpoints import committed_in_s3, scrape
-from harness.pod import Pod, resumed_from
+from harness.pod import Pod, restored_by_sidecars
 from harness.procs import wait_for
 from harness.s3proxy import S3Proxy
 from jitckpt_entrypoint.protocol import status
@@ -70,10 +70,8 @@ def test_uploads_and_a_restore_through_errors_resets_and_latency(pods, s3_bucket
             s3_bucket.put(s3_bucket.get(key), f"checkpoint-{jit + 50}", key.split("/", 1)[1])
 
     errors = storm(proxy, "GET")
-    second = pods(ARGS, s3_env=env).start()
-    assert resumed_from(second) == jit
-    ready = json.loads((second.jdir / "status" / status.SIDECAR_READY.name).read_text())
-    assert (ready["restore"], ready["step"]) == ("s3", jit)
+    second = pods(ARGS, s3_env=env)
+    restored_by_sidecars([second], first.jdir / "checkpoints" / f"checkpoint-{jit}", jit)
     assert injected(proxy) == 3 * errors
     assert retries(second) >= errors
     assert f"skipping checkpoint-{jit + 50} in S3: not committed" in second.output()
