@@ -24,8 +24,10 @@ venv: $(STAMP)
 
 # DeepSpeed builds its CPU shared-memory collective op (deepspeed_shm_comm) with ninja in every
 # ZeRO run that finds it unbuilt: ~90 CPU-seconds. The tests build it into the venv
-# (TORCH_EXTENSIONS_DIR: tests/harness/training.py); .ci/run does it ahead, on idle CPU.
+# (TORCH_EXTENSIONS_DIR: tests/harness/training.py); .ci/run does it ahead, on idle CPU. A build
+# killed mid-way leaves its lock, on which every later ZeRO run waits: this clears it first.
 deepspeed-ops: $(STAMP)
+	rm -f $(VENV)/torch_extensions/deepspeed_shm_comm/lock
 	PYTHONPATH=$(VENV)/deepspeed TORCH_EXTENSIONS_DIR=$(VENV)/torch_extensions \
 	  $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 

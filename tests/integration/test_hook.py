@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from harness.procs import descendants, free_port, wait_for
 from harness.training import (
     TRAIN_HF,
+    TRAIN_LOOP,
     checkpoint_steps,
     entrypoint,
     hook_lines,
@@ -200,6 +201,22 @@ def test_variant_jit_saves_and_resumes(spawn, base_env, jdir, label, args, stop_
     assert resumed_from(rerun) == step
     assert max(steps_seen(rerun, 0)) == total
     assert manifest(jdir, total)["kind"] in ("final", "periodic")
+
+
+def test_plain_pytorch_loop_with_the_public_api_jit_saves_and_resumes(spawn, base_env, jdir):
+    """README's plain loop: should_stop() + save(kind='jit') commit and exit; a rerun resumes."""
+    command = entrypoint(torchrun(TRAIN_LOOP, "--steps", "5000", "--save-every", "1000"))
+    proc, code = sigterm_at(spawn, base_env, command, 20)
+    assert code == JIT_EXIT, proc.output()
+    step = jit_record(jdir)["step"]  # type: ignore[index]
+    assert step == max(steps_seen(proc, 0)) == max(steps_seen(proc, 1))
+    man = manifest(jdir, step)
+    assert man["kind"] == "jit"
+    assert ".metadata" in {f["path"] for f in man["files"]}
+
+    rerun = finish(spawn, base_env, entrypoint(torchrun(TRAIN_LOOP, "--steps", str(step + 10))))
+    assert resumed_from(rerun) == step
+    assert manifest(jdir, step + 10)["kind"] == "final"
 
 
 def assert_prompt_plain_exit(proc, jdir: Path) -> None:

@@ -23,7 +23,7 @@ SAVE = 4
 ARGS = ["--max-steps", str(TOTAL), "--save-steps", str(SAVE), "--hidden", "128", "--layers", "4"]
 SEED = 11
 KINDS = ["step", "save", "write", "upload", "restore"]
-"""In this order: by the restore, four pods have committed checkpoints to S3."""
+"""In this order: by the restore, earlier pods have put checkpoints in S3 to restore."""
 
 
 def put_from(bucket, step: int):
