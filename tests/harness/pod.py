@@ -238,9 +238,14 @@ def finish_resumed_job(members: list[Pod], step: int) -> None:
     for pod in members:
         assert pod.finish().trainer == 0, pod.output()
     for pod in members:
-        ready = status.SIDECAR_READY.read(str(pod.jdir / "status"))
-        assert ready is not None, pod.output()
-        assert (ready.restore, ready.step) == ("s3", step)
+        assert_restored_from_s3(pod, step)
+
+
+def assert_restored_from_s3(pod: Pod, step: int) -> None:
+    """The pod's sidecar restored exactly checkpoint-`step` from S3 (its ready record)."""
+    ready = status.SIDECAR_READY.read(str(pod.jdir / "status"))
+    assert ready is not None, pod.output()
+    assert (ready.restore, ready.step) == ("s3", step), pod.output()
 
 
 def restored_by_sidecars(members: list[Pod], source: Path, step: int) -> None:
@@ -251,9 +256,7 @@ def restored_by_sidecars(members: list[Pod], source: Path, step: int) -> None:
         pod.start_sidecar()
     for pod in members:
         pod.wait_ready()
-        ready = status.SIDECAR_READY.read(str(pod.jdir / "status"))
-        assert ready is not None, pod.output()
-        assert (ready.restore, ready.step) == ("s3", step), pod.output()
+        assert_restored_from_s3(pod, step)
         restored = pod.jdir / "checkpoints" / source.name
         for path in (p for p in source.rglob("*") if p.is_file()):
             mine = restored / path.relative_to(source)
