@@ -196,12 +196,12 @@ OPTIONS = (
         "seconds until a machine that acknowledges nothing counts as lost; 0 = off",
         check=rule(lambda v: v == 0 or 4 <= v <= 3600, "0 (off) or whole seconds from 4 to 3600"),
         doc="opt-in, for a job of several nodes whose survivors can save (DDP under the "
-        "Trainer): keepalive on the training processes' TCP connections (every one: gloo's, "
-        "torchrun's store's, and any other the script opened), and while no step ends, one "
-        "that owes an acknowledgement for this many seconds is shut down, so a node powered off "
-        "or cut off fails the collective and the survivors save; a peer that is only slow, "
-        "busy or stopped still acknowledges. `0`: the connections as they are (a collective "
-        "then waits for the process group's timeout, 30 min by default)",
+        "Trainer, on the CPU): keepalive on the training processes' TCP connections (every "
+        "one: gloo's, torchrun's store's, and any other the script opened), and while no step "
+        "ends, one that owes an acknowledgement for this many seconds is shut down, so a node "
+        "powered off or cut off fails the collective and the survivors save; a peer that is "
+        "only slow, busy or stopped still acknowledges. `0`: the connections as they are (a "
+        "collective then waits for the process group's timeout, 30 min by default)",
     ),
     GRACE_SECONDS,
     Option(

@@ -80,6 +80,7 @@ def any_trainer(monkeypatch):
     """The Trainer checks pass: what is tested is the step and the node's ranks."""
     monkeypatch.setattr(trainer_checkpoint, "unsupported", lambda _trainer: None)
     monkeypatch.setattr(survivors, "_persistent_buffers", lambda _trainer: [])
+    monkeypatch.setattr(survivors, "_accelerator", lambda _trainer: None)
     monkeypatch.setattr(survivors, "IN_FLIGHT_WAIT", 0.2)  # a refused rank's wait for its mates
 
 
@@ -137,6 +138,36 @@ def test_one_node_or_jit_off_keeps_nothing_per_step(tmp_path, any_trainer):
     assert keeper._kept == {}
     keeper.after_error(trainer, RuntimeError(GLOO), manager=None)
     assert "one node" in log.refusals[0]
+
+
+def test_a_model_on_an_accelerator_is_refused_at_start_with_one_line(tmp_path, monkeypatch):
+    """NCCL's collectives run behind the host: the step the host completed may be unfinished on
+    the device, or ended with partial data by an aborted communicator. A meta-device model
+    stands in for a GPU's here: the check is the device type, not CUDA itself."""
+    import torch
+
+    monkeypatch.setattr(trainer_checkpoint, "unsupported", lambda _trainer: None)
+    monkeypatch.setattr(survivors, "IN_FLIGHT_WAIT", 0.2)
+    keeper, log = keeper_for(tmp_path)
+    trainer = FakeTrainer(5)
+    with torch.device("meta"):
+        trainer.model = torch.nn.Linear(4, 4)
+    keeper.started(trainer, 0)
+    assert log.lines == [
+        (
+            "survivors' saves are off in this training: the model is on meta: the device may "
+            "still be inside a collective with the lost peer, or have ended it with partial data "
+            "(built for CPU training only)"
+        )
+    ]
+    keeper.step_ended(trainer, 5, evaluating=False)
+    assert keeper._kept == {}  # nothing kept per step
+    keeper.after_error(trainer, RuntimeError(GLOO), manager=None)  # returns: not saved
+    assert len(log.refusals) == 1
+    assert "the model is on meta" in log.refusals[0]
+
+    trainer.model = torch.nn.Linear(4, 4)  # on the host: the step is the host's
+    assert survivors._accelerator(trainer) is None
 
 
 def test_a_log_inside_the_next_step_does_not_replace_the_kept_rng_states(tmp_path, any_trainer):

@@ -24,8 +24,9 @@ unless JITCKPT_PEER_TIMEOUT (opt-in) has its silent connections shut down sooner
 
 What this does not cover goes on as without it, with one line why (the error goes up into
 training): one node, no whole replica on a rank (FSDP, DeepSpeed, a Trainer that keeps its own
-save), a rank inside an optimizer update or before its step's evaluation is done, a rank of this
-very node gone (a worker crash: torchrun's restart and the RAM tier handle it; `_crashed` leaves
+save), a model on an accelerator (its collectives run behind the host: `_accelerator`), a rank
+inside an optimizer update or before its step's evaluation is done, a rank of this very node
+gone (a worker crash: torchrun's restart and the RAM tier handle it; `_crashed` leaves
 a marker for its node-mates, as a killed process leaves a zombie), a save in flight that does
 not stop, or a failed write.
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import os
 import random
 import re
@@ -131,6 +133,8 @@ class Survivors:
             self._why_not = BUFFERS_DIFFER
         if not self._why_not:
             self._watch_connections()
+        elif self.session.topo.nodes > 1 and self.session.cfg.jit and self.session.topo.rank == 0:
+            self.session.log.info("survivors' saves are off in this training: %s", self._why_not)
 
     def _watch_connections(self) -> None:
         """JITCKPT_PEER_TIMEOUT: a connection silent that long is shut down (peer_timeout.py)."""
@@ -161,6 +165,12 @@ class Survivors:
             return "one node: a lost rank is a worker crash (torchrun's restart handles it)"
         if getattr(trainer, "is_fsdp_enabled", False):
             return "FSDP shards the state: no rank holds a whole replica"
+        device = _accelerator(trainer)
+        if device is not None:
+            return (
+                f"the model is on {device}: the device may still be inside a collective with "
+                "the lost peer, or have ended it with partial data (built for CPU training only)"
+            )
         if not trainer_checkpoint.rng_kept():
             return "this accelerator's RNG state is not kept per step"
         return trainer_checkpoint.unsupported(trainer)
@@ -417,6 +427,17 @@ def _short(exc: BaseException) -> str:
     """The error's first line, without gloo's source location."""
     text = re.sub(r"^\[[^\]]*\] ", "", str(exc).strip().split("\n")[0])
     return f"{type(exc).__name__}: {text[:100]}"
+
+
+def _accelerator(trainer: Any) -> Optional[str]:
+    """The device type of the model's state when it is not the host's. A collective there runs
+    behind the host (NCCL): the step the host completed may still wait on the lost peer on the
+    device, and a communicator aborted by NCCL's error handling ends it with partial data."""
+    model = trainer.model  # wrapped or not: the same tensors
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.device.type != "cpu":
+            return str(tensor.device.type)
+    return None
 
 
 def _persistent_buffers(trainer: Any) -> list[tuple[Any, str, str]]:
