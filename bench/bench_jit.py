@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from harness.procs import Proc
+from harness.procs import Proc, clean_env
 from harness.training import TRAIN_HF, entrypoint, torchrun
 
 MODELS = {
@@ -51,15 +51,6 @@ def launch(*args: str) -> list[str]:
     return torchrun(TRAIN_HF, *args)
 
 
-def base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JITCKPT_", "PYTHONPATH"))}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    # This checkout's entrypoint, also under a python where jitckpt is not installed (make
-    # test-gpu runs this under the GPU machine's own python3).
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "entrypoint")
-    return env
-
-
 def step_seconds(proc: Proc, until: float) -> float:
     times = [
         t
@@ -77,7 +68,7 @@ def wait_step(proc: Proc, step: int) -> None:
 def run_ours(model: list[str], root: Path) -> dict[str, float]:
     jdir = root / "jitckpt"
     jdir.mkdir()
-    env = {**base_env(), "JITCKPT_DIR": str(jdir), "JITCKPT_TERMINATION_LOG": ""}
+    env = clean_env(jdir, checkout=True)
     proc = Proc(
         entrypoint(launch("--max-steps", "100000", "--save-steps", "100000", *model)),
         env=env,
@@ -123,7 +114,7 @@ def run_hf(model: list[str], root: Path) -> dict[str, float]:
         str(out),
         *model,
     )
-    proc = Proc(command, env=base_env())
+    proc = Proc(command, env=clean_env(checkout=True))
     committed: list[float] = []
     stop = threading.Event()
 

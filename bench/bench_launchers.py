@@ -10,7 +10,6 @@ the same script. Steps lost = the last step rank 0 finished minus the JIT checkp
 
 from __future__ import annotations
 
-import os
 import signal
 import statistics
 import sys
@@ -23,24 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from harness import sft
 from harness.launchers import MATRIX
-from harness.procs import Proc
+from harness.procs import Proc, clean_env
 from harness.training import entrypoint, jit_record, steps_seen, wait_for_step
 
 SIGTERM_AT = 15
 ANCHOR = "torchrun --nproc-per-node 2"
-
-
-def base_env(jdir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JITCKPT_", "PYTHONPATH"))}
-    env.update(
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        JITCKPT_DIR=str(jdir),
-        JITCKPT_TERMINATION_LOG="",
-    )
-    return env
 
 
 def one_run(
@@ -49,7 +35,7 @@ def one_run(
     with tempfile.TemporaryDirectory(prefix="bench-launchers-") as tmp:
         jdir = Path(tmp) / "jitckpt"
         jdir.mkdir()
-        proc = Proc(entrypoint(command), env=base_env(jdir), cwd=Path(tmp))
+        proc = Proc(entrypoint(command), env=clean_env(jdir), cwd=Path(tmp))
         try:
             wait(proc)
             sent_wall, sent = time.time(), time.monotonic()

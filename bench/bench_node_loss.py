@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
 import statistics
 import sys
@@ -46,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from harness.netns import netns
-from harness.procs import Proc, free_port
+from harness.procs import Proc, clean_env, free_port
 from harness.training import TRAIN_HF, entrypoint, steps_seen, torchrun_node
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol import validity
@@ -56,13 +55,6 @@ VARIANTS = {
     "hf-jit": ({"JITCKPT_JIT": "0", "JITCKPT_ASYNC_SAVE": "0"}, ["--hf-jit"]),
     "jitckpt": ({}, []),
 }
-
-
-def base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JITCKPT_", "PYTHONPATH"))}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "entrypoint")
-    return env
 
 
 def wait_step(proc: Proc, step: int, timeout: float = 300) -> None:
@@ -88,7 +80,7 @@ def run(variant: str, kill_at: int, opts: argparse.Namespace, root: Path) -> dic
         ns = stack.enter_context(netns()) if opts.silent else None
         for n, d in enumerate(dirs):
             d.mkdir(parents=True)
-            env = {**base_env(), **extra_env, "JITCKPT_DIR": str(d)}
+            env = {**clean_env(d, checkout=True), **extra_env}
             command = torchrun_node(TRAIN_HF, *args, node=n, nodes=2, port=port, nproc=1)
             procs.append(Proc([*(ns.prefix if ns else []), *entrypoint(command)], env=env))
         try:

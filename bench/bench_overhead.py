@@ -10,7 +10,6 @@ and the end of training. Goal (issue 3): <= 1% slower.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import tempfile
@@ -19,7 +18,7 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from harness.procs import Proc
+from harness.procs import Proc, clean_env
 from harness.training import TRAIN_HF, entrypoint, torchrun
 
 # model -> (args, first step of the window, last step of the window, total steps)
@@ -41,12 +40,10 @@ def steps_per_second(hooked: bool, args: list[str], first: int, last: int, total
 
 
 def _one_run(hooked: bool, args: list[str], first: int, last: int, total: int) -> Optional[float]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JITCKPT_", "PYTHONPATH"))}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        env = clean_env(Path(tmp) if hooked else None)
         command = torchrun(TRAIN_HF, "--max-steps", str(total), "--save-steps", "100000", *args)
         if hooked:
-            env.update(JITCKPT_DIR=tmp, JITCKPT_TERMINATION_LOG="")
             command = entrypoint(command)
         else:
             command += ["--output-dir", tmp]

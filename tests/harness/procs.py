@@ -96,10 +96,12 @@ def kill_tree(pid: int) -> None:
             os.kill(target, signal.SIGKILL)
 
 
-def clean_env(jdir: Optional[Path] = None) -> dict[str, str]:
+def clean_env(jdir: Optional[Path] = None, *, checkout: bool = False) -> dict[str, str]:
     """The environment for processes under test (conftest's base_env; for module-scoped runs
-    too): this one's without JITCKPT_* or TORCH_ELASTIC_* from outside, without PYTHONPATH, no
-    hub; JITCKPT_DIR and the termination log in `jdir` when given."""
+    and the benches too): this one's without JITCKPT_* or TORCH_ELASTIC_* from outside, without
+    PYTHONPATH, no hub; JITCKPT_DIR and the termination log in `jdir` when given. `checkout`:
+    this checkout's entrypoint on PYTHONPATH, for a python where jitckpt is not installed (make
+    test-gpu runs benches under the GPU machine's own python3)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JITCKPT_", "TORCH_ELASTIC_"))}
     env.update(
         HF_HUB_OFFLINE="1",
@@ -111,6 +113,8 @@ def clean_env(jdir: Optional[Path] = None) -> dict[str, str]:
     if jdir is not None:
         env.update(JITCKPT_DIR=str(jdir), JITCKPT_TERMINATION_LOG=str(jdir / "termination-log"))
     env.pop("PYTHONPATH", None)
+    if checkout:
+        env["PYTHONPATH"] = str(REPO / "entrypoint")
     return env
 
 
