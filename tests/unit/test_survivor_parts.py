@@ -4,6 +4,7 @@ what is refused with one line, the crash marker a rank leaves its node-mates, th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -168,6 +169,19 @@ def test_a_model_on_an_accelerator_is_refused_at_start_with_one_line(tmp_path, m
 
     trainer.model = torch.nn.Linear(4, 4)  # on the host: the step is the host's
     assert survivors._accelerator(trainer) is None
+
+    with torch.device("meta"):
+        trainer.model = torch.nn.Linear(4, 4)
+    other, other_log = keeper_for(tmp_path, rank=1)  # said by rank 0 only
+    other.started(trainer, 0)
+    assert other_log.lines == []
+    keeper.session.cfg = dataclasses.replace(keeper.session.cfg, peer_timeout=8)
+    keeper.started(trainer, 0)  # each train(): said again, and the setting's no-op
+    assert log.lines[-1] == "JITCKPT_PEER_TIMEOUT=8 has no effect: no survivors' save here"
+    keeper.session.topo = Topology(rank=0, world_size=2, local_world_size=2, nodes=1)
+    log.lines.clear()
+    keeper.started(trainer, 0)  # one node: a lost rank is a worker crash, nothing to say
+    assert log.lines == []
 
 
 def test_a_log_inside_the_next_step_does_not_replace_the_kept_rng_states(tmp_path, any_trainer):

@@ -133,8 +133,21 @@ class Survivors:
             self._why_not = BUFFERS_DIFFER
         if not self._why_not:
             self._watch_connections()
-        elif self.session.topo.nodes > 1 and self.session.cfg.jit and self.session.topo.rank == 0:
-            self.session.log.info("survivors' saves are off in this training: %s", self._why_not)
+        else:
+            self._say_off()
+
+    def _say_off(self) -> None:
+        """Rank 0 of a job of several nodes says once per training why no survivors' save can
+        be made, and that JITCKPT_PEER_TIMEOUT, when set, does nothing here."""
+        session = self.session
+        if session.topo.nodes < 2 or not session.cfg.jit or session.topo.rank != 0:
+            return
+        session.log.info("survivors' saves are off in this training: %s", self._why_not)
+        if session.cfg.peer_timeout:
+            session.log.warning(
+                "JITCKPT_PEER_TIMEOUT=%d has no effect: no survivors' save here",
+                session.cfg.peer_timeout,
+            )
 
     def _watch_connections(self) -> None:
         """JITCKPT_PEER_TIMEOUT: a connection silent that long is shut down (peer_timeout.py)."""
