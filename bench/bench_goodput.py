@@ -22,6 +22,12 @@ variant meets every failure after the same training time whatever its restarts c
   variants' sidecars watch their node and ask the trainer for a save now; the hf ones do not
   listen (nothing in HF's checkpointing would act on it). Reported per notice length: the
   newest step in S3 when SIGTERM came, and how much of the notice's save was there.
+- node-loss (with --nodes 2 or more, in place of pod-kill and worker-crash): each job is one pod
+  per node (`torchrun --nnodes`, static rendezvous on loopback). The last node's pod is
+  SIGKILLed (a node lost without notice: its trainer and its sidecar), and the pods left get
+  SIGTERM once node 0's trainer exited or 3 s later (the Job's controller deleting them); the
+  next job is new pods on empty volumes, restored from S3. jitckpt's survivors save the last
+  step they completed and their sidecars upload it in the drain; HF's ranks crash.
 The run ends when training reaches its last step (max_steps = the trace's training seconds /
 the uninterrupted step time), so a variant that loses work runs longer.
 
@@ -63,7 +69,7 @@ Per variant:
 
     .venv/bin/python bench/bench_goodput.py [--minutes 3] [--repeat 1] [--seed 1]
         [--sigterms 2] [--notices N ...] [--save-steps 500] [--step-sleep 0.1] [--interval 10s]
-        [--overhead 5%] [--overhead-cap 30s] [--variants NAME ...] [--logs DIR]
+        [--overhead 5%] [--overhead-cap 30s] [--variants NAME ...] [--logs DIR] [--nodes 2]
 
 Needs Ceph's binaries (tests/harness/rgw.py names the packages). One repeat of the default
 3 minutes of training takes about 25 minutes on a 2-core VM. Temporary data lives under /tmp
@@ -86,6 +92,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -98,12 +105,17 @@ sys.path[:0] = [*CODE, str(REPO / "tests"), str(REPO / "bench")]
 from bench_recovery import AccessLog  # noqa: E402
 from harness import rgw  # noqa: E402
 from harness.kube_api import KubeApi  # noqa: E402
-from harness.pod import Pod  # noqa: E402
-from harness.procs import Proc, descendants, environ_of  # noqa: E402
+from harness.pod import Node, Pod  # noqa: E402
+from harness.procs import Proc, descendants, environ_of, free_port  # noqa: E402
 from harness.s3 import FAKE_CREDENTIALS, Bucket, RgwStore  # noqa: E402
 
 MB = 1e6
 KINDS = ("sigterm", "pod-kill", "worker-crash")
+NODE_LOSS = "node-loss"
+"""With --nodes 2 or more, instead of pod-kill and worker-crash: the last node's pod SIGKILLed
+(a node lost without notice), the pods left SIGTERMed 3 s later (the Job's controller deleting
+them), a new job on empty volumes."""
+CONTROLLER_DELAY = 3.0
 NOTICE = "notice-"
 """A kind `notice-<N>`: the cluster's notice (Karpenter's taint on the pod's node), then SIGTERM
 N s later."""
@@ -147,11 +159,11 @@ class Event:
 
 
 def make_trace(
-    seed: int, minutes: float, sigterms: int, notices: list[float]
+    seed: int, minutes: float, sigterms: int, notices: list[float], nodes: int = 1
 ) -> tuple[list[Event], float]:
     """The failures in a seeded order and spacing, and the training seconds after the last."""
     rng = random.Random(seed)
-    kinds = ["sigterm"] * sigterms + ["pod-kill", "worker-crash"]
+    kinds = ["sigterm"] * sigterms + (["pod-kill", "worker-crash"] if nodes == 1 else [NODE_LOSS])
     kinds += [f"{NOTICE}{lead:g}" for lead in notices]
     rng.shuffle(kinds)
     weights = [rng.uniform(0.5, 1.5) for _ in range(len(kinds) + 1)]
@@ -218,7 +230,8 @@ class Result:
 
 
 class Runner:
-    """Pods of one variant on its own bucket, through the trace."""
+    """Jobs of one variant on its own bucket, through the trace: each job one pod, or with
+    `nodes` > 1 one pod per node (`torchrun --nnodes`)."""
 
     def __init__(
         self,
@@ -229,28 +242,47 @@ class Runner:
         grace: int,
         *,
         api: Optional[KubeApi] = None,
+        nodes: int = 1,
     ) -> None:
         self.root, self.bucket, self.variant, self.api = root, bucket, variant, api
-        self.args, self.grace = [*args, *variant.args], grace
+        self.args, self.grace, self.nodes = [*args, *variant.args], grace, nodes
         self.pods: list[Pod] = []
+        self.job: list[Pod] = []
+        """The pods of the job training now, node 0's first."""
         self.trainers: list[Proc] = []
+        """Node 0's trainer of every start (rank 0's output)."""
         self.startups: list[float] = []
         self.memory: list[str] = []
         self.notice: Optional[AtSigterm] = None
 
     def node(self) -> str:
-        """The node of the newest pod (every pod lands on a node of its own)."""
-        return f"{self.variant.name}-node-{len(self.pods) - 1}"
+        """The node of the newest job's first pod (every pod lands on a node of its own)."""
+        return f"{self.job[0].name}-node"
 
     def new_pod(self) -> Pod:
+        """A new job (a new pod per node, empty volumes): every sidecar ready, then every
+        trainer; returns node 0's pod."""
+        port = free_port()
+        job = len(self.pods) // self.nodes
+        self.job = [self._pod(job, n, port) for n in range(self.nodes)]
+        for pod in self.job:
+            pod.start_sidecar()
+        for pod in self.job:
+            pod.wait_ready(timeout=600)
+        for pod in self.job[1:]:
+            pod.start_trainer()
+        self.start_trainer(self.job[0])
+        return self.job[0]
+
+    def _pod(self, job: int, rank: int, port: int) -> Pod:
         env = {
             **self.variant.env,
             "AWS_SDK_UA_APP_ID": "goodput",
             "PYTHONPATH": os.pathsep.join(CODE),
         }
-        name = f"{self.variant.name}-{len(self.pods)}"
+        name = f"{self.variant.name}-{job}" + (f"-n{rank}" if self.nodes > 1 else "")
         if self.api is not None and self.variant.hears_notice:
-            node = f"{self.variant.name}-node-{len(self.pods)}"
+            node = f"{name}-node"
             self.api.add_node(node)
             self.api.add_pod("training", name)
             env.update(self.api.env())
@@ -271,12 +303,10 @@ class Runner:
             self.bucket.env({}),
             self.bucket.uri,
             grace=self.grace,
+            node=Node(rank, self.nodes, port) if self.nodes > 1 else None,
             env=env,
         )
         self.pods.append(pod)
-        pod.start_sidecar()
-        pod.wait_ready(timeout=600)
-        self.start_trainer(pod)
         return pod
 
     def start_trainer(self, pod: Pod) -> None:
@@ -284,7 +314,7 @@ class Runner:
 
     def began(self, timeout: float = 600) -> tuple[int, float]:
         """(resumed step, seconds from the trainer's start to train()'s first step)."""
-        proc, pod = self.trainers[-1], self.pods[-1]
+        proc, pod = self.trainers[-1], self.job[0]
         resumed = int(proc.expect(BEGIN.pattern, timeout=timeout).group(1))
         begin_at = next(t for t, line in proc.stamped if BEGIN.match(line))
         self.startups.append(begin_at - pod.started_at)
@@ -303,15 +333,23 @@ class Runner:
         """Inflict `kind` and start the replacement; returns the last step rank 0 finished
         before it (its output is complete once the pod or container is gone) and when the
         failed pod or container was gone."""
-        pod, proc = self.pods[-1], self.trainers[-1]
+        pod, proc = self.job[0], self.trainers[-1]
         self.notice = None
         if kind.startswith(NOTICE):
             self.notice = self.warn(pod, proc, float(kind[len(NOTICE) :]))
-            pod.terminate()
+            self.terminate(self.job)
             gone = time.monotonic()
             self.new_pod()
         elif kind == "sigterm":
-            pod.terminate()
+            self.terminate(self.job)
+            gone = time.monotonic()
+            self.new_pod()
+        elif kind == NODE_LOSS:
+            self.job[-1].kill()
+            deadline = time.monotonic() + CONTROLLER_DELAY
+            while time.monotonic() < deadline and proc.popen.poll() is None:
+                time.sleep(0.05)  # node 0's survivors' save (or crash) ends it sooner
+            self.terminate(self.job[:-1])
             gone = time.monotonic()
             self.new_pod()
         elif kind == "pod-kill":
@@ -329,6 +367,13 @@ class Runner:
             gone = time.monotonic()
             self.start_trainer(pod)
         return _last_step(proc), gone
+
+    @staticmethod
+    def terminate(pods: list[Pod]) -> None:
+        """SIGTERM to every pod of `pods` at once (a preemption of the job, or the controller
+        deleting the pods left); returns when each is gone or SIGKILLed."""
+        with ThreadPoolExecutor(len(pods)) as pool:
+            list(pool.map(Pod.terminate, pods))
 
     def warn(self, pod: Pod, proc: Proc, lead: float) -> AtSigterm:
         """The notice: taint the pod's node (if its variant listens, it hears it), wait `lead` s
@@ -449,9 +494,10 @@ def through(runner: Runner, trace: list[Event], max_steps: int) -> tuple[float, 
             flush=True,
         )
     ended = _wait(lambda: runner.finished(max_steps), 3600, "the last step")
-    out = runner.pods[-1].finish(timeout=600)
-    if out.trainer != 0:
-        raise RuntimeError(f"{runner.variant.name}: trainer exit {out}")
+    for pod in runner.job:
+        out = pod.finish(timeout=600)
+        if out.trainer != 0:
+            raise RuntimeError(f"{runner.variant.name}: {pod.name}'s trainer exit {out}")
     return ended - started, failures
 
 
@@ -464,11 +510,11 @@ def _wait(predicate: Callable[[], Optional[float]], timeout: float, what: str) -
     return value
 
 
-def baseline(root: Path, bucket: Bucket, args: list[str], steps: int) -> float:
+def baseline(root: Path, bucket: Bucket, args: list[str], steps: int, nodes: int) -> float:
     """The uninterrupted step time: the mean step of a run without failures or checkpoints,
     after its first 10 steps."""
     no_saves = Variant("baseline", {"JITCKPT_SAVE_STRATEGY": "no"})
-    runner = Runner(root, bucket, no_saves, [*args, "--max-steps", str(steps)], 30)
+    runner = Runner(root, bucket, no_saves, [*args, "--max-steps", str(steps)], 30, nodes=nodes)
     try:
         runner.new_pod()
         proc = runner.trainers[-1]
@@ -487,10 +533,10 @@ def _median(values: list[float]) -> float:
 
 
 def report(results: dict[str, list[Result]], step_times: list[float]) -> None:
-    kinds = [*KINDS]
-    for runs in results.values():
-        for f in (f for r in runs for f in r.failures):
-            kinds += [f.kind] if f.kind not in kinds else []
+    seen = [f.kind for runs in results.values() for r in runs for f in r.failures]
+    kinds = [k for k in KINDS if k in seen]  # their usual order, then the trace's others
+    for kind in seen:
+        kinds += [kind] if kind not in kinds else []
     step = statistics.median(step_times)
     repeats = len(step_times)
     anchor = results.get("hf-periodic")
@@ -611,7 +657,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--logs", type=Path, default=None, help="keep every pod's output here")
     parser.add_argument("--variants", nargs="+", default=None, help="a subset, by name")
-    return parser.parse_args()
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="pods per job (torchrun --nnodes); 2 or more: node-loss instead of pod-kill and "
+        "worker-crash",
+    )
+    opts = parser.parse_args()
+    if opts.nodes > 1 and opts.notices:
+        parser.error(
+            "--notices with --nodes > 1: not built (the notice's save is measured on "
+            "one node's files)"
+        )
+    return opts
 
 
 def main() -> None:
@@ -619,7 +678,7 @@ def main() -> None:
     if rgw.missing_binaries():
         raise SystemExit(f"needs Ceph: {rgw.INSTALL_HINT}")
     chosen = [v for v in variants(opts) if opts.variants is None or v.name in opts.variants]
-    trace, tail = make_trace(opts.seed, opts.minutes, opts.sigterms, opts.notices)
+    trace, tail = make_trace(opts.seed, opts.minutes, opts.sigterms, opts.notices, opts.nodes)
     model = ["--hidden", str(opts.hidden), "--layers", str(opts.layers), "--vocab", str(opts.vocab)]
     common = [*model, "--step-sleep", str(opts.step_sleep), "--save-total-limit", "2"]
     revision = subprocess.run(
@@ -630,7 +689,8 @@ def main() -> None:
     ).stdout.strip()
     print(
         f"code: {REPO} at {revision}; model {' '.join(model)}, --step-sleep {opts.step_sleep},"
-        f" save_steps {opts.save_steps}, 2 CPU ranks (gloo), grace {opts.grace} s"
+        f" save_steps {opts.save_steps}, {opts.nodes} node(s) x 2 CPU ranks (gloo),"
+        f" grace {opts.grace} s"
     )
     print(f"trace (seed {opts.seed}), seconds of training after the previous restart:")
     for i, event in enumerate(trace):
@@ -657,7 +717,11 @@ def main() -> None:
 
             for rep in range(opts.repeat):
                 step = baseline(
-                    tmp / f"r{rep}", bucket(f"baseline-{rep}"), common, opts.baseline_steps
+                    tmp / f"r{rep}",
+                    bucket(f"baseline-{rep}"),
+                    common,
+                    opts.baseline_steps,
+                    opts.nodes,
                 )
                 step_times.append(step)
                 max_steps = round(opts.minutes * 60 / step)
@@ -681,6 +745,7 @@ def main() -> None:
                         args,
                         opts.grace,
                         api=api,
+                        nodes=opts.nodes,
                     )
                     logs = opts.logs / f"r{rep}" if opts.logs else None
                     result = run_variant(runner, trace, max_steps, log, logs)
