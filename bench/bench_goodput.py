@@ -113,8 +113,8 @@ MB = 1e6
 KINDS = ("sigterm", "pod-kill", "worker-crash")
 NODE_LOSS = "node-loss"
 """With --nodes 2 or more, instead of pod-kill and worker-crash: the last node's pod SIGKILLed
-(a node lost without notice), the pods left SIGTERMed 3 s later (the Job's controller deleting
-them), a new job on empty volumes."""
+(a node lost without notice), the pods left SIGTERMed once node 0's trainer exited or
+CONTROLLER_DELAY s later (the Job's controller deleting them), a new job on empty volumes."""
 CONTROLLER_DELAY = 3.0
 NOTICE = "notice-"
 """A kind `notice-<N>`: the cluster's notice (Karpenter's taint on the pod's node), then SIGTERM
@@ -452,10 +452,10 @@ def run_variant(
     finally:
         runner.close(logs)
     written = sum(r.bytes for r in log.since(mark) if r.method == "PUT")
-    uploads = sum(
+    uploads = sum(  # node 0's sidecars: every node's logs its own part of each checkpoint
         "uploaded checkpoint-" in line
         for p in runner.pods
-        if p.sidecar is not None
+        if p.sidecar is not None and (p.node is None or p.node.rank == 0)
         for line in p.sidecar.stderr
     )
     intervals = [
@@ -665,6 +665,10 @@ def parse_args() -> argparse.Namespace:
         "worker-crash",
     )
     opts = parser.parse_args()
+    if opts.nodes < 1:
+        parser.error("--nodes: 1 or more")
+    if opts.nodes > 1 and opts.variants and "jitckpt-ram" in opts.variants:
+        parser.error("jitckpt-ram with --nodes > 1: RAM snapshots are off with several nodes")
     if opts.nodes > 1 and opts.notices:
         parser.error(
             "--notices with --nodes > 1: not built (the notice's save is measured on "
@@ -678,6 +682,8 @@ def main() -> None:
     if rgw.missing_binaries():
         raise SystemExit(f"needs Ceph: {rgw.INSTALL_HINT}")
     chosen = [v for v in variants(opts) if opts.variants is None or v.name in opts.variants]
+    if opts.nodes > 1:  # RAM snapshots are off with several nodes: it would be jitckpt again
+        chosen = [v for v in chosen if not v.memory]
     trace, tail = make_trace(opts.seed, opts.minutes, opts.sigterms, opts.notices, opts.nodes)
     model = ["--hidden", str(opts.hidden), "--layers", str(opts.layers), "--vocab", str(opts.vocab)]
     common = [*model, "--step-sleep", str(opts.step_sleep), "--save-total-limit", "2"]
