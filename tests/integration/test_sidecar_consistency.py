@@ -9,6 +9,7 @@ checks that the restore hands the trainer one save of one run, or nothing.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from harness.checkpoints import SIDECAR, commit, committed_in_s3, data, remote, upload_directly
+from harness.procs import wait_for
 from harness.s3 import Bucket
 from harness.s3proxy import S3Proxy, is_key
 from jitckpt_entrypoint.protocol import durable, status, validity
@@ -248,8 +250,22 @@ def test_a_restore_interrupted_keeps_what_it_verified_and_sends_no_head(
     cfg = Config(storage_uri=s3_bucket.uri, s3_endpoint=proxy.url, s3_max_attempts=2)
     rgw = s3_bucket.server.ca_bundle is not None
     client = s3.make_client(cfg, s3.new_session(), checksums=s3.WHEN_REQUIRED if rgw else None)
-    proxy.fail(is_key("checkpoint-20/__1_0.distcp", "GET"), status=503, times=6)
+    failing = is_key("checkpoint-20/__1_0.distcp", "GET")
+    # The first failure waits until the other file is whole under its own name: that a file
+    # already whole is kept is what is asked, whatever the order the threads run in under load.
+    held = proxy.hold(failing)
+    proxy.fail(failing, status=503, times=6)
+
+    def release_once_whole() -> None:
+        try:
+            wait_for(lambda: any((tmp_path / "fresh").rglob("__0_0.distcp")), 60, "__0_0 whole")
+        finally:
+            held.release()
+
+    releaser = threading.Thread(target=release_once_whole, daemon=True)
+    releaser.start()
     result = restore(s3_bucket, tmp_path / "fresh", client=client)
+    releaser.join(timeout=5)
     assert (result.source, result.step) == ("s3", 20)
     assert restored_seed(tmp_path / "fresh", 20) == expected(20, 20)
     gets = [r for r in proxy.log() if r.method == "GET" and r.key.endswith("__0_0.distcp")]
