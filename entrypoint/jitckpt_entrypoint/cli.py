@@ -24,7 +24,7 @@ from jitckpt_entrypoint import (
 )
 from jitckpt_entrypoint.config import OPTIONS, Config
 from jitckpt_entrypoint.errors import JitckptError
-from jitckpt_entrypoint.protocol import registry, status
+from jitckpt_entrypoint.protocol import registry, status, trainer_lock
 from jitckpt_entrypoint.protocol.layout import FINAL_NAME, Layout
 from jitckpt_entrypoint.shared_settings import parse_s3_uri
 from jitckpt_entrypoint.shutdown import Shutdown
@@ -213,7 +213,16 @@ def run(
     for stale in registry.remove_stale(layout.status):
         logger.debug("removed %s (left by a killed entrypoint)", stale)
     registry.open_run(layout.status, run_id)
-    record = status.TrainerStatus(run_id, pid, tuple(command), started_at=time.time())
+    lock = trainer_lock.hold(  # held until we exit: the sidecar tells a killed container by it
+        layout.status,
+        cfg.grace_seconds,
+        lambda: logger.info("waiting for the sidecar to write the last run's snapshot out"),
+    )
+    if lock is None:
+        logger.debug("cannot hold %s", trainer_lock.path(layout.status))
+    record = status.TrainerStatus(
+        run_id, pid, tuple(command), started_at=time.time(), locked=lock is not None
+    )
     status.TRAINER.write(layout.status, record)
     env = child_env(os.environ, cfg, run_id)
     writer = (
@@ -242,6 +251,8 @@ def run(
     # After staging the final model: the sidecar drains until it sees exited_at.
     record = dataclasses.replace(record, exited_at=time.time(), exit_code=code, summary=summary)
     status.TRAINER.write(layout.status, record)
+    if lock is not None:
+        os.close(lock)
     log.write_termination_log(cfg.termination_log, summary)
     logger.info("%s; exiting %d", summary, code)
     return code

@@ -3,8 +3,8 @@
 The entrypoint resolves it once (bad values are a one-line error and exit 2 before anything
 starts) and passes every resolved value to the child as JITCKPT_* variables; the hook inside
 the training processes reads the same variables back with `from_env`. The options both
-components read (DIR, STORAGE_URI, GRACE_SECONDS, LOG_FORMAT, TERMINATION_LOG) are
-shared_settings.py's; this table and the sidecar's reuse them.
+components read (DIR, STORAGE_URI, GRACE_SECONDS, MEMORY_DIR, LOG_FORMAT, TERMINATION_LOG)
+are shared_settings.py's; this table and the sidecar's reuse them.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from jitckpt_entrypoint.shared_settings import (
     DIR,
     GRACE_SECONDS,
     LOG_FORMAT,
+    MEMORY_DIR,
     STORAGE_URI,
     TERMINATION_LOG,
 )
@@ -116,21 +117,7 @@ OPTIONS = (
         "and the write time, never longer than `JITCKPT_SAVE_INTERVAL` (which wins over the "
         "30 s); the first save, to measure, after 60 s (or the interval, when shorter)",
     ),
-    Option(
-        "memory_dir",
-        TEXT,
-        "a memory-backed directory (tmpfs) for snapshots in RAM; empty = none",
-        doc="a memory-backed directory of the pod (an emptyDir with `medium: Memory`): the "
-        "Trainer's state goes there every `JITCKPT_SNAPSHOT_INTERVAL` (plain loops: "
-        "`snapshot()`), and a trainer that crashed (SIGKILL, OOM kill, an exception) and "
-        "restarts in the same pod resumes from it when it is newer than the newest checkpoint "
-        "on the volume. Under the entrypoint, a RAM writer process (not the trainer) writes "
-        "the Trainer's periodic saves from there to the volume, and the newest snapshot when "
-        "training fails without SIGTERM (a crash). One node; not FSDP's sharded "
-        "saves or DeepSpeed. Empty: no snapshots; "
-        "see [the RAM tier](docs/how-it-works.md#the-ram-tier)",
-        default_doc="empty (none)",
-    ),
+    MEMORY_DIR,
     Option(
         "snapshot_interval",
         TEXT,

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 from jitckpt_entrypoint import log
 from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.errors import JitckptError
-from jitckpt_entrypoint.protocol import durable, status, write_out
+from jitckpt_entrypoint.protocol import durable, status, trainer_lock, write_out
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.commit import commit_node, remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name
@@ -48,34 +48,43 @@ class StoppedError(Exception):
 
 
 class RamWriter:
-    def __init__(self, cfg: Config, run_id: str, logger: logging.Logger) -> None:
-        self.cfg = cfg
-        self.layout = Layout(cfg.dir)
+    """Writes committed snapshots of `memory_dir` to the volume at `root` (JITCKPT_DIR); also
+    the sidecar's, for a trainer container that died whole (jitckpt_sidecar/ram_rescue.py)."""
+
+    def __init__(
+        self, memory_dir: str, root: str, upload: bool, run_id: str, logger: logging.Logger
+    ) -> None:
+        self.memory_dir = memory_dir
+        self.layout = Layout(root)
+        self.upload = upload
+        """Stage what is written for the sidecar (JITCKPT_STORAGE_URI is set)."""
         self.run_id = run_id
         self.log = logger
         self.stopping = False
 
     def serve(self) -> None:
         """Answer requests until SIGTERM."""
-        write_out.announce(self.cfg.memory_dir, self.run_id)
+        write_out.announce(self.memory_dir, self.run_id)
         self.log.info(
-            "writing periodic saves from %s to %s", self.cfg.memory_dir, self.layout.checkpoints
+            "writing periodic saves from %s to %s", self.memory_dir, self.layout.checkpoints
         )
         parent = os.getppid()
         while not self.stopping:
             if os.getppid() != parent:  # the entrypoint died (not PID 1): nobody stops us
                 return
-            request = write_out.request(self.cfg.memory_dir)
+            request = write_out.request(self.memory_dir)
             if request is None or request.run_id != self.run_id:
                 time.sleep(POLL_SECONDS)
                 continue
-            write_out.answer(self.cfg.memory_dir, self.write(request))
+            write_out.answer(self.memory_dir, self.write(request))
 
     def write(self, request: write_out.Request) -> write_out.Answer:
-        """Write snapshot `request.step` to the volume and commit it; the answer says how."""
+        """Write snapshot `request.step` to the volume and commit it; the answer says how. A
+        `fresh` request (after training failed: no live hook made the directory) first removes
+        what an uncommitted directory of that step holds (a save cut short)."""
         step, name = request.step, checkpoint_name(request.step)
         started = time.monotonic()
-        src = os.path.join(self.cfg.memory_dir, "checkpoints", name)
+        src = os.path.join(self.memory_dir, "checkpoints", name)
         dest = self.layout.checkpoint_dir(step)
         try:
             manifests = committed(src)
@@ -87,6 +96,8 @@ class RamWriter:
                 if newness(there[min(there)]) >= newness(own):  # the trainer's own save of the
                     return write_out.Answer(request.id, step, ok=True)  # step, or this one
                 remove_checkpoint(dest)  # a save of an older run (lineage) at this step
+            elif request.fresh and os.path.lexists(dest):
+                remove_checkpoint(dest)
             nbytes = self._copy(src, dest, manifests, request.started_at)
             self._commit(dest, manifests, request)
         except StoppedError:
@@ -171,7 +182,7 @@ class RamWriter:
             kind=own.kind,
             started_at=request.started_at,
             run_id=self.run_id,
-            stage_for_upload=bool(self.cfg.storage_uri),
+            stage_for_upload=self.upload,
             save_id=own.save_id,
             lineage=own.lineage,
             synced=True,
@@ -220,7 +231,7 @@ class Process:
         if not self._wait(lambda: write_out.request(memory_dir) is None, deadline) or not crashed:
             return
         try:
-            step = newer_snapshot(cfg)
+            step = newer_snapshot(memory_dir, cfg.dir)
         except OSError as exc:
             logger.warning(
                 "cannot tell whether a snapshot in RAM is newer than the volume: %s", exc
@@ -230,7 +241,7 @@ class Process:
             return
         name = checkpoint_name(step)
         logger.info("training failed without SIGTERM: writing %s from RAM to the volume", name)
-        request = write_out.Request(write_out.new_id(), step, time.time(), run_id)
+        request = write_out.Request(write_out.new_id(), step, time.time(), run_id, fresh=True)
         try:
             write_out.ask(memory_dir, request)
         except OSError as exc:
@@ -273,17 +284,17 @@ class Process:
             time.sleep(0.02)
 
 
-def newer_snapshot(cfg: Config) -> Optional[int]:
-    """The step of the newest committed snapshot in JITCKPT_MEMORY_DIR when it is newer than
-    every committed checkpoint on the volume (in resume's order: lineage, then step; the
-    volume's save of a step wins), else None."""
-    snapshots = Layout(cfg.memory_dir).checkpoints
+def newer_snapshot(memory_dir: str, root: str) -> Optional[int]:
+    """The step of the newest committed snapshot in `memory_dir` (JITCKPT_MEMORY_DIR) when it
+    is newer than every committed checkpoint on the volume at `root` (JITCKPT_DIR; in resume's
+    order: lineage, then step; the volume's save of a step wins), else None."""
+    snapshots = Layout(memory_dir).checkpoints
     step = newest_committed(snapshots)
     snapshot = None if step is None else committed(os.path.join(snapshots, checkpoint_name(step)))
     if step is None or snapshot is None:
         return None
     node = min(snapshot)  # the snapshot's node: what this node's volume holds of a save
-    volume = Layout(cfg.dir)
+    volume = Layout(root)
     newest = newest_committed(volume.checkpoints, node)
     theirs = committed(volume.checkpoint_dir(newest), node) if newest is not None else None
     if theirs is not None and newness(theirs[min(theirs)]) >= newness(snapshot[min(snapshot)]):
@@ -323,7 +334,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not cfg.memory_dir or not run_id:
         logger.error("JITCKPT_MEMORY_DIR and %s must be set; nothing to do", status.RUN_ID_ENV)
         return 2
-    writer = RamWriter(cfg, run_id, logger)
+    if trainer_lock.hold(Layout(cfg.dir).status, 0.0, lambda: None) is None:  # the sidecar
+        logger.debug("cannot hold the trainer's lock")  # trusts it only with the entrypoint's
+    writer = RamWriter(cfg.memory_dir, cfg.dir, bool(cfg.storage_uri), run_id, logger)
 
     def stop(signo: int, frame: Optional[FrameType]) -> None:
         del signo, frame

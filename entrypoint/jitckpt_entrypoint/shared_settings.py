@@ -1,9 +1,9 @@
 """The settings both containers read: the shared options and the S3 URI grammar.
 
-DIR, STORAGE_URI, GRACE_SECONDS, LOG_FORMAT and TERMINATION_LOG are declared here once: the
-trainer side's table (config.py) and the sidecar's (jitckpt_sidecar/config.py) both list them,
-and inject and the webhook check a storage URI with the same grammar. Standard library only:
-the sidecar imports this, never the trainer side's config or CLI.
+DIR, STORAGE_URI, GRACE_SECONDS, MEMORY_DIR, LOG_FORMAT and TERMINATION_LOG are declared here
+once: the trainer side's table (config.py) and the sidecar's (jitckpt_sidecar/config.py) both
+list them, and inject and the webhook check a storage URI with the same grammar. Standard
+library only: the sidecar imports this, never the trainer side's config or CLI.
 """
 
 from __future__ import annotations
@@ -87,6 +87,22 @@ GRACE_SECONDS = Option(
     check=at_least(1, "the pod's terminationGracePeriodSeconds (>= 1)"),
     doc="the pod's `terminationGracePeriodSeconds`. E: torchrun's shutdown timeout is 3/4 of it, "
     "and the start-up estimate is checked against it. S: the drain ends a margin before it",
+)
+MEMORY_DIR = Option(
+    "memory_dir",
+    TEXT,
+    "a memory-backed directory (tmpfs) for snapshots in RAM; empty = none",
+    doc="a memory-backed directory of the pod (an emptyDir with `medium: Memory`). E: the "
+    "Trainer's state goes there every `JITCKPT_SNAPSHOT_INTERVAL` (plain loops: "
+    "`snapshot()`), and a trainer that crashed (SIGKILL, OOM kill, an exception) and "
+    "restarts in the same pod resumes from it when it is newer than the newest checkpoint "
+    "on the volume. Under the entrypoint, a RAM writer process (not the trainer) writes "
+    "the Trainer's periodic saves from there to the volume, and the newest snapshot when "
+    "training fails without SIGTERM (a crash). One node; not FSDP's sharded "
+    "saves or DeepSpeed. S: when the trainer's container died whole (an OOM kill of the "
+    "container), the sidecar writes the newest snapshot to the volume and uploads it. Empty: "
+    "no snapshots; see [the RAM tier](docs/how-it-works.md#the-ram-tier)",
+    default_doc="empty (none)",
 )
 LOG_FORMAT = Option(
     "log_format",

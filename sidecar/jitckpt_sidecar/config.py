@@ -181,6 +181,7 @@ OPTIONS = (
         doc="used/capacity at which uploaded local checkpoints are deleted; in (0, 1]",
     ),
     shared.GRACE_SECONDS,
+    shared.MEMORY_DIR,
     Option(
         "rescan_seconds",
         NUMBER,
@@ -335,6 +336,9 @@ class Config:
     """Used/capacity ratio above which uploaded local checkpoints are deleted, oldest first."""
     grace_seconds: int = 30
     """The pod's terminationGracePeriodSeconds: the drain ends a small margin before it."""
+    memory_dir: str = ""
+    """The trainer's JITCKPT_MEMORY_DIR, mounted here too: a snapshot the trainer's container
+    left when it died whole is written out from it (ram_rescue.py)."""
     rescan_seconds: float = 30.0
     """Full rescan interval; inotify events are the fast path, the rescan catches misses."""
     restore_retry_seconds: float = 10.0

@@ -12,7 +12,8 @@ the trainer saves), the watchdog observer (only wakes the main loop and the samp
 HTTP server.
 
 Drain: after SIGTERM the sidecar keeps uploading until the trainer has exited
-(status/trainer.json has exited_at) and nothing is left to upload, or until the grace period
+(status/trainer.json has exited_at, or its container died whole: ram_rescue.py, which also
+writes the newest snapshot in RAM out then) and nothing is left to upload, or until the grace period
 minus a small margin has passed. The JIT checkpoint is the newest, so it goes next; during the
 drain a newer checkpoint also preempts an older upload in flight (its finished files stay in
 S3 and are not sent again). Exit 0 when everything staged is committed in S3, 1 otherwise.
@@ -38,6 +39,7 @@ from jitckpt_sidecar.final import FinalModel, FinalUploader
 from jitckpt_sidecar.metrics import Metrics
 from jitckpt_sidecar.notice import NoticeWatcher
 from jitckpt_sidecar.pressure import Pruner, Storage
+from jitckpt_sidecar.ram_rescue import RamRescue
 from jitckpt_sidecar.readiness import Readiness, process_start
 from jitckpt_sidecar.remote import Remote
 from jitckpt_sidecar.restore import Restorer, RestoreResult
@@ -139,6 +141,7 @@ class Service:
             logger=logger,
         )
         self.watcher = Watcher(layout, self.wake, logger)
+        self.rescue = RamRescue(cfg.memory_dir, layout, logger, self.wake)
         self.notice = NoticeWatcher(
             layout.status, cfg, on_notice=self.metrics.notice.seen, log=logger
         )
@@ -205,6 +208,7 @@ class Service:
             return self._loop()
         finally:
             self._stop.set()
+            self.rescue.stop()
             self.worker.stop.set()
             self.final.stop()
             self.backlog.close()
@@ -346,7 +350,10 @@ class Service:
                 # The pod's grace period began when the trainer got SIGTERM; a native sidecar
                 # gets its own SIGTERM only after the trainer has exited.
                 since_sigterm = max(since_sigterm, self.clock() - trainer.sigterm_at)
-        trainer_exited = trainer is not None and trainer.exited_at is not None
+        # A trainer container that died whole never writes exited_at (ram_rescue.py).
+        trainer_exited = trainer is not None and (
+            trainer.exited_at is not None or self.rescue.dead(trainer)
+        )
         verdict = drain.decide(
             since_sigterm=since_sigterm,
             trainer_known=trainer is not None,
@@ -420,7 +427,7 @@ class Service:
             self.worker.preempt_for = newest
 
     def _all_uploaded(self) -> bool:
-        return self.backlog.idle() and not self.final.pending()
+        return self.backlog.idle() and not self.final.pending() and not self.rescue.pending()
 
     def _model_location(self) -> str:
         where = self.final.location

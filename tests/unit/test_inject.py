@@ -510,6 +510,10 @@ def test_memory_adds_a_memory_backed_volume_for_snapshots_and_raises_the_memory_
     train = containers(pod)["train"]
     assert {"name": "jitckpt-memory", "mountPath": "/mnt/jitckpt-memory"} in train["volumeMounts"]
     assert env_of(train)["JITCKPT_MEMORY_DIR"] == "/mnt/jitckpt-memory"
+    sidecar = containers(pod)["jitckpt-sidecar"]  # it writes out what a killed trainer left
+    mount = {"name": "jitckpt-memory", "mountPath": "/mnt/jitckpt-memory", "readOnly": True}
+    assert mount in sidecar["volumeMounts"]
+    assert env_of(sidecar)["JITCKPT_MEMORY_DIR"] == "/mnt/jitckpt-memory"
     assert train["resources"]["limits"]["memory"] == "88Gi"
     assert train["resources"]["requests"]["memory"] == "88Gi"  # the scheduler counts it too
     assert "memory limit raised to 88Gi" in notes(limited, "memory", "24Gi")
@@ -523,3 +527,4 @@ def test_memory_adds_a_memory_backed_volume_for_snapshots_and_raises_the_memory_
     plain = docs(injected(POD))[0]["spec"]  # without --memory: no RAM tier
     assert "jitckpt-memory" not in [v["name"] for v in plain["volumes"]]
     assert "JITCKPT_MEMORY_DIR" not in env_of(containers(plain)["train"])
+    assert "JITCKPT_MEMORY_DIR" not in env_of(containers(plain)["jitckpt-sidecar"])

@@ -3,7 +3,6 @@ takes, which it never takes, when two snapshots do not fit, and when one is due.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -206,8 +205,10 @@ def test_a_plain_loops_snapshots_keep_the_newest_and_a_failing_one_never_raises(
 
 
 def ram_writer(manager: CheckpointManager, storage: str = "") -> RamWriter:
-    cfg = dataclasses.replace(manager.session.cfg, storage_uri=storage)
-    return RamWriter(cfg, "run-1", logging.getLogger("jitckpt.test"))
+    cfg = manager.session.cfg
+    return RamWriter(
+        cfg.memory_dir, cfg.dir, bool(storage), "run-1", logging.getLogger("jitckpt.test")
+    )
 
 
 def test_the_ram_writer_commits_a_snapshot_on_the_volume_with_its_manifests(tmp_path):
@@ -321,13 +322,17 @@ def test_after_a_crash_the_newest_snapshot_is_written_out_when_newer_than_the_vo
     snapshot goes to the volume when it is newer than every checkpoint there, else nothing."""
     manager = manager_for(tmp_path, grace_seconds=30.0)
     cfg, layout = manager.session.cfg, manager.session.layout
+
+    def newer() -> int | None:
+        return ram_writer_module.newer_snapshot(cfg.memory_dir, cfg.dir)
+
     manager.commit_written(write_files(layout.checkpoint_dir(10)), 10)
-    assert ram_writer_module.newer_snapshot(cfg) is None  # no snapshot
+    assert newer() is None  # no snapshot
     snapshot(manager, 10)
-    assert ram_writer_module.newer_snapshot(cfg) is None  # the volume's save of a step wins
+    assert newer() is None  # the volume's save of a step wins
     snapshot(manager, 12)
     snapshot(manager, 14)
-    assert ram_writer_module.newer_snapshot(cfg) == 14
+    assert newer() == 14
 
     write_out.announce(cfg.memory_dir, "run-1")
     writer = ram_writer(manager)
@@ -345,7 +350,7 @@ def test_after_a_crash_the_newest_snapshot_is_written_out_when_newer_than_the_vo
     written = validity.committed(layout.checkpoint_dir(14))
     assert written is not None
     assert written[0].save_id == m.read_manifests(manager.tier.path(14))[0].save_id
-    assert ram_writer_module.newer_snapshot(cfg) is None  # now the volume's is as new
+    assert newer() is None  # now the volume's is as new
 
 
 def test_a_committed_snapshot_retires_the_older_one_into_spares_and_drops_untaken_ones(

@@ -1,7 +1,8 @@
 """Status files under JITCKPT_DIR/status/: how the trainer side tells the sidecar what happened.
 
-- `trainer.json` (entrypoint): started_at, sigterm_at, exited_at, exit_code. The sidecar drains
-  until `exited_at` is set.
+- `trainer.json` (entrypoint): started_at, sigterm_at, exited_at, exit_code, locked. The sidecar
+  drains until `exited_at` is set, or until `trainer.lock` (trainer_lock.py) shows that a
+  `locked` run died without exiting.
 - `jit.json` (hook, one per node): the JIT checkpoint committed after SIGTERM in run `run_id`,
   for the sidecar; the same record in the run's own directory (`run-<run id>/jit.json`, see
   registry.py) decides whether the entrypoint exits with JITCKPT_EXIT_CODE (two pods sharing a
@@ -82,6 +83,9 @@ class TrainerStatus:
     exited_at: Optional[float] = None
     exit_code: Optional[int] = None
     summary: Optional[str] = None
+    locked: bool = False
+    """The entrypoint holds status/trainer.lock (trainer_lock.py) from before this record until
+    it exits: the sidecar may tell that it died without exiting."""
     version: int = 1
 
 
@@ -301,7 +305,7 @@ def _fields(cls: type) -> _Fields:
 
 
 def _converter(hint: Any) -> Callable[[Any], Any]:
-    """str, int, float, Optional[...] of one, tuple[str, ...]: what the records hold."""
+    """str, int, float, bool, Optional[...] of one, tuple[str, ...]: what the records hold."""
     args = typing.get_args(hint)
     if type(None) in args:
         (inner,) = (_converter(a) for a in args if a is not type(None))
@@ -309,9 +313,17 @@ def _converter(hint: Any) -> Callable[[Any], Any]:
     if typing.get_origin(hint) is tuple:
         item = _converter(args[0])
         return lambda v: tuple(item(x) for x in v)
+    if hint is bool:
+        return _boolean
     if hint not in (str, int, float):
         raise TypeError(f"no JSON converter for {hint!r}")
     return typing.cast("Callable[[Any], Any]", hint)
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"not a boolean: {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

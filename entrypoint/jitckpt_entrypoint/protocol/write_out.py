@@ -5,7 +5,7 @@ and the entrypoint's writer (ram_writer.py) share, in `<JITCKPT_MEMORY_DIR>/writ
   container's request and answer go then). The hook hands a save to it only while that process
   lives (the same pid and start time: a pid alone is reused) and belongs to the hook's run (the
   entrypoint's run id).
-- `request.json` {id, step, started_at, run_id}: rank 0 asks for the committed snapshot of
+- `request.json` {id, step, started_at, run_id, fresh}: rank 0 asks for the committed snapshot of
   `step` to be written to the volume (and staged for upload). One at a time: the hook asks
   again only after the answer.
 - `done.json` {id, step, ok, bytes, seconds, error}: the writer's answer to request `id`,
@@ -34,6 +34,9 @@ class Request:
     step: int
     started_at: float
     run_id: str
+    fresh: bool = False
+    """Training has failed: no hook made the checkpoint's directory, and what an uncommitted
+    one holds is a save cut short."""
 
 
 @dataclasses.dataclass(frozen=True)

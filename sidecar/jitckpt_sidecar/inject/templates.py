@@ -170,9 +170,15 @@ def sidecar_container(opts: Options, trainer_container: Obj, grace: int) -> Obj:
         "periodSeconds": 10,
         "failureThreshold": 6,
     }
-    return _s3_container(
+    container = _s3_container(
         opts, trainer_container, grace, head, probes, exit_with_trainer=not opts.native
     )
+    if opts.memory:  # a snapshot a trainer container killed whole left there: ram_rescue.py
+        container["env"].append(_var("memory_dir", MEMORY_DIR))
+        container["volumeMounts"].append(
+            {"name": MEMORY_VOLUME, "mountPath": MEMORY_DIR, "readOnly": True}
+        )
+    return container
 
 
 def restore_container(opts: Options, trainer_container: Obj, grace: int) -> Obj:

@@ -1,0 +1,74 @@
+"""Whether the trainer's container still lives, as the sidecar (another container, another PID
+namespace) can tell: a flock on `status/trainer.lock`.
+
+- The entrypoint takes it shared before it writes `trainer.json` for its run, and holds it until
+  it exits (the kernel drops it however the process ends: an OOM kill of the whole container, a
+  SIGKILL); the RAM writer it starts holds it too (it writes to the volume).
+- The sidecar takes it exclusive without waiting. It gets it only when no process that wrote a
+  `trainer.json` lives: a run whose record has `locked` set and no `exited_at` is then dead
+  without having exited, and whatever the sidecar does meanwhile (ram_rescue.py: the newest
+  snapshot written out) no new entrypoint can overlap, since it waits for the lock first.
+- Never trusted when the record does not say `locked` (an entrypoint that could not take it,
+  one of an older version), nor when another pod's entrypoint holds it (a shared volume): the
+  sidecar then waits for `exited_at` as before.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from typing import Callable, Optional
+
+NAME = "trainer.lock"
+POLL = 0.1
+"""Seconds between tries while the entrypoint waits for the sidecar's exclusive hold."""
+
+
+def path(status_dir: str) -> str:
+    return os.path.join(status_dir, NAME)
+
+
+def hold(status_dir: str, patience: float, waiting: Callable[[], None]) -> Optional[int]:
+    """The entrypoint and the RAM writer: the shared lock, held until the process exits (the
+    open descriptor is not inherited). Waits at most `patience` seconds for an exclusive holder
+    (the sidecar writing a dead run's snapshot out), calling `waiting()` once if it must wait.
+    None when it cannot be taken: the caller's record must then not say `locked`."""
+    try:
+        fd = os.open(path(status_dir), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError:
+        return None
+    deadline = time.monotonic() + patience
+    said = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                if not said:
+                    said = True
+                    waiting()
+                time.sleep(POLL)
+                continue
+        except OSError:
+            pass
+        else:
+            return fd
+        os.close(fd)
+        return None
+
+
+def take_if_gone(status_dir: str) -> Optional[int]:
+    """The sidecar: the lock held exclusively (close the descriptor to let go) when nothing
+    holds it: no entrypoint nor RAM writer lives on this volume. None when one does, or when
+    there is no lock (no entrypoint that takes it ever ran here)."""
+    try:
+        fd = os.open(path(status_dir), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
