@@ -14,6 +14,10 @@ variant meets every failure after the same training time whatever its restarts c
 - sigterm: a preemption. SIGTERM to both containers, SIGKILL at the end of the grace period;
   the Job's replacement is a new pod on another node: an empty emptyDir, restored from S3.
 - pod-kill: a node loss. SIGKILL to the whole pod; a new pod restores from S3.
+- container-oom (one per --container-ooms): the trainer container's cgroup OOM-killed, PID 1
+  and all (its memory volume and sidecar stay); the pod is not restarted in place
+  (restartPolicy Never): the kubelet stops its sidecar (SIGTERM), and a new pod restores from
+  S3. jitckpt-ram's sidecar writes the newest snapshot in RAM out and uploads it first.
 - worker-crash: SIGKILL to rank 1's worker. torchrun fails the container, which restarts in
   place at once (no CrashLoopBackOff delay) with the same emptyDir and the same sidecar.
 - notice-N (one per --notices N): the cluster's notice, then a preemption. Karpenter's
@@ -110,7 +114,8 @@ from harness.procs import Proc, descendants, environ_of, free_port  # noqa: E402
 from harness.s3 import FAKE_CREDENTIALS, Bucket, RgwStore  # noqa: E402
 
 MB = 1e6
-KINDS = ("sigterm", "pod-kill", "worker-crash")
+KINDS = ("sigterm", "pod-kill", "worker-crash", "container-oom")
+CONTAINER_OOM = "container-oom"
 NODE_LOSS = "node-loss"
 """With --nodes 2 or more, instead of pod-kill and worker-crash: the last node's pod SIGKILLed
 (a node lost without notice), the pods left SIGTERMed once node 0's trainer exited or
@@ -159,12 +164,19 @@ class Event:
 
 
 def make_trace(
-    seed: int, minutes: float, sigterms: int, notices: list[float], nodes: int = 1
+    seed: int,
+    minutes: float,
+    sigterms: int,
+    notices: list[float],
+    nodes: int = 1,
+    *,
+    container_ooms: int = 0,
 ) -> tuple[list[Event], float]:
     """The failures in a seeded order and spacing, and the training seconds after the last."""
     rng = random.Random(seed)
     kinds = ["sigterm"] * sigterms + (["pod-kill", "worker-crash"] if nodes == 1 else [NODE_LOSS])
     kinds += [f"{NOTICE}{lead:g}" for lead in notices]
+    kinds += [CONTAINER_OOM] * container_ooms  # none by default: the traces stay as they were
     rng.shuffle(kinds)
     weights = [rng.uniform(0.5, 1.5) for _ in range(len(kinds) + 1)]
     seconds = [minutes * 60 * w / sum(weights) for w in weights]
@@ -354,6 +366,11 @@ class Runner:
             self.new_pod()
         elif kind == "pod-kill":
             pod.kill()
+            gone = time.monotonic()
+            self.new_pod()
+        elif kind == CONTAINER_OOM:
+            proc.kill_tree()  # the container's cgroup: its PID 1 and every process in it
+            self.terminate([pod])  # the kubelet stops the sidecar: it drains
             gone = time.monotonic()
             self.new_pod()
         else:
@@ -640,6 +657,12 @@ def parse_args() -> argparse.Namespace:
         metavar="N",
         help="a notice-N failure per N: Karpenter's taint on the node, SIGTERM N s later",
     )
+    parser.add_argument(
+        "--container-ooms",
+        type=int,
+        default=0,
+        help="container-oom failures: the trainer container killed whole, the pod replaced",
+    )
     parser.add_argument("--save-steps", type=int, default=500)
     parser.add_argument("--step-sleep", type=float, default=0.1)
     parser.add_argument(
@@ -669,6 +692,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--nodes: 1 or more")
     if opts.nodes > 1 and opts.variants and "jitckpt-ram" in opts.variants:
         parser.error("jitckpt-ram with --nodes > 1: RAM snapshots are off with several nodes")
+    if opts.nodes > 1 and opts.container_ooms:
+        parser.error("--container-ooms with --nodes > 1: not built (one node's container)")
     if opts.nodes > 1 and opts.notices:
         parser.error(
             "--notices with --nodes > 1: not built (the notice's save is measured on "
@@ -684,7 +709,14 @@ def main() -> None:
     chosen = [v for v in variants(opts) if opts.variants is None or v.name in opts.variants]
     if opts.nodes > 1:  # RAM snapshots are off with several nodes: it would be jitckpt again
         chosen = [v for v in chosen if not v.memory]
-    trace, tail = make_trace(opts.seed, opts.minutes, opts.sigterms, opts.notices, opts.nodes)
+    trace, tail = make_trace(
+        opts.seed,
+        opts.minutes,
+        opts.sigterms,
+        opts.notices,
+        opts.nodes,
+        container_ooms=opts.container_ooms,
+    )
     model = ["--hidden", str(opts.hidden), "--layers", str(opts.layers), "--vocab", str(opts.vocab)]
     common = [*model, "--step-sleep", str(opts.step_sleep), "--save-total-limit", "2"]
     revision = subprocess.run(

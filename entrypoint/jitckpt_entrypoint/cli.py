@@ -194,6 +194,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run(cfg, layout, executable, command, logger)
 
 
+def hold_trainer_lock(
+    cfg: Config, layout: Layout, logger: logging.Logger
+) -> tuple[Optional[int], bool]:
+    """status/trainer.lock, held until we exit: the sidecar tells a container killed whole by it
+    (protocol/trainer_lock.py). While the sidecar holds it (writing a dead run's snapshot out),
+    wait at most JITCKPT_GRACE_SECONDS, and not past a SIGTERM (PID 1 would otherwise drop it
+    here): (the descriptor or None, whether SIGTERM came while waiting)."""
+    sigterms: list[int] = []
+    previous: list[Any] = []
+
+    def waiting() -> None:
+        logger.info("waiting for the sidecar to write the last run's snapshot out")
+        previous.append(signal.signal(signal.SIGTERM, lambda signo, _: sigterms.append(signo)))
+
+    lock = trainer_lock.hold(layout.status, cfg.grace_seconds, waiting, lambda: bool(sigterms))
+    if previous:
+        signal.signal(signal.SIGTERM, previous[0])
+    if lock is None:
+        logger.debug("cannot hold %s", trainer_lock.path(layout.status))
+    if sigterms and lock is not None:
+        os.close(lock)
+    return (None if sigterms else lock), bool(sigterms)
+
+
 def run(
     cfg: Config, layout: Layout, executable: str, command: list[str], logger: logging.Logger
 ) -> int:
@@ -213,13 +237,13 @@ def run(
     for stale in registry.remove_stale(layout.status):
         logger.debug("removed %s (left by a killed entrypoint)", stale)
     registry.open_run(layout.status, run_id)
-    lock = trainer_lock.hold(  # held until we exit: the sidecar tells a killed container by it
-        layout.status,
-        cfg.grace_seconds,
-        lambda: logger.info("waiting for the sidecar to write the last run's snapshot out"),
-    )
-    if lock is None:
-        logger.debug("cannot hold %s", trainer_lock.path(layout.status))
+    lock, stopped = hold_trainer_lock(cfg, layout, logger)
+    if stopped:
+        registry.close_run(layout.status, run_id)
+        summary = "SIGTERM before the training command started; not started"
+        log.write_termination_log(cfg.termination_log, summary)
+        logger.info("%s; exiting %d", summary, 128 + signal.SIGTERM)
+        return 128 + signal.SIGTERM
     record = status.TrainerStatus(
         run_id, pid, tuple(command), started_at=time.time(), locked=lock is not None
     )

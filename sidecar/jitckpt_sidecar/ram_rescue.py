@@ -9,10 +9,14 @@ trainer's lock (protocol/trainer_lock.py): the run's trainer.json says `locked`,
 `exited_at`, and nothing holds the lock. It then writes the newest committed snapshot to the
 volume, when it is newer than every checkpoint there, with the RAM writer's own copy and commit
 (a directory of that step cut short goes first; staged for upload, sent newest first like any
-other), holding the lock meanwhile so that a trainer restarted in place waits for it. Once per
-run.
+other), holding the lock meanwhile so that no entrypoint starts. Once per run.
 
-The same sign ends the sidecar's wait for that trainer's `exited_at` (service.py: the drain).
+Only once the pod is going (the sidecar's SIGTERM: the kubelet stops a native sidecar once the
+pod's containers are done, and any pod that is deleted): before, the kubelet may still restart
+the container in place, whose new trainer resumes from RAM itself, and the same sign then ends
+the drain's wait for that trainer's `exited_at` (service.py). The write and its upload must fit
+in the drain (JITCKPT_GRACE_SECONDS minus a margin): a snapshot of many GB needs a longer
+terminationGracePeriodSeconds.
 
 Threads: `dead` on the main loop; the write on a thread of its own (`pending` until it is done),
 which wakes the main loop when it ends; `stop` from the main loop as the sidecar exits.
@@ -80,10 +84,13 @@ class RamRescue:
         """A write-out is under way (the drain waits for it, then for its upload)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def stop(self) -> None:
-        """The sidecar exits: a copy in progress stops within a chunk, its directory goes."""
+    def stop(self, wait: float) -> None:
+        """The sidecar exits: a copy in progress stops within a chunk and its directory goes
+        (waited for at most `wait` seconds)."""
         if self._writer is not None:
             self._writer.stopping = True
+        if self._thread is not None:
+            self._thread.join(timeout=wait)
 
     def _write_out(self, lock: int, writer: RamWriter) -> None:
         try:

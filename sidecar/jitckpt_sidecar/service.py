@@ -156,6 +156,7 @@ class Service:
         self._said_draining = False
         self._restored_bytes = 0
         self._sized_for: Optional[str] = None
+        self._rescuing = False
 
     # -- signals and wake-ups (called from signal handlers and other threads: flags only) --
 
@@ -208,7 +209,7 @@ class Service:
             return self._loop()
         finally:
             self._stop.set()
-            self.rescue.stop()
+            self.rescue.stop(wait=1.0)
             self.worker.stop.set()
             self.final.stop()
             self.backlog.close()
@@ -311,6 +312,7 @@ class Service:
             # Read trainer.json before scanning: whatever the trainer staged before it exited
             # is then in this scan, so "exited and nothing pending" is never premature.
             trainer = self.feed.trainer()
+            self._rescuing = self.rescue.pending()  # what it stages is then in this scan too
             self._tick()
             self._log_sizing(trainer)
             code = self._exit_code(trainer)
@@ -350,9 +352,11 @@ class Service:
                 # The pod's grace period began when the trainer got SIGTERM; a native sidecar
                 # gets its own SIGTERM only after the trainer has exited.
                 since_sigterm = max(since_sigterm, self.clock() - trainer.sigterm_at)
-        # A trainer container that died whole never writes exited_at (ram_rescue.py).
+        # A trainer container that died whole never writes exited_at (ram_rescue.py). Only
+        # once the pod is going: before, the kubelet may restart it in place.
         trainer_exited = trainer is not None and (
-            trainer.exited_at is not None or self.rescue.dead(trainer)
+            trainer.exited_at is not None
+            or (since_sigterm is not None and self.rescue.dead(trainer))
         )
         verdict = drain.decide(
             since_sigterm=since_sigterm,
@@ -382,6 +386,7 @@ class Service:
             pending = ", ".join(
                 [s.name for s in self.backlog.pending()]
                 + ([f"the final model ({FINAL_NAME}/)"] if self.final.pending() else [])
+                + (["the snapshot in RAM being written out"] if self.rescue.pending() else [])
             )
             left = f"not committed in S3: {pending}" if pending else "nothing left to upload"
             if trainer is not None and not trainer_exited:
@@ -427,7 +432,8 @@ class Service:
             self.worker.preempt_for = newest
 
     def _all_uploaded(self) -> bool:
-        return self.backlog.idle() and not self.final.pending() and not self.rescue.pending()
+        rescuing = self._rescuing or self.rescue.pending()
+        return self.backlog.idle() and not self.final.pending() and not rescuing
 
     def _model_location(self) -> str:
         where = self.final.location

@@ -12,6 +12,9 @@ in between, and waits for them after its direct child is gone.
   agent (role `torchrun`, with the worker shutdown timeout it will use);
 - `owner.json`: the entrypoint that owns the directory (host, pid, start time).
 
+A process that registers also holds `status/trainer.lock` (shared) for the rest of its life
+(trainer_lock.py): the sidecar never takes a run for dead while one of its processes lives.
+
 A process is named by its pid *and* its start time (field 22 of /proc/<pid>/stat, in clock
 ticks since boot): a pid is signalled only while the process holding it started at the
 registered time, so a reused pid is never signalled. Records of other runs (another container
@@ -27,8 +30,10 @@ import shutil
 import socket
 from typing import Any, Optional
 
-from jitckpt_entrypoint.protocol import atomic
+from jitckpt_entrypoint.protocol import atomic, trainer_lock
 
+_holding: list[Optional[int]] = []
+"""This process's hold on status/trainer.lock, taken when it first registers (trainer_lock.py)."""
 RUN_PREFIX = "run-"
 PROC_PREFIX = "proc-"
 OWNER = "owner.json"
@@ -101,6 +106,8 @@ def register(status_dir: str, run_id: str, role: str, **fields: Any) -> Optional
         atomic.write_json(path, entry.to_json(), durable=False)
     except OSError:
         return None
+    if not _holding:  # for the rest of its life: the sidecar sees a trainer live while we do
+        _holding.append(trainer_lock.hold(status_dir, 0.0, lambda: None))
     return path
 
 

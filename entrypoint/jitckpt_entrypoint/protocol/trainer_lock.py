@@ -3,18 +3,22 @@ namespace) can tell: a flock on `status/trainer.lock`.
 
 - The entrypoint takes it shared before it writes `trainer.json` for its run, and holds it until
   it exits (the kernel drops it however the process ends: an OOM kill of the whole container, a
-  SIGKILL); the RAM writer it starts holds it too (it writes to the volume).
+  SIGKILL); so do the RAM writer it starts and every process that registers with it
+  (registry.py: training processes, torchrun agents), since they write to the volume too.
 - The sidecar takes it exclusive without waiting. It gets it only when no process that wrote a
   `trainer.json` lives: a run whose record has `locked` set and no `exited_at` is then dead
   without having exited, and whatever the sidecar does meanwhile (ram_rescue.py: the newest
   snapshot written out) no new entrypoint can overlap, since it waits for the lock first.
 - Never trusted when the record does not say `locked` (an entrypoint that could not take it,
   one of an older version), nor when another pod's entrypoint holds it (a shared volume): the
-  sidecar then waits for `exited_at` as before.
+  sidecar then waits for `exited_at` as before. On NFS, flock is emulated with POSIX locks
+  (lockd): taken across clients, or, mounted `nolock`/`local_lock=flock`, per client only, where
+  another pod's entrypoint is not seen (keep JITCKPT_DIR on the pod's own emptyDir).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import time
@@ -29,22 +33,29 @@ def path(status_dir: str) -> str:
     return os.path.join(status_dir, NAME)
 
 
-def hold(status_dir: str, patience: float, waiting: Callable[[], None]) -> Optional[int]:
-    """The entrypoint and the RAM writer: the shared lock, held until the process exits (the
-    open descriptor is not inherited). Waits at most `patience` seconds for an exclusive holder
+def hold(
+    status_dir: str,
+    patience: float,
+    waiting: Callable[[], None],
+    give_up: Callable[[], bool] = lambda: False,
+) -> Optional[int]:
+    """The shared lock, held until the process exits (the descriptor is not inherited by what
+    it runs). Waits at most `patience` seconds, or until `give_up()`, for an exclusive holder
     (the sidecar writing a dead run's snapshot out), calling `waiting()` once if it must wait.
-    None when it cannot be taken: the caller's record must then not say `locked`."""
+    None when it cannot be taken: the entrypoint's record must then not say `locked`."""
     try:
         fd = os.open(path(status_dir), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     except OSError:
         return None
+    with contextlib.suppress(OSError):  # the sidecar may run as another user: umask aside
+        os.fchmod(fd, 0o666)
     deadline = time.monotonic() + patience
     said = False
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            if time.monotonic() < deadline:
+            if time.monotonic() < deadline and not give_up():
                 if not said:
                     said = True
                     waiting()
@@ -62,9 +73,12 @@ def take_if_gone(status_dir: str) -> Optional[int]:
     """The sidecar: the lock held exclusively (close the descriptor to let go) when nothing
     holds it: no entrypoint nor RAM writer lives on this volume. None when one does, or when
     there is no lock (no entrypoint that takes it ever ran here)."""
-    try:
-        fd = os.open(path(status_dir), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    fd = None
+    for mode in (os.O_RDWR, os.O_RDONLY):  # NFS's emulated flock wants a writable file
+        with contextlib.suppress(OSError):
+            fd = os.open(path(status_dir), mode | os.O_CLOEXEC)
+            break
+    if fd is None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

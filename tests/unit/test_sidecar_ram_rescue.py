@@ -7,9 +7,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
+from jitckpt_entrypoint import cli
+from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.protocol import commit, status, trainer_lock, validity
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.layout import Layout
@@ -68,10 +74,33 @@ def test_the_lock_tells_a_live_trainer_from_one_gone_and_a_start_waits_for_the_s
     assert trainer_lock.hold(where, 0.3, lambda: waited.append(1)) is None  # patience spent
     assert waited == [1]
     assert time.monotonic() - begun >= 0.3
+    begun = time.monotonic()
+    assert trainer_lock.hold(where, 30.0, lambda: None, give_up=lambda: True) is None  # SIGTERM
+    assert time.monotonic() - begun < 5
     os.close(sidecar)
     again = trainer_lock.hold(where, 0.0, lambda: None)
     assert again is not None
     os.close(again)
+
+
+def test_a_process_that_registers_with_the_entrypoint_holds_the_lock_for_life(tmp_path):
+    where = str(tmp_path)
+    code = (
+        "import sys, time; from jitckpt_entrypoint.protocol import registry; "
+        "registry.register(sys.argv[1], 'run-1', 'trainer'); print('in', flush=True); "
+        "time.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, where], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "in"
+        assert trainer_lock.take_if_gone(where) is None  # a training process lives
+    finally:
+        child.kill()
+        child.wait()
+    gone = trainer_lock.take_if_gone(where)
+    assert gone is not None
+    os.close(gone)
 
 
 def test_a_record_with_the_lock_reads_back_and_an_older_one_never_says_locked(tmp_path):
@@ -133,3 +162,32 @@ def test_a_trainer_that_exited_meanwhile_or_without_a_memory_directory(tmp_path)
     plain = RamRescue("", volume, logger, lambda: None)  # no JITCKPT_MEMORY_DIR: nothing to write
     assert plain.dead(record)
     assert not plain.pending()
+
+
+def test_an_entrypoint_waiting_for_the_sidecar_stops_at_sigterm(tmp_path):
+    """PID 1 would drop a SIGTERM that has no handler: while it waits for the lock, it has one,
+    and it gives up starting the training command."""
+    layout = Layout(str(tmp_path))
+    layout.ensure()
+    created = trainer_lock.hold(layout.status, 0.0, lambda: None)  # the lock file
+    assert created is not None
+    os.close(created)
+    sidecar = trainer_lock.take_if_gone(layout.status)
+    assert sidecar is not None
+    cfg = Config(dir=str(tmp_path), grace_seconds=30)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    before = signal.getsignal(signal.SIGTERM)
+    timer.start()
+    try:
+        begun = time.monotonic()
+        lock, stopped = cli.hold_trainer_lock(cfg, layout, logging.getLogger("jitckpt.test"))
+    finally:
+        timer.join()
+        os.close(sidecar)
+    assert (lock, stopped) == (None, True)
+    assert time.monotonic() - begun < 10
+    assert signal.getsignal(signal.SIGTERM) == before  # restored
+    lock, stopped = cli.hold_trainer_lock(cfg, layout, logging.getLogger("jitckpt.test"))
+    assert lock is not None
+    assert not stopped
+    os.close(lock)
