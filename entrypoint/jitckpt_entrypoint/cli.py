@@ -199,8 +199,8 @@ def hold_trainer_lock(
 ) -> tuple[Optional[int], bool]:
     """status/trainer.lock, held until we exit: the sidecar tells a container killed whole by it
     (protocol/trainer_lock.py). While the sidecar holds it (writing a dead run's snapshot out),
-    wait at most JITCKPT_GRACE_SECONDS, and not past a SIGTERM (PID 1 would otherwise drop it
-    here): (the descriptor or None, whether SIGTERM came while waiting)."""
+    wait at most JITCKPT_GRACE_SECONDS, and not past a SIGTERM that comes meanwhile (a handler
+    for the wait: PID 1 would drop it): (the descriptor or None, whether SIGTERM came)."""
     sigterms: list[int] = []
     previous: list[Any] = []
 
@@ -209,8 +209,8 @@ def hold_trainer_lock(
         previous.append(signal.signal(signal.SIGTERM, lambda signo, _: sigterms.append(signo)))
 
     lock = trainer_lock.hold(layout.status, cfg.grace_seconds, waiting, lambda: bool(sigterms))
-    if previous:
-        signal.signal(signal.SIGTERM, previous[0])
+    if previous:  # None: a handler set outside Python
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous[0] is None else previous[0])
     if lock is None:
         logger.debug("cannot hold %s", trainer_lock.path(layout.status))
     if sigterms and lock is not None:

@@ -312,6 +312,8 @@ class Service:
             # Read trainer.json before scanning: whatever the trainer staged before it exited
             # is then in this scan, so "exited and nothing pending" is never premature.
             trainer = self.feed.trainer()
+            if self._sigterm_at is not None:  # a rescue begins before the scan, not after it
+                self.rescue.dead(trainer)
             self._rescuing = self.rescue.pending()  # what it stages is then in this scan too
             self._tick()
             self._log_sizing(trainer)

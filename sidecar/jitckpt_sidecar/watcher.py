@@ -25,7 +25,7 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
-from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.protocol import status, trainer_lock
 from jitckpt_entrypoint.protocol.layout import Layout
 
 # What changes readiness: links and manifests appearing (create, rename of an atomic write),
@@ -53,8 +53,9 @@ class _StopRace(logging.Filter):
 _STOP_RACE = _StopRace()
 
 
-_QUIET = (f"/{status.PROGRESS.name}", f"/.{status.PROGRESS.name}.")
-"""status/progress.json is rewritten every second and read at scrape time: it wakes nothing."""
+_QUIET = (f"/{status.PROGRESS.name}", f"/.{status.PROGRESS.name}.", f"/{trainer_lock.NAME}")
+"""status/progress.json is rewritten every second and read at scrape time, and status/trainer.lock
+is opened and closed by every look at it (the sidecar's own, ram_rescue.py): they wake nothing."""
 
 
 class _Wake(FileSystemEventHandler):
@@ -65,7 +66,7 @@ class _Wake(FileSystemEventHandler):
         path = event.dest_path or event.src_path
         if isinstance(path, bytes):
             path = path.decode(errors="replace")
-        if path.endswith(_QUIET[0]) or _QUIET[1] in path:
+        if path.endswith((_QUIET[0], _QUIET[2])) or _QUIET[1] in path:
             return
         self.wake()
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.protocol import status, trainer_lock
 from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar.watcher import Watcher
 
@@ -46,6 +46,24 @@ def test_the_trainers_progress_record_wakes_nothing_but_other_status_files_do(tm
         assert not woken.wait(1)
         status.SAVING.write(layout.status, status.SaveStart("run", 3, time.time()))
         assert woken.wait(10)
+
+
+def test_a_look_at_the_trainers_lock_wakes_nothing(tmp_path):
+    """The drain looks at status/trainer.lock each time round: a look must not wake the loop
+    again (it would spin for the whole drain)."""
+    layout = Layout(str(tmp_path))
+    layout.ensure()
+    held = trainer_lock.hold(layout.status, 0.0, lambda: None)  # a live trainer's
+    assert held is not None
+    with watching(tmp_path) as (_, woken):
+        for _ in range(3):
+            assert trainer_lock.take_if_gone(layout.status) is None
+        assert not woken.wait(1)
+        os.close(held)
+        gone = trainer_lock.take_if_gone(layout.status)
+        assert gone is not None
+        os.close(gone)
+        assert not woken.wait(1)
 
 
 def test_a_watch_that_fails_partway_leaves_no_thread_running(tmp_path, caplog):

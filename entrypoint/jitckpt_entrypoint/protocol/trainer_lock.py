@@ -19,6 +19,7 @@ namespace) can tell: a flock on `status/trainer.lock`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import time
@@ -73,16 +74,19 @@ def take_if_gone(status_dir: str) -> Optional[int]:
     """The sidecar: the lock held exclusively (close the descriptor to let go) when nothing
     holds it: no entrypoint nor RAM writer lives on this volume. None when one does, or when
     there is no lock (no entrypoint that takes it ever ran here)."""
-    fd = None
-    for mode in (os.O_RDWR, os.O_RDONLY):  # NFS's emulated flock wants a writable file
-        with contextlib.suppress(OSError):
+    # Read-only first: closing a file opened for writing is an inotify event (IN_CLOSE_WRITE)
+    # that would wake the sidecar's own loop. NFS's emulated flock wants it writable (EBADF).
+    for mode in (os.O_RDONLY, os.O_RDWR):
+        try:
             fd = os.open(path(status_dir), mode | os.O_CLOEXEC)
-            break
-    if fd is None:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EBADF, errno.ENOLCK):
+                return None
+        else:
+            return fd
+    return None
