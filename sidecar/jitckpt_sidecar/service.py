@@ -157,6 +157,7 @@ class Service:
         self._restored_bytes = 0
         self._sized_for: Optional[str] = None
         self._rescuing = False
+        self._trainer_dead = False
 
     # -- signals and wake-ups (called from signal handlers and other threads: flags only) --
 
@@ -312,9 +313,11 @@ class Service:
             # Read trainer.json before scanning: whatever the trainer staged before it exited
             # is then in this scan, so "exited and nothing pending" is never premature.
             trainer = self.feed.trainer()
-            if self._sigterm_at is not None:  # a rescue begins before the scan, not after it
-                self.rescue.dead(trainer)
-            self._rescuing = self.rescue.pending()  # what it stages is then in this scan too
+            # A trainer container that died whole never writes exited_at (ram_rescue.py); only
+            # once the pod is going: before, the kubelet may restart it in place. Looked at
+            # before the scan, as is a write-out it begins: what that stages is in this scan.
+            self._trainer_dead = self._sigterm_at is not None and self.rescue.dead(trainer)
+            self._rescuing = self.rescue.pending()
             self._tick()
             self._log_sizing(trainer)
             code = self._exit_code(trainer)
@@ -354,12 +357,8 @@ class Service:
                 # The pod's grace period began when the trainer got SIGTERM; a native sidecar
                 # gets its own SIGTERM only after the trainer has exited.
                 since_sigterm = max(since_sigterm, self.clock() - trainer.sigterm_at)
-        # A trainer container that died whole never writes exited_at (ram_rescue.py). Only
-        # once the pod is going: before, the kubelet may restart it in place.
-        trainer_exited = trainer is not None and (
-            trainer.exited_at is not None
-            or (since_sigterm is not None and self.rescue.dead(trainer))
-        )
+        exited = trainer is not None and trainer.exited_at is not None
+        trainer_exited = exited or self._trainer_dead
         verdict = drain.decide(
             since_sigterm=since_sigterm,
             trainer_known=trainer is not None,

@@ -13,7 +13,7 @@ from typing import Any
 
 from harness.checkpoints import commit, hf_files
 from jitckpt_entrypoint.protocol import commit as commit_module
-from jitckpt_entrypoint.protocol import validity
+from jitckpt_entrypoint.protocol import locks, validity
 from jitckpt_entrypoint.protocol.commit import STAGING_LOCK, remove_checkpoint, staging_lock
 from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar import staging
@@ -44,7 +44,7 @@ def test_a_save_staged_while_the_sidecar_removes_the_uploaded_one_stays_staged(
     trainer: list[threading.Thread] = []
     waiting = threading.Event()
 
-    class Flock:  # fcntl as commit.py sees it: notes when a staging waits for the lock
+    class Flock:  # fcntl as locks.py sees it: notes when a staging waits for the lock
         def __getattr__(self, name: str) -> Any:
             return getattr(fcntl, name)
 
@@ -64,7 +64,7 @@ def test_a_save_staged_while_the_sidecar_removes_the_uploaded_one_stays_staged(
             waiting.wait(timeout=10)
         return result
 
-    monkeypatch.setattr(commit_module, "fcntl", Flock())
+    monkeypatch.setattr(locks, "fcntl", Flock())
     monkeypatch.setattr(validity, "staged", check_then_restage)
     assert staging.remove(uploaded)
     assert waiting.is_set()

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Callable, Optional
 
-from jitckpt_entrypoint.protocol import atomic, durable, status
+from jitckpt_entrypoint.protocol import atomic, durable, locks, status
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol.layout import Layout
 
@@ -147,13 +147,13 @@ def staging_lock(staging: str, wait: float) -> Iterator[Optional[bool]]:
     dies). Yields True when held; False when another process held it for `wait` seconds; None
     where there is no lock to take (no such file can be made, or no locks on the filesystem):
     then the caller goes on unlocked, as before the lock existed."""
-    fd = _open_lock(os.path.join(staging, STAGING_LOCK))
+    fd = locks.open_lock(os.path.join(staging, STAGING_LOCK))
     if fd is None:
         yield None
         return
     held = None
     try:
-        held = _flock(fd, time.monotonic() + wait)
+        held = locks.flock(fd, fcntl.LOCK_EX, time.monotonic() + wait)
         yield held
     finally:
         # Unlocked before the close: a child forked meanwhile (a DataLoader worker) shares the
@@ -162,37 +162,6 @@ def staging_lock(staging: str, wait: float) -> Iterator[Optional[bool]]:
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
-
-
-def _open_lock(path: str) -> Optional[int]:
-    """The lock file, for writing where allowed (NFS's emulated flock needs it), made writable
-    by the other container's user (the trainer and the sidecar may run as different users)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    except PermissionError:
-        try:
-            return os.open(path, os.O_RDONLY)
-        except OSError:
-            return None
-    except OSError:
-        return None
-    with contextlib.suppress(OSError):
-        os.fchmod(fd, 0o666)  # the creator's umask took bits off; not its owner: already set
-    return fd
-
-
-def _flock(fd: int, deadline: float) -> Optional[bool]:
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
-        except OSError:  # no locks on this filesystem
-            return None
-        else:
-            return True
 
 
 def link_or_copy(src: str, dst: str) -> bool:

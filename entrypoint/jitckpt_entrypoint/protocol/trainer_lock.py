@@ -18,12 +18,13 @@ namespace) can tell: a flock on `status/trainer.lock`.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
 import time
 from typing import Callable, Optional
+
+from jitckpt_entrypoint.protocol import locks
 
 NAME = "trainer.lock"
 POLL = 0.1
@@ -44,30 +45,21 @@ def hold(
     it runs). Waits at most `patience` seconds, or until `give_up()`, for an exclusive holder
     (the sidecar writing a dead run's snapshot out), calling `waiting()` once if it must wait.
     None when it cannot be taken: the entrypoint's record must then not say `locked`."""
-    try:
-        fd = os.open(path(status_dir), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-    except OSError:
+    fd = locks.open_lock(path(status_dir))
+    if fd is None:
         return None
-    with contextlib.suppress(OSError):  # the sidecar may run as another user: umask aside
-        os.fchmod(fd, 0o666)
-    deadline = time.monotonic() + patience
-    said = False
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if time.monotonic() < deadline and not give_up():
-                if not said:
-                    said = True
-                    waiting()
-                time.sleep(POLL)
-                continue
-        except OSError:
-            pass
-        else:
-            return fd
-        os.close(fd)
-        return None
+    said: list[bool] = []
+
+    def stop() -> bool:
+        if not said:
+            said.append(True)
+            waiting()
+        return give_up()
+
+    if locks.flock(fd, fcntl.LOCK_SH, time.monotonic() + patience, stop, POLL):
+        return fd
+    os.close(fd)
+    return None
 
 
 def take_if_gone(status_dir: str) -> Optional[int]:
