@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 from jitckpt_entrypoint import log, settings, shared_settings
 from jitckpt_entrypoint.errors import JitckptError
-from jitckpt_entrypoint.protocol import status
+from jitckpt_entrypoint.protocol import status, trainer_lock
 from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar import __version__, s3
 from jitckpt_sidecar.config import OPTIONS, Config
@@ -248,6 +248,7 @@ def _restore(cfg: Config, logger: logging.Logger) -> int:
     from jitckpt_sidecar.restore import Restorer
 
     layout = prepare_dir(cfg)
+    _forget_earlier_trainer(layout, logger)
     client = _connect(cfg, logger, notes=False).client
     stop: list[str] = []
     for signo in (signal.SIGTERM, signal.SIGINT):
@@ -266,6 +267,27 @@ def _restore(cfg: Config, logger: logging.Logger) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _forget_earlier_trainer(layout: Layout, logger: logging.Logger) -> None:
+    """An init container runs before every container of its pod, so a trainer.json here is an
+    earlier pod's (JITCKPT_DIR on a PersistentVolume): its exit, or its death, must not read as
+    this pod's trainer's to the sidecar that exits with it (JITCKPT_EXIT_WITH_TRAINER=1). Kept
+    while something holds the trainer's lock (a restore run by hand beside a live trainer)."""
+    record = status.TRAINER.read(layout.status)
+    if record is None:
+        return
+    lock = trainer_lock.take_if_gone(layout.status)
+    if lock is None and os.path.exists(trainer_lock.path(layout.status)):
+        return
+    try:
+        status.TRAINER.remove(layout.status)
+    finally:
+        if lock is not None:
+            os.close(lock)
+    logger.info(
+        "an earlier pod's trainer record (run %s) is not this pod's: removed", record.run_id
+    )
 
 
 def check_main(argv: list[str]) -> int:

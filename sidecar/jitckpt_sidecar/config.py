@@ -41,6 +41,7 @@ from jitckpt_entrypoint.settings import (
 from jitckpt_entrypoint.shared_settings import parse_s3_uri, redact_userinfo
 
 ADDRESSING_STYLES = ("auto", "path", "virtual")
+RESTART_POLICIES = ("Never", "OnFailure", "Always")
 DEFAULT_PREFIX = "jitckpt"
 """The prefix under AWS_S3_BUCKET when only a data connection names the bucket."""
 MIN_PART = 5 * 1024**2
@@ -297,6 +298,14 @@ OPTIONS = (
         "1 = exit once the trainer exited and everything is uploaded",
         doc="exit once the trainer exited and everything is uploaded",
     ),
+    Option(
+        "restart_policy",
+        TEXT,
+        "Never|OnFailure|Always: the pod's restartPolicy (with --exit-with-trainer)",
+        check=one_of(RESTART_POLICIES),
+        doc="the pod's `restartPolicy`: with `JITCKPT_EXIT_WITH_TRAINER=1`, which ends of the "
+        "trainer are final (`Never`: any; `OnFailure`: exit 0; `Always`: none); inject sets it",
+    ),
     shared.LOG_FORMAT,
     dataclasses.replace(
         shared.TERMINATION_LOG,
@@ -380,7 +389,12 @@ class Config:
     pod_namespace: str = ""
     kube_credentials: str = "/var/run/secrets/kubernetes.io/serviceaccount"
     exit_with_trainer: bool = False
-    """Exit once the trainer exited and the queue is empty (plain-container variant)."""
+    """Exit once the trainer has ended for good and the queue is empty (plain-container
+    variant: no SIGTERM comes when the trainer container ends)."""
+    restart_policy: str = "Never"
+    """The pod's restartPolicy, which tells the plain-container variant whether the trainer's
+    end is final: under Never any exit, and a container killed whole (ram_rescue.py), is; under
+    OnFailure only an exit 0 is (the kubelet restarts the rest in place); under Always none."""
     log_format: str = "text"
     """text or json log lines on stderr."""
     termination_log: str = "/dev/termination-log"

@@ -3,8 +3,9 @@
 After SIGTERM the sidecar uploads until the trainer has exited (or never started) and nothing
 is left to upload: exit 0; or until the drain deadline (the grace period minus a margin, counted
 from the earlier of its own SIGTERM and the trainer's) has passed: exit 1. Without SIGTERM, a
-trainer that exited with everything in S3 ends the sidecar only with
-JITCKPT_EXIT_WITH_TRAINER=1; else it stays up (a restarted trainer container needs it).
+trainer that ended for good (JITCKPT_RESTART_POLICY says which ends are) with everything in S3
+ends the sidecar only with JITCKPT_EXIT_WITH_TRAINER=1; else it stays up (a restarted trainer
+container needs it).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ class Verdict(enum.Enum):
     DEADLINE = 1
     """SIGTERM and the drain deadline passed: exit 1."""
     TRAINER_DONE_EXIT = "exit with the trainer"
-    """No SIGTERM, the trainer exited, everything is in S3, JITCKPT_EXIT_WITH_TRAINER=1: exit 0."""
+    """No SIGTERM, the trainer ended for good, everything is in S3, JITCKPT_EXIT_WITH_TRAINER=1:
+    exit 0."""
     TRAINER_DONE_STAY = "stay"
     """No SIGTERM, the trainer exited, everything is in S3: stay up until SIGTERM."""
 
@@ -42,10 +44,13 @@ def decide(
     all_uploaded: bool,
     drain_seconds: float,
     exit_with_trainer: bool,
+    trainer_final: bool = True,
 ) -> Verdict:
     """`since_sigterm`: seconds since the grace period began (None: no SIGTERM yet);
-    `trainer_known`: status/trainer.json exists; `all_uploaded`: every staged checkpoint and
-    the final model are committed in S3."""
+    `trainer_known`: status/trainer.json exists; `trainer_exited`: it exited or its container
+    died whole; `trainer_final`: that end is for good (the pod's restartPolicy restarts no
+    trainer after it); `all_uploaded`: every staged checkpoint and the final model are
+    committed in S3."""
     if since_sigterm is not None:
         if (trainer_exited or not trainer_known) and all_uploaded:
             return Verdict.DRAINED
@@ -53,5 +58,6 @@ def decide(
             return Verdict.DEADLINE
         return Verdict.DRAINING
     if trainer_exited and all_uploaded:
-        return Verdict.TRAINER_DONE_EXIT if exit_with_trainer else Verdict.TRAINER_DONE_STAY
+        final = exit_with_trainer and trainer_final
+        return Verdict.TRAINER_DONE_EXIT if final else Verdict.TRAINER_DONE_STAY
     return Verdict.TRAINING

@@ -12,9 +12,11 @@ volume, when it is newer than every checkpoint there, with the RAM writer's own 
 other), holding the lock meanwhile so that no entrypoint starts. Once per run.
 
 Only once the pod is going (the sidecar's SIGTERM: the kubelet stops a native sidecar once the
-pod's containers are done, and any pod that is deleted): before, the kubelet may still restart
-the container in place, whose new trainer resumes from RAM itself, and the same sign then ends
-the drain's wait for that trainer's `exited_at` (service.py). The write and its upload must fit
+pod's containers are done, and any pod that is deleted), or when no restart can follow (a
+plain-container sidecar, JITCKPT_EXIT_WITH_TRAINER=1, under restartPolicy Never: no SIGTERM
+comes, and it then exits once the write-out is uploaded): before, the kubelet may still restart
+the container in place, whose new trainer resumes from RAM itself. The same sign ends the
+drain's wait for that trainer's `exited_at` (service.py). The write and its upload must fit
 in the drain (JITCKPT_GRACE_SECONDS minus a margin): a snapshot of many GB needs a longer
 terminationGracePeriodSeconds.
 

@@ -53,6 +53,9 @@ from jitckpt_sidecar.work_at_risk import WorkAtRisk
 
 DRAIN_POLL = 0.5
 """Seconds between drain checks (trainer.json is also watched; this is the safety net)."""
+DEATH_POLL = 2.0
+"""Seconds between looks at a live trainer's lock when its container's death is final and
+nothing else would tell (JITCKPT_EXIT_WITH_TRAINER=1 under restartPolicy Never)."""
 RESTORE_RETRY_MAX = 300.0
 """Seconds: the longest wait between start-up restore attempts (JITCKPT_RESTORE_RETRY_SECONDS
 is the first; it doubles after each failure, with jitter)."""
@@ -314,9 +317,12 @@ class Service:
             # is then in this scan, so "exited and nothing pending" is never premature.
             trainer = self.feed.trainer()
             # A trainer container that died whole never writes exited_at (ram_rescue.py); only
-            # once the pod is going: before, the kubelet may restart it in place. Looked at
-            # before the scan, as is a write-out it begins: what that stages is in this scan.
-            self._trainer_dead = self._sigterm_at is not None and self.rescue.dead(trainer)
+            # once the pod is going, or when no restart can follow (a plain-container sidecar
+            # under restartPolicy Never, which gets no SIGTERM then): before, the kubelet may
+            # restart it in place. Looked at before the scan, as is a write-out it begins: what
+            # that stages is in this scan.
+            deaths = self._sigterm_at is not None or self._death_is_final
+            self._trainer_dead = deaths and self.rescue.dead(trainer)
             self._rescuing = self.rescue.pending()
             self._tick()
             self._log_sizing(trainer)
@@ -326,6 +332,8 @@ class Service:
             timeout = next_rescan - self.monotonic()
             if self._sigterm_at is not None:
                 timeout = min(timeout, DRAIN_POLL)
+            elif self._death_is_final and self._may_die(trainer):
+                timeout = min(timeout, DEATH_POLL)  # a death wakes nothing: looked for
             self._wake.wait(max(0.0, timeout))
             self._wake.clear()
 
@@ -366,6 +374,7 @@ class Service:
             all_uploaded=self._all_uploaded(),
             drain_seconds=self.cfg.drain_seconds,
             exit_with_trainer=self.cfg.exit_with_trainer,
+            trainer_final=self._final(trainer),
         )
         if since_sigterm is not None and not self._said_draining:
             self._said_draining = True
@@ -403,21 +412,46 @@ class Service:
             self._preempt_newer()
         elif verdict is drain.Verdict.TRAINER_DONE_EXIT:
             self.log.info(
-                "the trainer exited and everything is committed in S3%s; exiting 0 "
-                "(JITCKPT_EXIT_WITH_TRAINER=1)",
+                "the trainer %s and everything is committed in S3%s; exiting 0 "
+                "(JITCKPT_EXIT_WITH_TRAINER=1, restartPolicy %s)",
+                "exited" if exited else "ended (its container killed whole)",
                 self._model_location(),
+                self.cfg.restart_policy,
             )
         elif verdict is drain.Verdict.TRAINER_DONE_STAY and not self._said_staying:
             self._said_staying = True
+            why = "JITCKPT_EXIT_WITH_TRAINER=1 exits here"
+            if self.cfg.exit_with_trainer:
+                why = f"under restartPolicy {self.cfg.restart_policy} the kubelet restarts it"
             self.log.info(
-                "the trainer exited and everything is committed in S3%s; staying up until "
-                "SIGTERM (a restarted trainer container needs us; JITCKPT_EXIT_WITH_TRAINER=1 "
-                "exits here)",
+                "the trainer %s and everything is committed in S3%s; staying up until SIGTERM "
+                "(a restarted trainer container needs us; %s)",
+                "exited" if exited else "ended",
                 self._model_location(),
+                why,
             )
         elif not trainer_exited:
             self._said_staying = False
         return verdict.exit_code
+
+    @property
+    def _death_is_final(self) -> bool:
+        """A trainer container killed whole is not restarted and no SIGTERM will come: the
+        plain-container variant under restartPolicy Never."""
+        return self.cfg.exit_with_trainer and self.cfg.restart_policy == "Never"
+
+    def _may_die(self, trainer: Optional[status.TrainerStatus]) -> bool:
+        """A live trainer whose death by its lock this sidecar can tell (ram_rescue.py)."""
+        return trainer is not None and trainer.locked and trainer.exited_at is None
+
+    def _final(self, trainer: Optional[status.TrainerStatus]) -> bool:
+        """The trainer's end (an exit, or its container killed whole) is for good: under the
+        pod's restartPolicy the kubelet restarts no trainer container after it."""
+        policy = self.cfg.restart_policy
+        if policy == "Never":
+            return True
+        exited_zero = trainer is not None and trainer.exit_code == 0
+        return policy == "OnFailure" and exited_zero and not self._trainer_dead
 
     def _preempt_newer(self) -> None:
         """During the drain: a newer checkpoint waiting pauses the older upload in flight."""

@@ -153,22 +153,31 @@ def upload_directly(
 
 
 def write_trainer(
-    root: Path, *, exited: bool = False, sigterm: bool = False, sigterm_ago: float = 0.0
+    root: Path,
+    *,
+    exited: bool = False,
+    sigterm: bool = False,
+    sigterm_ago: float = 0.0,
+    exit_code: int = 143,
+    run: str = "run",
+    locked: bool = False,
 ) -> None:
-    """status/trainer.json as the entrypoint writes it (running, or exited)."""
+    """status/trainer.json as the entrypoint writes it (running, or exited; `locked`: it holds
+    status/trainer.lock, as entrypoints since trainer_lock.py do)."""
     layout = Layout(str(root))
     layout.ensure()
     now = time.time()
     status.TRAINER.write(
         layout.status,
         status.TrainerStatus(
-            run_id="run",
+            run_id=run,
             pid=12345,
             command=("torchrun", "train.py"),
             started_at=now - 60,
             sigterm_at=now - sigterm_ago if sigterm else None,
             exited_at=now if exited else None,
-            exit_code=143 if exited else None,
+            exit_code=exit_code if exited else None,
+            locked=locked,
         ),
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -177,3 +178,69 @@ def test_the_drain_deadline_counts_from_the_trainers_sigterm_when_that_came_firs
     assert proc.wait(30) == 1, proc.output()
     assert time.monotonic() - started < 5.0
     log_line(proc, r"drain deadline reached 2[6-9]\.\d s after SIGTERM")
+
+
+HOLD_LOCK = (
+    "import sys, time; from jitckpt_entrypoint.protocol import trainer_lock; "
+    "assert trainer_lock.hold(sys.argv[1], 5.0, lambda: None) is not None; "
+    "print('held', flush=True); time.sleep(600)"
+)
+"""A trainer's entrypoint as the sidecar sees it: a process holding status/trainer.lock."""
+
+
+@pytest.mark.s3_stores("moto")
+def test_exit_with_trainer_under_never_leaves_when_the_trainer_container_is_killed_whole(
+    spawn, base_env, s3_bucket, tmp_path
+):
+    """A plain-container sidecar under restartPolicy Never gets no SIGTERM when the trainer's
+    container is killed whole (an OOM kill): it tells by the lock, writes the newest snapshot
+    in RAM out, uploads it and exits 0, so the pod ends (before, it waited for ever)."""
+    root, memory = tmp_path / "node", tmp_path / "memory"
+    commit([root], 10, [hf_files(10)])
+    commit([memory], 12, [hf_files(12)], staged=False)
+    write_trainer(root, locked=True)
+    trainer = spawn([sys.executable, "-c", HOLD_LOCK, str(root / "status")], env=base_env)
+    trainer.expect("^held$")
+    env = env_for(
+        base_env,
+        s3_bucket,
+        root,
+        JITCKPT_EXIT_WITH_TRAINER="1",
+        JITCKPT_RESTART_POLICY="Never",
+        JITCKPT_MEMORY_DIR=str(memory),
+        JITCKPT_RESCAN_SECONDS="60",  # the lock is looked at on its own
+    )
+    proc = spawn(SIDECAR, env=env)
+    metrics_port(proc)
+    wait_for(lambda: committed_in_s3(s3_bucket) == [10], timeout=60, what="checkpoint-10 in S3")
+    time.sleep(2.5)  # a live trainer is never taken for a dead one
+    assert proc.popen.poll() is None
+    trainer.kill_tree()
+    assert proc.wait(60) == 0, proc.output()
+    log_line(proc, r"the trainer's container ended without its entrypoint exiting")
+    log_line(proc, r"committed checkpoint-12 from RAM")
+    log_line(proc, r"the trainer ended .*and everything is committed in S3; exiting 0")
+    assert committed_in_s3(s3_bucket) == [10, 12]
+
+
+@pytest.mark.s3_stores("moto")
+def test_exit_with_trainer_under_on_failure_stays_for_the_restart_and_leaves_after_exit_0(
+    spawn, base_env, s3_bucket, tmp_path
+):
+    """Under restartPolicy OnFailure the kubelet restarts a trainer that failed in place: the
+    sidecar stays for it (before, it left, and the restarted trainer had no uploads); an exit
+    0 is the end."""
+    root = tmp_path / "node"
+    write_trainer(root, exited=True, exit_code=1)
+    env = env_for(
+        base_env, s3_bucket, root, JITCKPT_EXIT_WITH_TRAINER="1", JITCKPT_RESTART_POLICY="OnFailure"
+    )
+    proc = spawn(SIDECAR, env=env)
+    metrics_port(proc)
+    log_line(proc, r"the trainer exited .*staying up until SIGTERM .*restartPolicy OnFailure")
+    assert proc.popen.poll() is None
+    write_trainer(root, run="run-2")  # the kubelet's restart
+    commit([root], 30, [hf_files(30)], kind="final")
+    write_trainer(root, run="run-2", exited=True, exit_code=0)
+    assert proc.wait(60) == 0, proc.output()
+    assert committed_in_s3(s3_bucket) == [30]

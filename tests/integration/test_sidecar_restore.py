@@ -21,6 +21,7 @@ from harness.checkpoints import (
     scrape,
     sidecar_env,
     upload_directly,
+    write_trainer,
 )
 from harness.procs import wait_for
 from harness.s3proxy import S3Proxy
@@ -108,14 +109,18 @@ def test_restore_keeps_a_local_checkpoint_that_is_as_new_as_s3(
     spawn, base_env, s3_bucket, tmp_path
 ):
     """When the volume already holds a committed checkpoint at least as new (a container
-    restart in the same pod), nothing is downloaded."""
+    restart in the same pod, a PersistentVolume), nothing is downloaded; an earlier pod's
+    trainer record goes (its exit is not this pod's trainer's)."""
     root = tmp_path / "node"
     commit([root], 5, [hf_files(5)])
     upload_directly(s3_bucket, root, 5)
     commit([root], 7, [hf_files(7)], staged=False)
+    write_trainer(root, exited=True, exit_code=0, locked=True)
     proc = spawn([*SIDECAR, "restore"], env=s3_bucket.env({**base_env, "JITCKPT_DIR": str(root)}))
     assert proc.wait(60) == 0, proc.output()
     log_line(proc, r"local checkpoint-7 is committed and at least as new as S3's")
+    log_line(proc, r"an earlier pod's trainer record \(run run\) is not this pod's: removed")
+    assert not (root / "status" / status.TRAINER.name).exists()
     assert sorted(os.listdir(root / "checkpoints")) == ["checkpoint-5", "checkpoint-7"]
     assert not any("restoring" in line for line in proc.stderr)
 

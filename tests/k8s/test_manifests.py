@@ -290,6 +290,7 @@ def test_the_sidecar_gates_training_on_the_restore(path, doc, job, pod):
         restore = containers(pod)["jitckpt-restore"]
         assert restore["command"] == ["jitckpt-sidecar", "restore"]
         assert env_of(sidecar)["JITCKPT_EXIT_WITH_TRAINER"] == "1"
+        assert env_of(sidecar)["JITCKPT_RESTART_POLICY"] == pod["restartPolicy"]
     assert sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz"
 
 

@@ -212,6 +212,32 @@ def test_container_mode_restores_in_an_init_container_and_runs_the_sidecar_besid
     sidecar = pod["containers"][1]
     assert "restartPolicy" not in sidecar
     assert env_of(sidecar)["JITCKPT_EXIT_WITH_TRAINER"] == "1"
+    assert env_of(sidecar)["JITCKPT_RESTART_POLICY"] == "Never"  # the Job's pods'
+
+
+@pytest.mark.parametrize(
+    ("source", "policy"),
+    [
+        (POD.replace("restartPolicy: Never", "restartPolicy: OnFailure"), "OnFailure"),
+        (POD.replace("  restartPolicy: Never\n", ""), "Always"),  # Kubernetes' default
+        (PYTORCHJOB, "Never"),  # Master's ExitCode: the operator recreates the pod
+        (PYTORCHJOB.replace("restartPolicy: ExitCode", "restartPolicy: Always"), "Always"),
+    ],
+)
+def test_a_plain_container_sidecar_is_told_the_pods_restart_policy(source, policy):
+    """It exits with the trainer only once no restart can follow (drain.py): it needs the pods'
+    restartPolicy, as the pod spec, Kubernetes' default or the operator sets it."""
+    doc = docs(injected(source, "sidecar_mode", "container"))[0]
+    if doc["kind"] == "PyTorchJob":
+        pod = doc["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+        worker = doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+        sidecar = containers(worker)["jitckpt-sidecar"]
+        assert env_of(sidecar)["JITCKPT_RESTART_POLICY"] == "OnFailure"  # the operator's default
+    else:
+        pod = doc["spec"]
+    assert env_of(containers(pod)["jitckpt-sidecar"])["JITCKPT_RESTART_POLICY"] == policy
+    native = docs(injected(source))[0]
+    assert "JITCKPT_RESTART_POLICY" not in yaml.safe_dump(native)  # SIGTERM tells it
 
 
 def test_users_jitckpt_settings_win_over_ours():

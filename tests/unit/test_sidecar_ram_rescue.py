@@ -191,3 +191,23 @@ def test_an_entrypoint_waiting_for_the_sidecar_stops_at_sigterm(tmp_path):
     assert lock is not None
     assert not stopped
     os.close(lock)
+
+
+def test_a_restore_keeps_the_record_of_a_trainer_that_holds_its_lock(tmp_path):
+    """`jitckpt-sidecar restore` (an init container: before every container of its pod) removes
+    an earlier pod's trainer.json, never the record of a trainer alive beside it."""
+    from jitckpt_sidecar.cli import _forget_earlier_trainer
+
+    layout = Layout(str(tmp_path))
+    layout.ensure()
+    started(layout)
+    held = trainer_lock.hold(layout.status, 5.0, lambda: None)
+    assert held is not None
+    _forget_earlier_trainer(layout, logging.getLogger("test"))
+    assert status.TRAINER.read(layout.status) is not None
+    os.close(held)
+    _forget_earlier_trainer(layout, logging.getLogger("test"))
+    assert status.TRAINER.read(layout.status) is None
+    again = trainer_lock.take_if_gone(layout.status)  # let go again
+    assert again is not None
+    os.close(again)

@@ -163,7 +163,8 @@ def _memory_note(container: Obj, size: str, where: str, report: Report) -> None:
     report.notes.append(
         f"note: {where}: snapshots in RAM are taken on single-node jobs and used when the "
         "trainer restarts in the same pod (torchrun --max-restarts, restartPolicy OnFailure, "
-        "the pod's own restart); a new pod starts without them"
+        "the pod's own restart); a new pod starts without them, but for the newest, which the "
+        "sidecar writes out when the trainer's container was killed whole"
     )
     raised = t.raise_memory_limit(container, size)
     if raised is None:
@@ -202,8 +203,12 @@ def _injected_state(spec: Obj) -> tuple[bool, bool]:
     return any(parts), all(parts)
 
 
-def inject_pod(spec: Obj, opts: Options, where: str, report: Report) -> tuple[str, list[str]]:
-    """Rewrite one pod spec in place; return ('injected' | 'unchanged', trainer names)."""
+def inject_pod(
+    spec: Obj, opts: Options, where: str, report: Report, restart_policy: str = ""
+) -> tuple[str, list[str]]:
+    """Rewrite one pod spec in place; return ('injected' | 'unchanged', trainer names).
+    `restart_policy`: the pods' restartPolicy when a controller sets it (else the spec's own,
+    Kubernetes' default Always when unset)."""
     if not isinstance(spec, dict):
         raise InjectError(f"{where}: the pod spec is not a mapping")
     trainers = _trainers(spec, opts, where)
@@ -251,7 +256,8 @@ def inject_pod(spec: Obj, opts: Options, where: str, report: Report) -> tuple[st
         init.append(t.sidecar_container(opts, first, grace))
     else:
         init.append(t.restore_container(opts, first, grace))
-        spec["containers"].append(t.sidecar_container(opts, first, grace))
+        restart = restart_policy or spec.get("restartPolicy") or "Always"
+        spec["containers"].append(t.sidecar_container(opts, first, grace, restart))
     spec.setdefault("volumes", []).extend(t.volumes(opts))
     return "injected", names
 
@@ -382,6 +388,13 @@ PYTORCHJOB_RESTART = {
 }
 """What a replica's restartPolicy does to a JIT exit; ExitCode (the recommended one) says
 nothing. The operator's default when unset is OnFailure."""
+PYTORCHJOB_POD_RESTART = {
+    "ExitCode": "Never",
+    "OnFailure": "OnFailure",
+    "Always": "Always",
+    "Never": "Never",
+}
+"""The pods' restartPolicy the operator sets for a replica's (ExitCode: it recreates the pod)."""
 
 
 def inject_pytorchjob(doc: Obj, opts: Options, where: str, report: Report) -> tuple[str, list[str]]:
@@ -408,8 +421,9 @@ def inject_pytorchjob(doc: Obj, opts: Options, where: str, report: Report) -> tu
         ours = opts
         if not opts.containers and PYTORCHJOB_CONTAINER in _names(pod.get("containers")):
             ours = dataclasses.replace(opts, containers=(PYTORCHJOB_CONTAINER,))
-        result, names = inject_pod(pod, ours, where_r, report)
         policy = rspec.get("restartPolicy") or "OnFailure"
+        restart = PYTORCHJOB_POD_RESTART.get(policy, "")
+        result, names = inject_pod(pod, ours, where_r, report, restart)
         effect = PYTORCHJOB_RESTART.get(policy, f"restartPolicy {policy!r} is not one inject knows")
         if result == "injected" and effect:
             report.notes.append(f"note: {where_r}: restartPolicy {policy}: {effect}")

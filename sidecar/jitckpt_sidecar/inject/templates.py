@@ -84,7 +84,9 @@ DOWNWARD_ENV = [
 """What the notice watch reads (notice.py), from the downward API."""
 
 
-def sidecar_env(opts: Options, grace: int, *, exit_with_trainer: bool = False) -> list[Obj]:
+def sidecar_env(
+    opts: Options, grace: int, *, exit_with_trainer: bool = False, restart_policy: str = ""
+) -> list[Obj]:
     env = [
         _var("dir", DATA_DIR),
         _var("storage_uri", opts.storage_uri),
@@ -93,8 +95,9 @@ def sidecar_env(opts: Options, grace: int, *, exit_with_trainer: bool = False) -
         _var("metrics_port", METRICS_PORT),
         *DOWNWARD_ENV,
     ]
-    if exit_with_trainer:
+    if exit_with_trainer:  # no SIGTERM comes when the trainer ends: which ends are final
         env.append(_var("exit_with_trainer", "1"))
+        env.append(_var("restart_policy", restart_policy or "Never"))
     return env
 
 
@@ -134,7 +137,7 @@ def install_container(opts: Options, trainer_container: Obj) -> Obj:
 
 
 def _s3_container(
-    opts: Options, trainer_container: Obj, grace: int, head: Obj, probes: Obj, **env: bool
+    opts: Options, trainer_container: Obj, grace: int, head: Obj, probes: Obj, **env: Any
 ) -> Obj:
     """A container of the sidecar image that talks to S3: `head`, its settings and credentials,
     `probes`, then resources, security context and the data volume, in that order."""
@@ -151,7 +154,10 @@ def _s3_container(
     return container
 
 
-def sidecar_container(opts: Options, trainer_container: Obj, grace: int) -> Obj:
+def sidecar_container(
+    opts: Options, trainer_container: Obj, grace: int, restart_policy: str = "Always"
+) -> Obj:
+    """The sidecar; `restart_policy` is the pod's (a plain container's sidecar needs it)."""
     head: Obj = {"name": SIDECAR, "image": opts.image}
     probes: Obj = {
         "ports": [{"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"}]
@@ -170,9 +176,8 @@ def sidecar_container(opts: Options, trainer_container: Obj, grace: int) -> Obj:
         "periodSeconds": 10,
         "failureThreshold": 6,
     }
-    container = _s3_container(
-        opts, trainer_container, grace, head, probes, exit_with_trainer=not opts.native
-    )
+    env = {} if opts.native else {"exit_with_trainer": True, "restart_policy": restart_policy}
+    container = _s3_container(opts, trainer_container, grace, head, probes, **env)
     if opts.memory:  # a snapshot a trainer container killed whole left there: ram_rescue.py
         container["env"].append(_var("memory_dir", MEMORY_DIR))
         container["volumeMounts"].append(
