@@ -321,6 +321,7 @@ class Service:
             # under restartPolicy Never, which gets no SIGTERM then): before, the kubelet may
             # restart it in place. Looked at before the scan, as is a write-out it begins: what
             # that stages is in this scan.
+            self._say_draining()
             deaths = self._sigterm_at is not None or self._death_is_final
             self._trainer_dead = deaths and self.rescue.dead(trainer)
             self._rescuing = self.rescue.pending()
@@ -376,15 +377,6 @@ class Service:
             exit_with_trainer=self.cfg.exit_with_trainer,
             trainer_final=self._final(trainer),
         )
-        if since_sigterm is not None and not self._said_draining:
-            self._said_draining = True
-            self.backlog.hurry(DRAIN_MAX_BACKOFF)
-            self.log.info(
-                "SIGTERM: draining; uploading until the trainer has exited and nothing is "
-                "left, at most %.1f s (JITCKPT_GRACE_SECONDS=%d minus a margin)",
-                self.cfg.drain_seconds,
-                self.cfg.grace_seconds,
-            )
         if verdict is drain.Verdict.DRAINED:
             self.log.info(
                 "drained: the trainer %s and every staged checkpoint is committed in S3%s; "
@@ -433,6 +425,19 @@ class Service:
         elif not trainer_exited:
             self._said_staying = False
         return verdict.exit_code
+
+    def _say_draining(self) -> None:
+        """Once, at the first pass after SIGTERM (before what the drain then does)."""
+        if self._sigterm_at is None or self._said_draining:
+            return
+        self._said_draining = True
+        self.backlog.hurry(DRAIN_MAX_BACKOFF)
+        self.log.info(
+            "SIGTERM: draining; uploading until the trainer has exited and nothing is left, at "
+            "most %.1f s (JITCKPT_GRACE_SECONDS=%d minus a margin)",
+            self.cfg.drain_seconds,
+            self.cfg.grace_seconds,
+        )
 
     @property
     def _death_is_final(self) -> bool:

@@ -14,6 +14,7 @@ def verdict(
     exited: bool = False,
     uploaded: bool = True,
     stay: bool = True,
+    final: bool = True,
 ) -> Verdict:
     return decide(
         since_sigterm=since,
@@ -22,6 +23,7 @@ def verdict(
         all_uploaded=uploaded,
         drain_seconds=50.0,
         exit_with_trainer=not stay,
+        trainer_final=final,
     )
 
 
@@ -47,6 +49,9 @@ def test_without_sigterm_a_finished_trainer_ends_the_sidecar_only_when_asked():
     assert verdict(None, exited=True, stay=False) is Verdict.TRAINER_DONE_EXIT
     assert verdict(None, exited=True, uploaded=False, stay=False) is Verdict.TRAINING
     assert verdict(None, exited=False, stay=False) is Verdict.TRAINING
+    # An end the kubelet restarts the trainer after (restartPolicy OnFailure, Always): stay.
+    assert verdict(None, exited=True, stay=False, final=False) is Verdict.TRAINER_DONE_STAY
+    assert verdict(1.0, exited=True, final=False) is Verdict.DRAINED  # SIGTERM: the pod goes
 
 
 def test_exit_codes():
