@@ -43,8 +43,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_jit import base_env, direct_bandwidth, write_bandwidth
-from harness.procs import Proc
+from bench_jit import direct_bandwidth, write_bandwidth
+from harness.procs import Proc, clean_env
 from harness.training import TRAIN_HF, entrypoint, torchrun
 
 MODELS = {
@@ -126,7 +126,7 @@ def train(model: list[str], steps: int, save_steps: str, mode: str, nproc: int) 
         jdir = Path(tmp) / "jitckpt"
         jdir.mkdir()
         env = {
-            **base_env(),
+            **clean_env(),
             "JITCKPT_DIR": str(jdir),
             "JITCKPT_TERMINATION_LOG": "",
             "JITCKPT_ASYNC_SAVE": "1" if mode == "async" else "0",
@@ -172,7 +172,7 @@ def sigterm_during_write(model: list[str], nproc: int, save_steps: int = 5) -> d
     with tempfile.TemporaryDirectory(prefix="bench-periodic-") as tmp:
         jdir = Path(tmp) / "jitckpt"
         jdir.mkdir()
-        env = {**base_env(), "JITCKPT_DIR": str(jdir), "JITCKPT_TERMINATION_LOG": ""}
+        env = {**clean_env(), "JITCKPT_DIR": str(jdir), "JITCKPT_TERMINATION_LOG": ""}
         env["JITCKPT_ASYNC_SAVE"] = "1"
         args = ("--max-steps", "100000", "--save-steps", str(save_steps))
         proc = Proc(entrypoint(torchrun(TRAIN_HF, *args, *model, nproc=nproc)), env=env)

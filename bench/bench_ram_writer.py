@@ -32,9 +32,9 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_jit import base_env, write_bandwidth
+from bench_jit import write_bandwidth
 from bench_periodic import TreeSampler
-from harness.procs import Proc
+from harness.procs import Proc, clean_env
 from harness.training import TRAIN_HF, entrypoint, torchrun
 
 MODEL = ["--hidden", "512", "--layers", "4", "--vocab", "8192"]
@@ -76,7 +76,7 @@ def _role(cmd: str) -> str:
 def train(mode: str, tmp: Path) -> dict:
     jdir, memory = tmp / "jitckpt", Path(tempfile.mkdtemp(prefix="bench-ram-", dir="/dev/shm"))
     jdir.mkdir()
-    env = {**base_env(), "JITCKPT_DIR": str(jdir), "JITCKPT_TERMINATION_LOG": ""}
+    env = {**clean_env(), "JITCKPT_DIR": str(jdir), "JITCKPT_TERMINATION_LOG": ""}
     env["JITCKPT_SAVE_TOTAL_LIMIT"] = "2"
     if mode == "ram-writer":
         env["JITCKPT_MEMORY_DIR"] = str(memory)

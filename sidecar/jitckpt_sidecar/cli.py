@@ -226,6 +226,7 @@ def _run(cfg: Config, logger: logging.Logger) -> int:
     for signo in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signo, lambda *_: service.sigterm())
     logger.info("started (pid %d): %s at %s", os.getpid(), cfg.uri, s3.endpoint_of(cfg))
+    _say_restart_policy(cfg, logger)
     code = service.run()
     if code != 0 and service.failure:
         log.write_termination_log(cfg.termination_log, f"{PROG}: {service.failure}")
@@ -235,6 +236,22 @@ def _run(cfg: Config, logger: logging.Logger) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _say_restart_policy(cfg: Config, logger: logging.Logger) -> None:
+    """What JITCKPT_RESTART_POLICY does here, when it is not what it is for."""
+    if cfg.exit_with_trainer and not cfg.restart_policy:
+        logger.warning(
+            "JITCKPT_RESTART_POLICY is unset: any exit of the trainer ends this sidecar, and a "
+            "trainer container killed whole (an OOM kill) is seen only after SIGTERM; set it to "
+            "the pod's restartPolicy (inject does)"
+        )
+    elif cfg.restart_policy and not cfg.exit_with_trainer:
+        logger.info(
+            "JITCKPT_RESTART_POLICY=%s has no effect without JITCKPT_EXIT_WITH_TRAINER=1 (a "
+            "native sidecar is stopped by the kubelet)",
+            cfg.restart_policy,
+        )
 
 
 def restore_main(argv: list[str]) -> int:
@@ -273,10 +290,11 @@ def _forget_earlier_trainer(layout: Layout, logger: logging.Logger) -> None:
     """An init container runs before every container of its pod, so a trainer.json here is an
     earlier pod's (JITCKPT_DIR on a PersistentVolume): its exit, or its death, must not read as
     this pod's trainer's to the sidecar that exits with it (JITCKPT_EXIT_WITH_TRAINER=1). Kept
-    while something holds the trainer's lock (a restore run by hand beside a live trainer)."""
+    while something holds the trainer's lock (a restore run by hand beside a live trainer), and
+    when the record neither exited nor says it holds the lock (an older entrypoint's)."""
     record = status.TRAINER.read(layout.status)
-    if record is None:
-        return
+    if record is None or not (record.locked or record.exited_at is not None):
+        return  # an entrypoint without the lock that may live: its restart rewrites it
     lock = trainer_lock.take_if_gone(layout.status)
     if lock is None and os.path.exists(trainer_lock.path(layout.status)):
         return

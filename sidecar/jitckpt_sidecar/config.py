@@ -295,16 +295,20 @@ OPTIONS = (
     Option(
         "exit_with_trainer",
         BOOLEAN,
-        "1 = exit once the trainer exited and everything is uploaded",
-        doc="exit once the trainer exited and everything is uploaded",
+        "1 = exit once the trainer has ended for good and everything is uploaded",
+        doc="exit once the trainer has ended for good (`JITCKPT_RESTART_POLICY`) and everything "
+        "is uploaded: a sidecar that is not native",
     ),
     Option(
         "restart_policy",
         TEXT,
-        "Never|OnFailure|Always: the pod's restartPolicy (with --exit-with-trainer)",
-        check=one_of(RESTART_POLICIES),
+        "Never|OnFailure|Always: the pod's restartPolicy (with --exit-with-trainer); "
+        "empty = unknown",
+        check=one_of(("", *RESTART_POLICIES), "Never, OnFailure or Always (empty: unknown)"),
+        default_doc="unknown",
         doc="the pod's `restartPolicy`: with `JITCKPT_EXIT_WITH_TRAINER=1`, which ends of the "
-        "trainer are final (`Never`: any; `OnFailure`: exit 0; `Always`: none); inject sets it",
+        "trainer are final (`Never`: any exit, and its container killed whole; `OnFailure`: "
+        "exit 0; `Always`: none; unknown: any exit); inject sets it",
     ),
     shared.LOG_FORMAT,
     dataclasses.replace(
@@ -391,10 +395,12 @@ class Config:
     exit_with_trainer: bool = False
     """Exit once the trainer has ended for good and the queue is empty (plain-container
     variant: no SIGTERM comes when the trainer container ends)."""
-    restart_policy: str = "Never"
+    restart_policy: str = ""
     """The pod's restartPolicy, which tells the plain-container variant whether the trainer's
     end is final: under Never any exit, and a container killed whole (ram_rescue.py), is; under
-    OnFailure only an exit 0 is (the kubelet restarts the rest in place); under Always none."""
+    OnFailure only an exit 0 is (the kubelet restarts the rest in place); under Always none.
+    Empty (unknown, as before the setting): any exit, and a container killed whole is not
+    looked for before SIGTERM (the kubelet may restart it in place)."""
     log_format: str = "text"
     """text or json log lines on stderr."""
     termination_log: str = "/dev/termination-log"

@@ -321,17 +321,18 @@ class Service:
             # under restartPolicy Never, which gets no SIGTERM then): before, the kubelet may
             # restart it in place. Looked at before the scan, as is a write-out it begins: what
             # that stages is in this scan.
-            self._say_draining()
-            deaths = self._sigterm_at is not None or self._death_is_final
+            sigterm_at = self._sigterm_at  # one reading for the whole pass
+            self._say_draining(sigterm_at)
+            deaths = sigterm_at is not None or self._death_is_final
             self._trainer_dead = deaths and self.rescue.dead(trainer)
             self._rescuing = self.rescue.pending()
             self._tick()
             self._log_sizing(trainer)
-            code = self._exit_code(trainer)
+            code = self._exit_code(trainer, sigterm_at)
             if code is not None:
                 return code
             timeout = next_rescan - self.monotonic()
-            if self._sigterm_at is not None:
+            if sigterm_at is not None:
                 timeout = min(timeout, DRAIN_POLL)
             elif self._death_is_final and self._may_die(trainer):
                 timeout = min(timeout, DEATH_POLL)  # a death wakes nothing: looked for
@@ -357,11 +358,13 @@ class Service:
         except Exception as exc:  # noqa: BLE001 - pruning is retried at the next tick; the loop must go on
             self.log.warning("pruning local checkpoints failed: %s", self._describe(exc, "prune"))
 
-    def _exit_code(self, trainer: Optional[status.TrainerStatus]) -> Optional[int]:
-        """The drain decision (drain.py), with its lines."""
+    def _exit_code(
+        self, trainer: Optional[status.TrainerStatus], sigterm_at: Optional[float]
+    ) -> Optional[int]:
+        """The drain decision (drain.py), with its lines; `sigterm_at`: this pass's reading."""
         since_sigterm = None
-        if self._sigterm_at is not None:
-            since_sigterm = self.monotonic() - self._sigterm_at
+        if sigterm_at is not None:
+            since_sigterm = self.monotonic() - sigterm_at
             if trainer is not None and trainer.sigterm_at is not None:
                 # The pod's grace period began when the trainer got SIGTERM; a native sidecar
                 # gets its own SIGTERM only after the trainer has exited.
@@ -408,7 +411,7 @@ class Service:
                 "(JITCKPT_EXIT_WITH_TRAINER=1, restartPolicy %s)",
                 "exited" if exited else "ended (its container killed whole)",
                 self._model_location(),
-                self.cfg.restart_policy,
+                self.cfg.restart_policy or "unknown",
             )
         elif verdict is drain.Verdict.TRAINER_DONE_STAY and not self._said_staying:
             self._said_staying = True
@@ -426,9 +429,9 @@ class Service:
             self._said_staying = False
         return verdict.exit_code
 
-    def _say_draining(self) -> None:
+    def _say_draining(self, sigterm_at: Optional[float]) -> None:
         """Once, at the first pass after SIGTERM (before what the drain then does)."""
-        if self._sigterm_at is None or self._said_draining:
+        if sigterm_at is None or self._said_draining:
             return
         self._said_draining = True
         self.backlog.hurry(DRAIN_MAX_BACKOFF)
@@ -451,9 +454,10 @@ class Service:
 
     def _final(self, trainer: Optional[status.TrainerStatus]) -> bool:
         """The trainer's end (an exit, or its container killed whole) is for good: under the
-        pod's restartPolicy the kubelet restarts no trainer container after it."""
+        pod's restartPolicy the kubelet restarts no trainer container after it (unknown: any
+        exit is, as before the setting)."""
         policy = self.cfg.restart_policy
-        if policy == "Never":
+        if policy in ("Never", ""):
             return True
         exited_zero = trainer is not None and trainer.exit_code == 0
         return policy == "OnFailure" and exited_zero and not self._trainer_dead

@@ -152,6 +152,7 @@ def test_exit_with_trainer_leaves_once_the_final_checkpoint_is_uploaded(
     write_trainer(root)
     proc = spawn(SIDECAR, env=env_for(base_env, s3_bucket, root, JITCKPT_EXIT_WITH_TRAINER="1"))
     metrics_port(proc)
+    log_line(proc, r"JITCKPT_RESTART_POLICY is unset: any exit of the trainer ends this sidecar")
     commit([root], 99, [hf_files(99)], kind="final")
     write_trainer(root, exited=True)
     assert proc.wait(60) == 0, proc.output()
@@ -216,8 +217,10 @@ def test_exit_with_trainer_under_never_leaves_when_the_trainer_container_is_kill
     time.sleep(2.5)  # a live trainer is never taken for a dead one
     assert proc.popen.poll() is None
     trainer.kill_tree()
-    assert proc.wait(60) == 0, proc.output()
+    killed = time.monotonic()
     log_line(proc, r"the trainer's container ended without its entrypoint exiting")
+    assert time.monotonic() - killed < 15  # looked for every 2 s, not at the 60 s rescan
+    assert proc.wait(60) == 0, proc.output()
     log_line(proc, r"committed checkpoint-12 from RAM")
     log_line(proc, r"the trainer ended .*and everything is committed in S3; exiting 0")
     assert committed_in_s3(s3_bucket) == [10, 12]
@@ -227,16 +230,24 @@ def test_exit_with_trainer_under_never_leaves_when_the_trainer_container_is_kill
 def test_exit_with_trainer_under_on_failure_stays_for_the_restart_and_leaves_after_exit_0(
     spawn, base_env, s3_bucket, tmp_path
 ):
-    """Under restartPolicy OnFailure the kubelet restarts a trainer that failed in place: the
-    sidecar stays for it (before, it left, and the restarted trainer had no uploads); an exit
-    0 is the end."""
+    """Under restartPolicy OnFailure the kubelet restarts a trainer that failed, or whose
+    container was killed whole, in place: the sidecar stays for it and never takes its lock
+    (before, it left after a failed exit, and the restarted trainer had no uploads); an exit 0
+    is the end."""
     root = tmp_path / "node"
-    write_trainer(root, exited=True, exit_code=1)
+    write_trainer(root, locked=True)
+    trainer = spawn([sys.executable, "-c", HOLD_LOCK, str(root / "status")], env=base_env)
+    trainer.expect("^held$")
     env = env_for(
         base_env, s3_bucket, root, JITCKPT_EXIT_WITH_TRAINER="1", JITCKPT_RESTART_POLICY="OnFailure"
     )
     proc = spawn(SIDECAR, env=env)
     metrics_port(proc)
+    trainer.kill_tree()  # killed whole: the kubelet restarts it
+    time.sleep(3.0)
+    assert proc.popen.poll() is None
+    assert not any("ended without its entrypoint" in line for line in proc.stderr)
+    write_trainer(root, exited=True, exit_code=1)
     log_line(proc, r"the trainer exited .*staying up until SIGTERM .*restartPolicy OnFailure")
     assert proc.popen.poll() is None
     write_trainer(root, run="run-2")  # the kubelet's restart
