@@ -126,7 +126,7 @@ def train(model: list[str], steps: int, save_steps: str, mode: str, nproc: int) 
         jdir = Path(tmp) / "jitckpt"
         jdir.mkdir()
         env = {
-            **clean_env(),
+            **clean_env(checkout=True),
             "JITCKPT_DIR": str(jdir),
             "JITCKPT_TERMINATION_LOG": "",
             "JITCKPT_ASYNC_SAVE": "1" if mode == "async" else "0",
@@ -172,7 +172,7 @@ def sigterm_during_write(model: list[str], nproc: int, save_steps: int = 5) -> d
     with tempfile.TemporaryDirectory(prefix="bench-periodic-") as tmp:
         jdir = Path(tmp) / "jitckpt"
         jdir.mkdir()
-        env = {**clean_env(), "JITCKPT_DIR": str(jdir), "JITCKPT_TERMINATION_LOG": ""}
+        env = {**clean_env(checkout=True), "JITCKPT_DIR": str(jdir), "JITCKPT_TERMINATION_LOG": ""}
         env["JITCKPT_ASYNC_SAVE"] = "1"
         args = ("--max-steps", "100000", "--save-steps", str(save_steps))
         proc = Proc(entrypoint(torchrun(TRAIN_HF, *args, *model, nproc=nproc)), env=env)

@@ -59,7 +59,7 @@ def command(ranks: int) -> list[str]:
 
 
 def env_for(variant: str, jdir: Path, memory: Path) -> dict[str, str]:
-    env = {**clean_env(jdir), "JITCKPT_TERMINATION_LOG": ""}
+    env = {**clean_env(jdir, checkout=True), "JITCKPT_TERMINATION_LOG": ""}
     if variant == "ram":
         env["JITCKPT_MEMORY_DIR"] = str(memory)
         env["JITCKPT_SNAPSHOT_INTERVAL"] = "2s"
@@ -94,9 +94,11 @@ def straight(ranks: int, tmp: Path) -> dict[str, torch.Tensor]:
 def trial(variant: str, ranks: int, kill_at: int, tmp: Path, reference: Any) -> dict[str, Any]:
     jdir, memory = tmp / f"{variant}-{ranks}", Path(tempfile.mkdtemp(dir="/dev/shm"))
     env = env_for(variant, jdir, memory)
+    procs: list[Proc] = []
     try:
         began = time.monotonic()
         first = Proc(command(ranks), env=env)
+        procs.append(first)
         fresh = first_step(first, began)
         first.expect(rf"^step {kill_at} rank=0$", timeout=600)
         first.kill_tree()  # SIGKILL, the whole tree
@@ -107,6 +109,7 @@ def trial(variant: str, ranks: int, kill_at: int, tmp: Path, reference: Any) -> 
 
         began = time.monotonic()
         rerun = Proc(command(ranks), env=env)
+        procs.append(rerun)
         again = first_step(rerun, began)
         resumed = next(int(m.group(1)) for line in rerun.stdout if (m := BEGIN.match(line)))
         if rerun.wait(timeout=1800) != 0:
@@ -117,6 +120,8 @@ def trial(variant: str, ranks: int, kill_at: int, tmp: Path, reference: Any) -> 
         )
         from_ram = any("(a snapshot in RAM)" in line for line in rerun.stderr)
     finally:
+        for proc in procs:  # a failed trial leaves no trainer running into the next
+            proc.kill_tree()
         shutil.rmtree(jdir, ignore_errors=True)
         shutil.rmtree(memory, ignore_errors=True)
     lost = killed_after - resumed

@@ -76,7 +76,7 @@ def _role(cmd: str) -> str:
 def train(mode: str, tmp: Path) -> dict:
     jdir, memory = tmp / "jitckpt", Path(tempfile.mkdtemp(prefix="bench-ram-", dir="/dev/shm"))
     jdir.mkdir()
-    env = {**clean_env(), "JITCKPT_DIR": str(jdir), "JITCKPT_TERMINATION_LOG": ""}
+    env = {**clean_env(checkout=True), "JITCKPT_DIR": str(jdir), "JITCKPT_TERMINATION_LOG": ""}
     env["JITCKPT_SAVE_TOTAL_LIMIT"] = "2"
     if mode == "ram-writer":
         env["JITCKPT_MEMORY_DIR"] = str(memory)

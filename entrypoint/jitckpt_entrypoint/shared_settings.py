@@ -100,8 +100,9 @@ MEMORY_DIR = Option(
     "the Trainer's periodic saves from there to the volume, and the newest snapshot when "
     "training fails without SIGTERM (a crash). One node; not FSDP's sharded "
     "saves or DeepSpeed. S: when the trainer's container died whole (an OOM kill of the "
-    "container) and the pod goes (the sidecar's SIGTERM), the sidecar writes the newest "
-    "snapshot to the volume and uploads it. Empty: "
+    "container) and the pod goes (the sidecar's SIGTERM; a plain-container sidecar under "
+    "`JITCKPT_RESTART_POLICY=Never` at once), the sidecar writes the newest snapshot to "
+    "the volume and uploads it. Empty: "
     "no snapshots; see [the RAM tier](docs/how-it-works.md#the-ram-tier)",
     default_doc="empty (none)",
 )

@@ -327,7 +327,7 @@ class Service:
             self._trainer_dead = deaths and self.rescue.dead(trainer)
             self._rescuing = self.rescue.pending()
             self._tick()
-            self._log_sizing(trainer)
+            self._log_sizing(trainer, sigterm_at)
             code = self._exit_code(trainer, sigterm_at)
             if code is not None:
                 return code
@@ -519,9 +519,12 @@ class Service:
         estimate = self._estimate()
         return None if estimate is None else sizing.quantity(estimate.total)
 
-    def _log_sizing(self, trainer: Optional[status.TrainerStatus]) -> None:
-        """Once per trainer run, when it has exited or at SIGTERM: the volume this pod needs."""
-        if trainer is None or (trainer.exited_at is None and self._sigterm_at is None):
+    def _log_sizing(
+        self, trainer: Optional[status.TrainerStatus], sigterm_at: Optional[float]
+    ) -> None:
+        """Once per trainer run, when it has ended or at SIGTERM: the volume this pod needs."""
+        ended = trainer is not None and (trainer.exited_at is not None or self._trainer_dead)
+        if trainer is None or not (ended or sigterm_at is not None):
             return
         if self._sized_for == trainer.run_id:
             return

@@ -211,3 +211,6 @@ def test_a_restore_keeps_the_record_of_a_trainer_that_holds_its_lock(tmp_path):
     again = trainer_lock.take_if_gone(layout.status)  # let go again
     assert again is not None
     os.close(again)
+    started(layout, locked=False)  # an older entrypoint's, which may live: not ours to judge
+    _forget_earlier_trainer(layout, logging.getLogger("test"))
+    assert status.TRAINER.read(layout.status) is not None

@@ -97,7 +97,8 @@ def sidecar_env(
     ]
     if exit_with_trainer:  # no SIGTERM comes when the trainer ends: which ends are final
         env.append(_var("exit_with_trainer", "1"))
-        env.append(_var("restart_policy", restart_policy or "Never"))
+        if restart_policy:
+            env.append(_var("restart_policy", restart_policy))
     return env
 
 
