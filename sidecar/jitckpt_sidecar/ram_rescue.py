@@ -37,6 +37,11 @@ from jitckpt_entrypoint.protocol.layout import Layout, checkpoint_name
 from jitckpt_entrypoint.ram_writer import RamWriter, newer_snapshot
 
 
+def told_by_lock(trainer: Optional[status.TrainerStatus]) -> bool:
+    """A running trainer whose death its lock tells: its record says `locked`, not exited."""
+    return trainer is not None and trainer.locked and trainer.exited_at is None
+
+
 class RamRescue:
     def __init__(
         self, memory_dir: str, layout: Layout, logger: logging.Logger, wake: Callable[[], None]
@@ -53,7 +58,7 @@ class RamRescue:
     def dead(self, trainer: Optional[status.TrainerStatus]) -> bool:
         """Whether `trainer`'s run died without exiting (a run that did stays so); the first
         time, the write-out begins."""
-        if trainer is None or not trainer.locked or trainer.exited_at is not None:
+        if trainer is None or not told_by_lock(trainer):
             return False
         if self._dead == trainer.run_id:
             return True

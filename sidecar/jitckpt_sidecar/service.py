@@ -39,7 +39,7 @@ from jitckpt_sidecar.final import FinalModel, FinalUploader
 from jitckpt_sidecar.metrics import Metrics
 from jitckpt_sidecar.notice import NoticeWatcher
 from jitckpt_sidecar.pressure import Pruner, Storage
-from jitckpt_sidecar.ram_rescue import RamRescue
+from jitckpt_sidecar.ram_rescue import RamRescue, told_by_lock
 from jitckpt_sidecar.readiness import Readiness, process_start
 from jitckpt_sidecar.remote import Remote
 from jitckpt_sidecar.restore import Restorer, RestoreResult
@@ -334,7 +334,7 @@ class Service:
             timeout = next_rescan - self.monotonic()
             if sigterm_at is not None:
                 timeout = min(timeout, DRAIN_POLL)
-            elif self._death_is_final and self._may_die(trainer):
+            elif self._death_is_final and told_by_lock(trainer):
                 timeout = min(timeout, DEATH_POLL)  # a death wakes nothing: looked for
             self._wake.wait(max(0.0, timeout))
             self._wake.clear()
@@ -447,10 +447,6 @@ class Service:
         """A trainer container killed whole is not restarted and no SIGTERM will come: the
         plain-container variant under restartPolicy Never."""
         return self.cfg.exit_with_trainer and self.cfg.restart_policy == "Never"
-
-    def _may_die(self, trainer: Optional[status.TrainerStatus]) -> bool:
-        """A live trainer whose death by its lock this sidecar can tell (ram_rescue.py)."""
-        return trainer is not None and trainer.locked and trainer.exited_at is None
 
     def _final(self, trainer: Optional[status.TrainerStatus]) -> bool:
         """The trainer's end (an exit, or its container killed whole) is for good: under the

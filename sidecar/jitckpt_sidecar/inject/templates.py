@@ -156,9 +156,10 @@ def _s3_container(
 
 
 def sidecar_container(
-    opts: Options, trainer_container: Obj, grace: int, restart_policy: str = "Always"
+    opts: Options, trainer_container: Obj, grace: int, restart_policy: str = ""
 ) -> Obj:
-    """The sidecar; `restart_policy` is the pod's (a plain container's sidecar needs it)."""
+    """The sidecar; `restart_policy` is the pod's (a plain container's sidecar needs it; empty:
+    unknown, not set)."""
     head: Obj = {"name": SIDECAR, "image": opts.image}
     probes: Obj = {
         "ports": [{"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"}]
