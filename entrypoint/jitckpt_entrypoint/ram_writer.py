@@ -228,7 +228,18 @@ class Process:
         then costs what ran since the newest periodic save, not since the newest snapshot."""
         memory_dir = cfg.memory_dir
         deadline = time.monotonic() + cfg.grace_seconds
-        if not self._wait(lambda: write_out.request(memory_dir) is None, deadline) or not crashed:
+        if not crashed:
+            self._wait(lambda: write_out.request(memory_dir) is None, deadline)
+            return
+        # Asked only once the writer has announced itself: its announcement removes what an
+        # earlier writer left, a request made before it too (a trainer that failed at once).
+        if not self._wait(
+            lambda: (
+                write_out.writer(memory_dir, run_id) == self.pid
+                and write_out.request(memory_dir) is None
+            ),
+            deadline,
+        ):
             return
         try:
             step = newer_snapshot(memory_dir, cfg.dir)

@@ -334,9 +334,11 @@ def test_after_a_crash_the_newest_snapshot_is_written_out_when_newer_than_the_vo
     snapshot(manager, 14)
     assert newer() == 14
 
-    write_out.announce(cfg.memory_dir, "run-1")
     writer = ram_writer(manager)
-    serving = threading.Thread(target=writer.serve, daemon=True)
+    # It announces itself late (a trainer that failed at once): its announcement would remove
+    # a request made before it.
+    serving = threading.Timer(0.5, writer.serve)
+    serving.daemon = True
     serving.start()
     process = ram_writer_module.Process(os.getpid())  # the writer "process": this one
     logger = logging.getLogger("jitckpt.test")
