@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from harness.pod import final_weights
-from harness.procs import Proc, clean_env
+from harness.procs import Proc, clean_env, wait_for
 from harness.training import (
     TRAIN_HF,
     TRAIN_LOOP,
@@ -156,9 +156,11 @@ def test_a_memory_directory_that_cannot_hold_snapshots_is_one_line(spawn, base_e
 
 
 def test_a_killed_plain_loop_resumes_from_its_snapshot_in_ram(
-    spawn, base_env, memory_dir, tmp_path
+    spawn, base_env, jdir, memory_dir, tmp_path
 ):
-    """The plain loop's `should_snapshot()` and `snapshot()` (DCP into the memory directory)."""
+    """The plain loop's `should_snapshot()` and `snapshot()` (DCP into the memory directory);
+    its periodic `save` of step 20 goes to RAM and the RAM writer writes it to the volume, and a
+    run that resumes from that checkpoint ends bitwise equal too."""
     args = ["--steps", "40", "--save-every", "20", "--step-sleep", "0.1"]
 
     def weights(proc) -> set[str]:
@@ -176,11 +178,30 @@ def test_a_killed_plain_loop_resumes_from_its_snapshot_in_ram(
     env = {**base_env, "JITCKPT_MEMORY_DIR": str(memory_dir), "JITCKPT_SNAPSHOT_INTERVAL": "3steps"}
     first = spawn(entrypoint(torchrun(TRAIN_LOOP, *args)), env=env)
     wait_for_step(first, 29)
+
+    def written() -> bool:
+        return any(
+            line.startswith("jitckpt-ram-writer:") and "committed checkpoint-20 from RAM" in line
+            for line in first.stderr
+        )
+
+    wait_for(written, 60, "the RAM writer's commit of checkpoint-20")
     first.kill_tree()
+    assert not hook_lines(first, "committed checkpoint-20"), first.output()  # not the trainer
     second = spawn(entrypoint(torchrun(TRAIN_LOOP, *args)), env=env)
     assert second.wait(timeout=300) == 0, second.output()
     assert resumed_from_ram(second) in (24, 27)
     assert weights(second) == expected
+
+    # From the checkpoint the writer wrote (no snapshot, no final save): exact too.
+    shutil.rmtree(memory_dir / "checkpoints")
+    shutil.rmtree(jdir / "checkpoints" / "checkpoint-40")
+    third = spawn(entrypoint(torchrun(TRAIN_LOOP, *args)), env=base_env)
+    assert third.wait(timeout=300) == 0, third.output()
+    begun = [line for line in third.stdout if line.startswith("begin rank=0 ")]
+    assert begun, third.output()
+    assert begun[0].endswith(" step=20"), third.output()
+    assert weights(third) == expected
 
 
 def test_periodic_saves_are_written_to_the_volume_by_the_ram_writer_not_the_trainer(

@@ -3,6 +3,7 @@ takes, which it never takes, when two snapshots do not fit, and when one is due.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -315,6 +316,49 @@ def test_the_overhead_budget_measures_a_save_written_out_up_to_the_writers_answe
     saver.poll_write_out()
     assert saver._handed.measured == 0  # reported to the budget once
     assert saver.cadence._done is not None
+
+
+def test_a_plain_loops_periodic_saves_go_through_ram_to_the_writer_or_else_to_the_volume(
+    tmp_path,
+):
+    """`jitckpt.save` (periodic) with the RAM writer running: a snapshot, written to the volume
+    and committed there by the writer; a write into RAM that fails turns snapshots off in one
+    line, and the training process writes that save to the volume itself."""
+    manager = manager_for(tmp_path)
+    layout, memory = manager.session.layout, manager.session.cfg.memory_dir
+
+    def write(path: str) -> None:
+        if path.startswith(memory) and Path(path).name == "checkpoint-16":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        os.makedirs(path, exist_ok=True)
+        Path(path, "model.safetensors").write_bytes(b"m" * 100)
+
+    writer = ram_writer(manager)
+    serving = threading.Thread(target=writer.serve, daemon=True)
+    serving.start()
+    try:
+        deadline = time.monotonic() + 10
+        while manager.tier.writer() != os.getpid() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with Lines() as logged:
+            assert manager.save(12, write) == layout.checkpoint_dir(12)
+            assert manager.tier.writes_out
+            assert checkpoint_steps(manager.tier.root) == [12]  # in RAM, handed to the writer
+            manager.save(14, write)  # waits for 12's answer first
+            assert manager.is_committed(12)
+            manager.save(16, write)  # 14's answer, then 16 fails in RAM: the volume's
+    finally:
+        writer.stopping = True
+        serving.join(5)
+    for step in (12, 14, 16):
+        assert validity.committed(layout.checkpoint_dir(step)) is not None, step
+    assert manager.is_committed(16)
+    assert not manager.tier.on
+    assert [line for line in logged if "no more snapshots to RAM" in line], logged
+    # The training process committed only 16 itself (the writer, 12 and 14).
+    assert [line for line in logged if line.startswith("committed ")] == [
+        line for line in logged if line.startswith("committed checkpoint-16")
+    ], logged
 
 
 def test_after_a_crash_the_newest_snapshot_is_written_out_when_newer_than_the_volume(tmp_path):

@@ -116,12 +116,15 @@ def save(
     """Save `state_dict` with torch.distributed.checkpoint as `step`, then commit it.
 
     kind is periodic, jit or final. With kind="jit" the process then exits with
-    JITCKPT_EXIT_CODE. A step that is already committed is not written again. async_=True (a
-    periodic save only): DCP's own `async_save` stages the state to host memory and writes it
-    on a thread; jitckpt commits it once every rank's write is done. The next save (and
-    `done()`) waits for it; a SIGTERM stop abandons it uncommitted when it is older.
+    JITCKPT_EXIT_CODE. A step that is already committed is not written again. With
+    JITCKPT_MEMORY_DIR (one node), a periodic save goes to RAM and the entrypoint's RAM writer
+    writes it to the volume; the next save waits for that. async_=True (a periodic save only):
+    DCP's own `async_save` stages the state to host memory and writes it on a thread; jitckpt
+    commits it once every rank's write is done. The next save (and `done()`) waits for it; a
+    SIGTERM stop abandons it uncommitted when it is older.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from jitckpt_entrypoint.hook.manager import current
 
@@ -131,7 +134,8 @@ def save(
             step,
             lambda path, group: dcp.async_save(state_dict, checkpoint_id=path, process_group=group),
         )
-    return manager.save(step, lambda path: dcp.save(state_dict, checkpoint_id=path), kind)
+    write = lambda path: dcp.save(state_dict, checkpoint_id=path)  # noqa: E731
+    return manager.save(step, write, kind, (CheckpointException, OSError))
 
 
 def commit(path: str, step: int, kind: str = "periodic") -> None:

@@ -291,11 +291,23 @@ class CheckpointManager:
             if self.is_committed(step):
                 self.finish_jit(step, 0.0)
 
-    def save(self, step: int, write: Callable[[str], object], kind: Optional[str] = None) -> str:
-        """Begin, `write(path)` on this thread, commit: the plain loop's save. Collective."""
+    def save(
+        self,
+        step: int,
+        write: Callable[[str], object],
+        kind: Optional[str] = None,
+        errors: tuple[type[BaseException], ...] = (OSError,),
+    ) -> str:
+        """Begin, `write(path)` on this thread, commit: the plain loop's save. Collective. A
+        periodic save goes to RAM first while the entrypoint's RAM writer runs, and the writer
+        writes it to the volume (saver.write_out_own; `errors` of that write fall back to the
+        volume)."""
         self._mark(step, kind)
+        tier = self.tier
+        if tier.configured and not tier.decided:
+            tier.decide(0, True)  # as `snapshot_wanted`: a full tmpfs says so when written
         save = self.saver.begin_save(step)
-        if save is not None:
+        if save is not None and not self.saver.write_out_own(save, write, errors):
             self.saver.write_own(save, lambda: write(save.path))
         self.saved(step)
         return self.checkpoint_dir(step)

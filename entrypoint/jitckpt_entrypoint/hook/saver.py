@@ -23,7 +23,8 @@ and `save_dcp_async` begin through `begin_save`, then write through `write_own` 
 - a periodic save written out (`_write_out`): with the entrypoint's RAM writer running, the
   same snapshot in RAM, which the writer (another process) writes to the volume and commits
   there; the next save's `begin_save` waits for its answer (`_collect_write_out`): counted as
-  committed, HF's rotation run then.
+  committed, HF's rotation run then. The plain loop's periodic save likewise
+  (`write_out_own`: its `dcp.save` into RAM on the training thread).
 - COMMITTED or ABANDONED: `saved` (committer.commit, collective, with every rank's outcome):
   committed when every rank wrote, else the directory is removed on every node (no rotation
   slot, no resume point, no space held). A full disk is reported in one line (volume, bytes
@@ -222,12 +223,8 @@ class Saver:
         snapshot in RAM, which the RAM writer writes to the volume once committed there; the
         training process writes it itself (`save_async`) when the writer is gone or
         snapshots failed."""
-        tier, control = self.tier, self.session.control
-        if control.any_now(tier.failed is not None):
-            tier.turn_off(tier.failed or "a snapshot failed on another rank")
-        elif control.any_now(self.session.topo.rank == 0 and tier.writer() is None):
-            tier.stop_writing_out("the RAM writer is gone")
-        if not tier.writes_out:
+        tier = self.tier
+        if not self._still_writes_out():
             self.save_async(save, parts)
             return
         if self.session.topo.is_leader:
@@ -247,6 +244,53 @@ class Saver:
         # Committed (and handed to the writer) once `saved` says the Trainer's save call is done.
         self.inflight.save_async(snap, dataclasses.replace(parts, after_commit=after_commit))
         self._pending = None
+
+    def write_out_own(
+        self,
+        save: Save,
+        write: Callable[[str], object],
+        errors: tuple[type[BaseException], ...] = (OSError,),
+    ) -> bool:
+        """Training thread, collective, after `begin_save` of the plain loop's periodic save
+        while the RAM writer runs: `write(path)` (its `dcp.save`) into JITCKPT_MEMORY_DIR as a
+        snapshot, committed there and handed to the writer, which writes it to the volume.
+        False when it was not (snapshots failed, `errors` on a rank, or the writer is gone):
+        the caller writes the save to the volume itself. Other errors are the library's own
+        and propagate, as in `write_snapshot`."""
+        tier = self.tier
+        if save.kind != "periodic" or not tier.writes_out or not self._still_writes_out():
+            return False
+        began = time.monotonic()
+        snap = self._snapshot_of(save.step)
+        snap.written_out = True
+        step, started_at = save.step, save.started_at
+
+        def after_commit() -> None:  # every rank, on the commit of the snapshot
+            tier.committed(step, spares=False)
+            tier.ask(step, started_at)
+
+        snap.after_commit = after_commit
+        try:
+            write(snap.path)
+        except errors as exc:
+            snap.failed(exc)
+        snap.blocked = time.monotonic() - began  # written on the training thread
+        self._commit(snap)
+        if snap.state is not State.COMMITTED:  # from the vote: the same on every rank
+            tier.turn_off(tier.failed or f"the snapshot of step {step} failed")
+            return False
+        self._handed = Handed(step, lambda: None, save.measured, snap)
+        return True
+
+    def _still_writes_out(self) -> bool:
+        """Collective, before a periodic save is handed to the RAM writer: whether it still
+        is (no snapshot failed on any rank, the writer lives)."""
+        tier, control = self.tier, self.session.control
+        if control.any_now(tier.failed is not None):
+            tier.turn_off(tier.failed or "a snapshot failed on another rank")
+        elif control.any_now(self.session.topo.rank == 0 and tier.writer() is None):
+            tier.stop_writing_out("the RAM writer is gone")
+        return tier.writes_out
 
     def _collect_write_out(self) -> None:
         """Collective, before a save begins: the answer to the save handed to the RAM writer
@@ -297,12 +341,14 @@ class Saver:
         as it would without jitckpt (its collectives may be half done on the other ranks)."""
         if not self._snapshot_begins(fast=False):
             return
+        began = time.monotonic()
         save = self._snapshot_of(step)
         save.after_commit = functools.partial(self.tier.committed, step, spares=False)
         try:
             write(save.path)
         except errors as exc:
             save.failed(exc)
+        save.blocked = time.monotonic() - began  # written on the training thread
         self._commit(save)
         if self.tier.failed is not None:  # decided from the vote: the same on every rank
             self.tier.turn_off(self.tier.failed)
