@@ -267,8 +267,10 @@ class Process:
 
     def _wait(self, done: Callable[[], bool], deadline: float) -> bool:
         """Until `done()` (True) or the deadline, or the writer is gone (False)."""
-        while self.alive() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             try:
+                if not self.alive():
+                    return False
                 if done():
                     return True
             except OSError:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -322,8 +324,9 @@ def test_a_plain_loops_periodic_saves_go_through_ram_to_the_writer_or_else_to_th
     tmp_path,
 ):
     """`jitckpt.save` (periodic) with the RAM writer running: a snapshot, written to the volume
-    and committed there by the writer; a write into RAM that fails turns snapshots off in one
-    line, and the training process writes that save to the volume itself."""
+    and committed there by the writer (the next save and `done()` wait for it); a write into RAM
+    that fails turns snapshots off in one line, and the training process writes that save to
+    the volume itself."""
     manager = manager_for(tmp_path)
     layout, memory = manager.session.layout, manager.session.cfg.memory_dir
 
@@ -344,9 +347,12 @@ def test_a_plain_loops_periodic_saves_go_through_ram_to_the_writer_or_else_to_th
             assert manager.save(12, write) == layout.checkpoint_dir(12)
             assert manager.tier.writes_out
             assert checkpoint_steps(manager.tier.root) == [12]  # in RAM, handed to the writer
+            assert Path(layout.checkpoint_dir(12)).is_dir()  # there for the script at once
             manager.save(14, write)  # waits for 12's answer first
             assert manager.is_committed(12)
-            manager.save(16, write)  # 14's answer, then 16 fails in RAM: the volume's
+            manager.training_ended()  # `done()`: waits for 14's answer
+            assert manager.is_committed(14)
+            manager.save(16, write)  # 16 fails in RAM: the volume's
     finally:
         writer.stopping = True
         serving.join(5)
@@ -467,3 +473,19 @@ def test_the_ram_writer_never_commits_a_snapshot_retired_while_it_was_copied(tmp
     assert not answer.ok
     assert "retired" in answer.error
     assert validity.committed(layout.checkpoint_dir(12)) is None
+
+
+def test_a_writer_that_exited_is_gone_before_it_is_reaped():
+    """The entrypoint reaps its children only later: an exited writer (a zombie) is not waited
+    for (Process.finish would hold the exit for JITCKPT_GRACE_SECONDS)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
+    try:
+        process = ram_writer_module.Process(child.pid)
+        assert process.alive()
+        deadline = time.monotonic() + 10
+        while process.alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not process.alive()
+        assert Path(f"/proc/{child.pid}").exists()  # a zombie: not reaped yet
+    finally:
+        child.wait()

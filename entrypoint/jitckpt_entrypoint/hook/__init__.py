@@ -118,10 +118,11 @@ def save(
     kind is periodic, jit or final. With kind="jit" the process then exits with
     JITCKPT_EXIT_CODE. A step that is already committed is not written again. With
     JITCKPT_MEMORY_DIR (one node), a periodic save goes to RAM and the entrypoint's RAM writer
-    writes it to the volume; the next save waits for that. async_=True (a periodic save only):
-    DCP's own `async_save` stages the state to host memory and writes it on a thread; jitckpt
-    commits it once every rank's write is done. The next save (and `done()`) waits for it; a
-    SIGTERM stop abandons it uncommitted when it is older.
+    writes it to the volume and commits it there after this returns (what you write into the
+    returned directory meanwhile is kept); the next save and `done()` wait for it.
+    async_=True (a periodic save only): DCP's own `async_save` stages the state to host memory
+    and writes it on a thread; jitckpt commits it once every rank's write is done. The next
+    save (and `done()`) waits for it; a SIGTERM stop abandons it uncommitted when it is older.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException

@@ -300,11 +300,12 @@ class CheckpointManager:
     ) -> str:
         """Begin, `write(path)` on this thread, commit: the plain loop's save. Collective. A
         periodic save goes to RAM first while the entrypoint's RAM writer runs, and the writer
-        writes it to the volume (saver.write_out_own; `errors` of that write fall back to the
-        volume)."""
+        writes it to the volume and commits it there after this returns; the next save and
+        `training_ended` wait for that (saver.write_out_own; `errors` of the write into RAM
+        fall back to the volume)."""
         self._mark(step, kind)
         tier = self.tier
-        if tier.configured and not tier.decided:
+        if tier.configured and not tier.decided and self._kind_of(step) == "periodic":
             tier.decide(0, True)  # as `snapshot_wanted`: a full tmpfs says so when written
         save = self.saver.begin_save(step)
         if save is not None and not self.saver.write_out_own(save, write, errors):

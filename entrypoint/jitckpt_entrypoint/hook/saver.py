@@ -136,7 +136,9 @@ class Saver:
                 self._committed.add(step)
 
     def training_ended(self) -> None:
-        """The next `train()` decides its fast paths (and snapshots) afresh."""
+        """Collective: a save handed to the RAM writer is waited for (its rotation runs); the
+        next `train()` decides its fast paths (and snapshots) afresh."""
+        self._collect_write_out()
         self._skipped.clear()
         self.gates.reset()
         self.tier.reset()
@@ -261,6 +263,11 @@ class Saver:
         if save.kind != "periodic" or not tier.writes_out or not self._still_writes_out():
             return False
         began = time.monotonic()
+        if self.session.topo.is_leader:
+            # There at once, as after the library's own save (the writer keeps what the script
+            # writes into it meanwhile, as `_write_out` does for a Trainer subclass).
+            with contextlib.suppress(OSError):
+                os.makedirs(save.path, exist_ok=True)
         snap = self._snapshot_of(save.step)
         snap.written_out = True
         step, started_at = save.step, save.started_at

@@ -30,7 +30,7 @@ import shutil
 import socket
 from typing import Any, Optional
 
-from jitckpt_entrypoint.protocol import atomic, trainer_lock
+from jitckpt_entrypoint.protocol import atomic, trainer_lock, write_out
 
 _holding: list[Optional[int]] = []
 """This process's hold on status/trainer.lock, taken when it first registers (trainer_lock.py)."""
@@ -46,17 +46,12 @@ def run_dir(status_dir: str, run_id: str) -> str:
 
 
 def start_time(pid: int) -> Optional[int]:
-    """When `pid` started (clock ticks since boot), or None when it is gone or a zombie."""
+    """When `pid` started (clock ticks since boot), or None when it is gone, a zombie, or
+    cannot be read now."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
+        return write_out.start_time(pid)
     except OSError:
         return None
-    # The command name (field 2) may hold spaces and parentheses: parse after the last ')'.
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,14 +85,18 @@ def writer(memory_dir: str, run_id: str) -> Optional[int]:
 
 def start_time(pid: int) -> Optional[int]:
     """When process `pid` started (clock ticks since boot, /proc/<pid>/stat), or None when
-    there is no such process. OSError: cannot tell now."""
+    there is no such process or it has exited (a zombie not reaped yet). OSError: cannot tell
+    now."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    try:  # after the command's closing parenthesis: state is field 3, starttime field 22
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    # The command name (field 2) may hold spaces and parentheses: parse after the last ')';
+    # state is field 3, starttime field 22.
+    try:
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        return None if fields[0] in (b"Z", b"X") else int(fields[19])
     except (ValueError, IndexError):
         return None
 
