@@ -12,10 +12,16 @@ jitckpt-entrypoint + torchrun, `save_steps` 5, three modes per trial in a rotate
 
 Per mode: the training processes' CPU seconds per save beyond `none` (user + system, sampled
 every 50 ms from /proc, the last sample of each rank), the RAM writer's CPU seconds per save,
+the training thread's time held per save (the median step that saved, less the median step),
 the median step time and steps/s; for ram-writer, the writer's MB/s against the floor (the
 disk's buffered + fsync bandwidth for the same bytes, measured in the same run).
 
-    .venv/bin/python bench/bench_ram_writer.py [TRIALS]     # default 3; medians
+`--loop`: the plain PyTorch loop (tests/integration/children/train_loop.py, `--width` sized
+to about the same state) with `jitckpt.save(state, step)`, synchronous: `trainer` writes DCP to
+the volume on the training thread, `ram-writer` writes DCP into RAM there and the RAM writer
+copies it to the volume.
+
+    .venv/bin/python bench/bench_ram_writer.py [TRIALS] [--loop]    # default 3; medians
 """
 
 from __future__ import annotations
@@ -35,9 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_jit import write_bandwidth
 from bench_periodic import TreeSampler
 from harness.procs import Proc, clean_env
-from harness.training import TRAIN_HF, entrypoint, torchrun
+from harness.training import TRAIN_HF, TRAIN_LOOP, entrypoint, torchrun
 
 MODEL = ["--hidden", "512", "--layers", "4", "--vocab", "8192"]
+LOOP_MODEL = ["--width", "1000000"]
+"""18M parameters and Adam's two states: about the HF model's 214 MB."""
+LOOP = "--loop" in sys.argv
 STEPS, SAVE_STEPS, FIRST_TIMED = 70, 5, 10
 WRITTEN = re.compile(r"committed checkpoint-\d+ from RAM \(([\d.]+) MB in ([\d.]+) s")
 MODES = ("none", "trainer", "ram-writer")
@@ -68,7 +77,7 @@ class CpuSeconds(TreeSampler):
 def _role(cmd: str) -> str:
     if "jitckpt_entrypoint.ram_writer" in cmd:
         return "writer"
-    if "train_hf.py" in cmd and "torchrun" not in cmd:
+    if ("train_hf.py" in cmd or "train_loop.py" in cmd) and "torchrun" not in cmd:
         return "ranks"
     return ""
 
@@ -82,8 +91,13 @@ def train(mode: str, tmp: Path) -> dict:
         env["JITCKPT_MEMORY_DIR"] = str(memory)
         env["JITCKPT_SNAPSHOT_INTERVAL"] = "100000steps"  # the periodic saves only
     every = "100000" if mode == "none" else str(SAVE_STEPS)
-    args = ("--max-steps", str(STEPS), "--save-steps", every, "--logging-steps", "1000")
-    proc = Proc(entrypoint(torchrun(TRAIN_HF, *args, *MODEL, nproc=2)), env=env)
+    if LOOP:
+        args = ("--steps", str(STEPS), "--save-every", every, *LOOP_MODEL)
+        command = torchrun(TRAIN_LOOP, *args, nproc=2)
+    else:
+        args = ("--max-steps", str(STEPS), "--save-steps", every, "--logging-steps", "1000")
+        command = torchrun(TRAIN_HF, *args, *MODEL, nproc=2)
+    proc = Proc(entrypoint(command), env=env)
     cpu = CpuSeconds(proc.pid)
     try:
         code = proc.wait(timeout=1800)
@@ -100,7 +114,13 @@ def train(mode: str, tmp: Path) -> dict:
         if line.startswith("step ") and line.endswith("rank=0")
     }
     last = max(times)
-    gaps = [times[s + 1] - times[s] for s in range(FIRST_TIMED, last) if s + 1 in times]
+    gap = {
+        s: times[s + 1] - times[s]
+        for s in range(FIRST_TIMED, last)
+        if s in times and s + 1 in times
+    }
+    gaps = list(gap.values())
+    saving = [g for s, g in gap.items() if s % SAVE_STEPS == 0]
     written = [WRITTEN.search(line) for line in proc.stderr]
     rates = [float(w.group(1)) / float(w.group(2)) for w in written if w]
     if mode == "ram-writer" and not rates:
@@ -110,6 +130,9 @@ def train(mode: str, tmp: Path) -> dict:
         "ranks": seconds.get("ranks", 0.0),
         "writer": seconds.get("writer", 0.0),
         "step": statistics.median(gaps),
+        "held": statistics.median(saving) - statistics.median(gaps)
+        if saving and mode != "none"
+        else 0.0,
         "sps": (last - FIRST_TIMED) / (times[last] - times[FIRST_TIMED]),
         "saves": saves,
         "mbps": statistics.median(rates) if rates else 0.0,
@@ -130,7 +153,7 @@ def main() -> None:
         floor = write_bandwidth(int(mb * 1e6), tmp, durable=True) / 1e6
     none = runs["none"]
     print(
-        "mode         training CPU s/save  writer CPU s/save  step s  steps/s  vs none"
+        "mode         training CPU s/save  writer CPU s/save  held s/save  step s  steps/s  vs none"
         "  writer MB/s  floor MB/s  vs floor"
     )
     for mode in MODES:
@@ -142,13 +165,15 @@ def main() -> None:
         print(
             f"{mode:12} {statistics.median(extra) if extra else 0.0:19.3f}"
             f" {statistics.median(writer) if writer else 0.0:18.3f}"
+            f" {statistics.median(r['held'] for r in rows):12.3f}"
             f" {statistics.median(r['step'] for r in rows):7.3f} {sps:8.2f}"
             f" {sps / statistics.median(n['sps'] for n in none):8.2f}"
             + (f" {mbps:12.0f} {floor:11.0f} {mbps / floor:9.2f}" if mbps else ""),
             flush=True,
         )
     print(
-        f"\n{mb:.0f} MB per checkpoint, 2 ranks, save_steps {SAVE_STEPS}, {STEPS} steps;"
+        f"\n{'plain loop, ' if LOOP else ''}{mb:.0f} MB per checkpoint, 2 ranks,"
+        f" save every {SAVE_STEPS} steps, {STEPS} steps;"
         f" medians of {trials} trials (modes in a rotated order); training CPU = both ranks'"
         " user + system seconds beyond the same trial's run without saves, per save; floor ="
         " the disk's buffered write + fsync bandwidth for the same bytes"

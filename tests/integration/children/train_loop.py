@@ -45,13 +45,16 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds added to steps")
     parser.add_argument("--slow-from", type=int, default=0, help="--slow-sleep from this step")
     parser.add_argument("--slow-sleep", type=float, default=0.0)
+    parser.add_argument("--width", type=int, default=32, help="the hidden layer (benches)")
     opts = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DistributedDataParallel(
-        torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        torch.nn.Sequential(
+            torch.nn.Linear(16, opts.width), torch.nn.Tanh(), torch.nn.Linear(opts.width, 1)
+        )
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     app = AppState(model, optimizer)
