@@ -262,30 +262,21 @@ class Saver:
         tier = self.tier
         if save.kind != "periodic" or not tier.writes_out or not self._still_writes_out():
             return False
-        began = time.monotonic()
         if self.session.topo.is_leader:
             # There at once, as after the library's own save (the writer keeps what the script
             # writes into it meanwhile, as `_write_out` does for a Trainer subclass).
             with contextlib.suppress(OSError):
                 os.makedirs(save.path, exist_ok=True)
-        snap = self._snapshot_of(save.step)
-        snap.written_out = True
         step, started_at = save.step, save.started_at
 
         def after_commit() -> None:  # every rank, on the commit of the snapshot
             tier.committed(step, spares=False)
             tier.ask(step, started_at)
 
-        snap.after_commit = after_commit
-        try:
-            write(snap.path)
-        except errors as exc:
-            snap.failed(exc)
-        snap.blocked = time.monotonic() - began  # written on the training thread
-        self._commit(snap)
-        if snap.state is not State.COMMITTED:  # from the vote: the same on every rank
-            tier.turn_off(tier.failed or f"the snapshot of step {step} failed")
+        snap = self._write_snapshot_here(step, write, errors, after_commit)
+        if snap is None:
             return False
+        snap.written_out = True
         self._handed = Handed(step, lambda: None, save.measured, snap)
         return True
 
@@ -348,17 +339,32 @@ class Saver:
         as it would without jitckpt (its collectives may be half done on the other ranks)."""
         if not self._snapshot_begins(fast=False):
             return
+        after = functools.partial(self.tier.committed, step, spares=False)
+        self._write_snapshot_here(step, write, errors, after)
+
+    def _write_snapshot_here(
+        self,
+        step: int,
+        write: Callable[[str], object],
+        errors: tuple[type[BaseException], ...],
+        after_commit: Callable[[], None],
+    ) -> Optional[Save]:
+        """Collective: `write(path)` into the snapshot of `step` on this thread, then its
+        commit there; the snapshot when it was committed, else None and snapshots are off
+        (decided from the vote: the same on every rank)."""
         began = time.monotonic()
-        save = self._snapshot_of(step)
-        save.after_commit = functools.partial(self.tier.committed, step, spares=False)
+        snap = self._snapshot_of(step)
+        snap.after_commit = after_commit
         try:
-            write(save.path)
+            write(snap.path)
         except errors as exc:
-            save.failed(exc)
-        save.blocked = time.monotonic() - began  # written on the training thread
-        self._commit(save)
-        if self.tier.failed is not None:  # decided from the vote: the same on every rank
-            self.tier.turn_off(self.tier.failed)
+            snap.failed(exc)
+        snap.blocked = time.monotonic() - began  # written on the training thread
+        self._commit(snap)
+        if snap.state is State.COMMITTED:
+            return snap
+        self.tier.turn_off(self.tier.failed or f"the snapshot of step {step} failed")
+        return None
 
     def poll_write_out(self) -> None:
         """Rank 0 (the clock that decides time-based saves), after every step while a save is
