@@ -240,6 +240,26 @@ def test_the_ram_writer_commits_a_snapshot_on_the_volume_with_its_manifests(tmp_
     assert event.kind == "periodic"
 
 
+@pytest.mark.parametrize("refused", [False, True])
+def test_the_writers_copy_keeps_writeback_one_chunk_behind(tmp_path, monkeypatch, refused):
+    """sync_file_range per chunk and one fdatasync at the end; where the call is refused (a
+    filesystem without it), an fdatasync per chunk. The bytes are the snapshot's either way."""
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    src.write_bytes(os.urandom(2500))
+    monkeypatch.setattr(ram_writer_module, "CHUNK", 1000)
+    if refused:
+        monkeypatch.setattr(ram_writer_module, "_sync_file_range", lambda: lambda *_: -1)
+    synced: list[int] = []
+    fdatasync = os.fdatasync
+    monkeypatch.setattr(
+        ram_writer_module.os, "fdatasync", lambda fd: (synced.append(fd), fdatasync(fd))
+    )
+    manager = manager_for(tmp_path)
+    assert ram_writer(manager)._copy_file(str(src), str(dest)) == 2500
+    assert dest.read_bytes() == src.read_bytes()
+    assert len(synced) == (4 if refused else 1)  # 3 chunks and the end, or the end only
+
+
 def test_the_ram_writer_never_commits_what_it_could_not_copy_whole(tmp_path):
     manager = manager_for(tmp_path)
     layout = manager.session.layout
