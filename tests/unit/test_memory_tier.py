@@ -3,6 +3,7 @@ takes, which it never takes, when two snapshots do not fit, and when one is due.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -240,22 +241,39 @@ def test_the_ram_writer_commits_a_snapshot_on_the_volume_with_its_manifests(tmp_
     assert event.kind == "periodic"
 
 
-@pytest.mark.parametrize("refused", [False, True])
+def refusing(code: int):
+    """A sync_file_range that fails with errno `code`."""
+
+    def call(*_: object) -> int:
+        ctypes.set_errno(code)
+        return -1
+
+    return lambda: call
+
+
+@pytest.mark.parametrize("refused", [0, errno.EPERM, errno.EIO])
 def test_the_writers_copy_keeps_writeback_one_chunk_behind(tmp_path, monkeypatch, refused):
-    """sync_file_range per chunk and one fdatasync at the end; where the call is refused (a
-    filesystem without it), an fdatasync per chunk. The bytes are the snapshot's either way."""
+    """sync_file_range per chunk and one fdatasync at the end; where the call is not allowed
+    (EPERM: a seccomp profile), an fdatasync per chunk; a write error it reports (EIO) is
+    raised, never lost to a later fdatasync. The bytes are the snapshot's."""
     src, dest = tmp_path / "src", tmp_path / "dest"
     src.write_bytes(os.urandom(2500))
     monkeypatch.setattr(ram_writer_module, "CHUNK", 1000)
     if refused:
-        monkeypatch.setattr(ram_writer_module, "_sync_file_range", lambda: lambda *_: -1)
+        monkeypatch.setattr(ram_writer_module, "_sync_file_range", refusing(refused))
     synced: list[int] = []
     fdatasync = os.fdatasync
     monkeypatch.setattr(
         ram_writer_module.os, "fdatasync", lambda fd: (synced.append(fd), fdatasync(fd))
     )
-    manager = manager_for(tmp_path)
-    assert ram_writer(manager)._copy_file(str(src), str(dest)) == 2500
+    writer = ram_writer(manager_for(tmp_path))
+    if refused == errno.EIO:
+        with pytest.raises(OSError, match="sync_file_range") as raised:
+            writer._copy_file(str(src), str(dest))
+        assert raised.value.errno == errno.EIO
+        assert not synced
+        return
+    assert writer._copy_file(str(src), str(dest)) == 2500
     assert dest.read_bytes() == src.read_bytes()
     assert len(synced) == (4 if refused else 1)  # 3 chunks and the end, or the end only
 
