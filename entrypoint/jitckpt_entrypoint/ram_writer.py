@@ -229,31 +229,30 @@ class _WriteBehind:
         self.call = _sync_file_range()
 
     def wrote(self, offset: int, length: int) -> None:
-        if self.call is not None:
-            try:
-                self._range(offset, length, self.WRITE)
-                if self.previous is not None:
-                    self._range(*self.previous, self.WAIT_BEFORE | self.WRITE | self.WAIT_AFTER)
-            except _UnsupportedError:
-                self.call = None  # an fdatasync per chunk from now on
-            else:
-                self.previous = (offset, length)
-                return
+        wait = self.WAIT_BEFORE | self.WRITE | self.WAIT_AFTER
+        if (
+            self.call is not None
+            and self._range(offset, length, self.WRITE)
+            and (self.previous is None or self._range(*self.previous, wait))
+        ):
+            self.previous = (offset, length)
+            return
+        self.call = None  # not there, or refused: an fdatasync per chunk from now on
         os.fdatasync(self.fd)
 
-    def _range(self, offset: int, length: int, flags: int) -> None:
+    def _range(self, offset: int, length: int, flags: int) -> bool:
+        """True when done, False when not supported here; a write error is raised."""
         call = self.call
-        if call is not None and call(self.fd, offset, length, flags) != 0:
-            import ctypes
+        if call is None:
+            return False
+        if call(self.fd, offset, length, flags) == 0:
+            return True
+        import ctypes
 
-            code = ctypes.get_errno()
-            if code in self.UNSUPPORTED:
-                raise _UnsupportedError
-            raise OSError(code, f"sync_file_range: {os.strerror(code)}")
-
-
-class _UnsupportedError(Exception):
-    """sync_file_range is not there or not allowed for this file."""
+        code = ctypes.get_errno()
+        if code in self.UNSUPPORTED:
+            return False
+        raise OSError(code, f"sync_file_range: {os.strerror(code)}")
 
 
 _LIBC: list[Optional[Callable[..., int]]] = []
