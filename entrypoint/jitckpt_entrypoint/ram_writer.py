@@ -372,7 +372,9 @@ class Process:
 def newer_snapshot(memory_dir: str, root: str) -> Optional[int]:
     """The step of the newest committed snapshot in `memory_dir` (JITCKPT_MEMORY_DIR) when it
     is newer than every committed checkpoint on the volume at `root` (JITCKPT_DIR; in resume's
-    order: lineage, then step; the volume's save of a step wins), else None."""
+    order: lineage, then step; the volume's save of a step wins), else None. A snapshot of a
+    job of several nodes is never committed here (every node's manifest, this node's files
+    only): a node's snapshot holds what its ranks load, not its part of a save."""
     snapshots = Layout(memory_dir).checkpoints
     step = newest_committed(snapshots)
     snapshot = None if step is None else committed(os.path.join(snapshots, checkpoint_name(step)))

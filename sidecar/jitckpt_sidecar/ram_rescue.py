@@ -103,7 +103,10 @@ class RamRescue:
         try:
             step = newer_snapshot(self.memory_dir, self.layout.root)
             if step is None:
-                self.log.info("no snapshot in %s is newer than the volume's", self.memory_dir)
+                self.log.info(
+                    "no snapshot in %s to write out (none of one node newer than the volume's)",
+                    self.memory_dir,
+                )
                 return
             self.log.info("writing %s from RAM to the volume", checkpoint_name(step))
             request = write_out.Request(

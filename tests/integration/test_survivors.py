@@ -12,9 +12,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,7 @@ from harness.procs import descendants, free_port
 from harness.training import (
     TRAIN_HF,
     entrypoint,
+    hook_lines,
     jit_record,
     manifest,
     steps_seen,
@@ -39,9 +43,12 @@ STEPS = 24
 ARGS = ("--max-steps", str(STEPS), "--save-steps", "1000", "--dropout", "0.1")
 
 
-def job(spawn, base_env, dirs: list[Path], *args: str, nproc: int = 1, prefix=(), env=None):
-    """One torchrun per node (static rendezvous on node 0), each with its own JITCKPT_DIR;
-    `prefix` before each command (a network namespace's nsenter)."""
+def job(
+    spawn, base_env, dirs: list[Path], *args: str, nproc: int = 1, prefix=(), env=None, memory=()
+):
+    """One torchrun per node (static rendezvous on node 0), each with its own JITCKPT_DIR (and
+    JITCKPT_MEMORY_DIR, from `memory`); `prefix` before each command (a network namespace's
+    nsenter)."""
     port = free_port()
     return [
         spawn(
@@ -56,6 +63,7 @@ def job(spawn, base_env, dirs: list[Path], *args: str, nproc: int = 1, prefix=()
                 **(env or {}),
                 "JITCKPT_DIR": str(d),
                 "JITCKPT_TERMINATION_LOG": str(d / "tlog"),
+                **({"JITCKPT_MEMORY_DIR": str(memory[n])} if memory else {}),
             },
         )
         for n, d in enumerate(dirs)
@@ -235,4 +243,51 @@ def test_a_peer_stopped_longer_than_the_peer_timeout_is_waited_for(spawn, base_e
     assert jit_record(dirs[0]) is None, procs[0].output()
     assert not any("acknowledged nothing" in x for x in procs[0].stderr), procs[0].output()
     assert any("JITCKPT_PEER_TIMEOUT" in x for x in procs[0].stderr), procs[0].output()
+    assert same(final_weights(dirs[0], STEPS), straight)
+
+
+@pytest.fixture
+def memory_dirs() -> Iterator[list[Path]]:
+    """A memory volume per node, on a tmpfs (/dev/shm) where there is one."""
+    shm = "/dev/shm"
+    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    paths = [Path(tempfile.mkdtemp(prefix=f"jitckpt-memory{n}-", dir=base)) for n in range(2)]
+    yield paths
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_nodes_restarted_in_place_resume_from_their_own_snapshots_in_ram(
+    spawn, base_env, tmp_path, memory_dirs
+):
+    """The RAM tier with several nodes: each node's memory volume holds a whole snapshot (its
+    local rank 0 writes the shared files too), so no node needs another's files to resume. Node
+    1 killed at step 14 (node 0 saves as a survivor), then both containers restarted in place
+    (their volumes and memory volumes kept): both resume from the newest snapshot they both
+    hold, bitwise equal to an uninterrupted run."""
+    dirs = node_dirs(tmp_path, "ram", 2)
+    snap = {"JITCKPT_SNAPSHOT_INTERVAL": "3steps"}
+    args = (*ARGS, "--step-sleep", "0.2")
+    first = job(spawn, base_env, dirs, *args, env=snap, memory=memory_dirs)
+    wait_for_step(first[0], 14)
+    first[1].kill_tree()
+    first[0].wait(timeout=60)
+    assert hook_lines(first[0], "snapshots to RAM every 3 steps"), first[0].output()
+    assert hook_lines(first[0], "several nodes the training processes write"), first[0].output()
+    for memory in memory_dirs:  # node 1's too: every file its rank loads
+        snapshots = sorted((memory / "checkpoints").glob("checkpoint-*"))
+        assert any((s / "model.safetensors").exists() for s in snapshots), snapshots
+
+    straight = uninterrupted(spawn, base_env, tmp_path, (2, 1))
+    second = job(spawn, base_env, dirs, *args, env=snap, memory=memory_dirs)
+    for proc in second:
+        assert proc.wait(timeout=300) == 0, proc.output()
+    lines = hook_lines(second[0], "(a snapshot in RAM)")
+    assert lines, second[0].output()
+    step = int(re.search(r"checkpoint-(\d+) \(a snapshot in RAM\)", lines[0]).group(1))  # type: ignore[union-attr]
+    assert 9 <= step <= 15, lines
+    assert step % 3 == 0, lines
+    for rank, proc in enumerate(second):
+        begun = proc.expect(rf"^begin rank={rank} pid=\d+ step=(\d+)$").group(1)
+        assert int(begun) == step, proc.output()
     assert same(final_weights(dirs[0], STEPS), straight)

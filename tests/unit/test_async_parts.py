@@ -50,6 +50,13 @@ def test_buffers_are_reused_from_one_save_to_the_next():
     staging.run()
     assert first["w"].untyped_storage().data_ptr() == second["w"].untyped_storage().data_ptr()
     assert stager.nbytes == 4000
+    # A save of none of the tensors between (a rank that writes them in a node's snapshot
+    # only) keeps the buffers; one of other tensors frees those gone.
+    stager.plan({"step": 3})
+    third, _ = stager.plan({"w": weight})
+    assert third["w"].untyped_storage().data_ptr() == first["w"].untyped_storage().data_ptr()
+    stager.plan({"v": torch.zeros(10)})
+    assert stager.nbytes == 40
 
 
 def test_a_tensor_it_cannot_copy_exactly_is_refused():

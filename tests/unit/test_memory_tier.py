@@ -114,6 +114,74 @@ def test_the_volume_wins_a_tie_and_another_world_size_is_never_used(tmp_path):
     assert manager.resumed_dir == session.layout.checkpoint_dir(10)
 
 
+def node_snapshot(manager: CheckpointManager, step: int, holdings: dict[int, list[str]]) -> str:
+    """A committed snapshot of a job of two nodes of one rank, as node 1's memory volume holds
+    it: every node's manifest (`holdings`: the files each node wrote), node 1's files only."""
+    session = manager.session
+    path = manager.tier.path(step)
+    os.makedirs(path)
+    for name in holdings[1]:
+        Path(path, name).write_bytes(b"x" * 10)
+    commit.commit_node(
+        session.layout,
+        path,
+        {node: dict.fromkeys(names, 10) for node, names in holdings.items()},
+        node=1,
+        nodes=2,
+        world_size=2,
+        step=step,
+        kind="periodic",
+        started_at=time.time(),
+        run_id="run-1",
+        stage_for_upload=False,
+        save_id=m.new_save_id(),
+        lineage=m.new_lineage(),
+        record=False,
+    )
+    return path
+
+
+def test_each_node_resumes_from_its_own_whole_snapshot_which_is_never_written_out(tmp_path):
+    """Several nodes: each node's local rank 0 writes the shared files into its own memory
+    volume (TrainerCheckpoint's whole_node), so a node resumes from RAM with no other node's
+    files; a node's part of a save without them is never resumed from, and neither is ever
+    written out to the volume as if it were the node's part of a save."""
+    manager = manager_for(tmp_path)
+    manager.session.topo = Topology(rank=1, world_size=2, node=1, nodes=2)
+    shared = ["model.safetensors", "optimizer.pt", "trainer_state.json"]
+    whole = node_snapshot(
+        manager, 12, {0: [*shared, "rng_state_0.pth"], 1: [*shared, "rng_state_1.pth"]}
+    )
+    part = node_snapshot(manager, 15, {0: [*shared, "rng_state_0.pth"], 1: ["rng_state_1.pth"]})
+    assert validity.whole_here(whole, 1) is not None
+    assert validity.loadable(whole, 1, 2, 2) is None  # not this node's part of a save
+    assert validity.whole_here(part, 1) is None
+    memory = manager.session.cfg.memory_dir
+    assert ram_writer_module.newer_snapshot(memory, manager.session.cfg.dir) is None
+
+    assert manager.resume() == 12
+    assert manager.resumed_dir == whole
+    assert not os.path.exists(part)
+
+
+def test_snapshots_of_several_nodes_are_taken_only_where_each_node_holds_what_it_loads(
+    tmp_path,
+):
+    manager = manager_for(tmp_path)
+    manager.session.topo = Topology(rank=0, world_size=2, node=0, nodes=2)
+    with Lines() as logged:
+        assert not manager.tier.decide(100, True)  # a plain loop's: its shards are per rank
+    assert any("only its own ranks' files" in line for line in logged), logged
+
+    manager = manager_for(tmp_path)
+    manager.session.topo = Topology(rank=0, world_size=2, node=0, nodes=2)
+    write_out.announce(manager.session.cfg.memory_dir, "run-1")  # the entrypoint's writer
+    with Lines() as logged:
+        assert manager.tier.decide(100, True, None)  # the Trainer's DDP: whole on each node
+    assert not manager.tier.writes_out  # not a node's part of a save: the trainer writes them
+    assert any("several nodes the training processes write" in line for line in logged), logged
+
+
 def test_starting_over_clears_the_snapshots(tmp_path):
     manager = manager_for(tmp_path, resume=False)
     snapshot(manager, 12)

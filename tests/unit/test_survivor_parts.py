@@ -80,7 +80,7 @@ class FakeTrainer:
 def any_trainer(monkeypatch):
     """The Trainer checks pass: what is tested is the step and the node's ranks."""
     monkeypatch.setattr(trainer_checkpoint, "unsupported", lambda _trainer: None)
-    monkeypatch.setattr(survivors, "_persistent_buffers", lambda _trainer: [])
+    monkeypatch.setattr(survivors, "persistent_buffers", lambda _trainer: [])
     monkeypatch.setattr(survivors, "_accelerator", lambda _trainer: None)
     monkeypatch.setattr(survivors, "IN_FLIGHT_WAIT", 0.2)  # a refused rank's wait for its mates
 

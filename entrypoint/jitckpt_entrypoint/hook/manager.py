@@ -218,11 +218,12 @@ class CheckpointManager:
             tier.decide(0, True)  # the state's size is not known here: a full tmpfs says so
         return tier.wanted(step)
 
-    def enable_snapshots(self, snapshot_bytes: int, fast: bool) -> bool:
+    def enable_snapshots(self, snapshot_bytes: int, fast: bool, not_whole: Optional[str]) -> bool:
         """Collective, when training starts (after `enable_async`): snapshots to RAM on every
         rank or none (memory_tier.py, one line why not). `fast`: this Trainer's periodic saves
-        take the fast path's parts."""
-        return self.tier.decide(snapshot_bytes, fast and self.saver.async_on)
+        take the fast path's parts; `not_whole`: why, with several nodes, a node's snapshot
+        cannot hold every file its ranks load (None: it does)."""
+        return self.tier.decide(snapshot_bytes, fast and self.saver.async_on, not_whole)
 
     def stop_now(self) -> bool:
         """Blocking agreement where every rank is in step anyway (after a save, an evaluation)."""

@@ -24,6 +24,12 @@ stays whole).
 Resume (resume.py) counts a committed snapshot of this job's size like a checkpoint on the
 volume: the newest wins (the same order as everywhere: lineage, then step).
 
+Several nodes (each pod has its own memory volume): the Trainer's snapshot is whole on every
+node (trainer_checkpoint.py `whole_node`: each node's local rank 0 writes the shared files, as
+process 0 does), so a node resumes from RAM with its own files alone (validity.whole_here). It
+is not a node's part of a save: the RAM writer does not write periodic saves out. A plain
+loop's snapshots are refused there (its DCP shards are per rank: PART).
+
 Threads: `due`, `wanted`, `began`, `covered` on the training thread; `committed` on the
 background writer (it only retires older snapshot directories).
 """
@@ -42,6 +48,11 @@ from jitckpt_entrypoint.protocol.commit import remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
 from jitckpt_entrypoint.protocol.validity import committed
 
+PART = (
+    "with several nodes a node's snapshot holds only its own ranks' files, and a resume from "
+    "RAM needs every file its ranks load (the Trainer's DDP snapshots do; a plain loop's not yet)"
+)
+"""Why a plain loop's snapshots are off with several nodes (its DCP shards are per rank)."""
 KEPT = 2
 """Snapshots whose bytes the volume must hold at once: the committed one and the next."""
 WAIT_POLL = 0.02
@@ -98,9 +109,11 @@ class MemoryTier:
 
     # -- deciding, once --
 
-    def decide(self, snapshot_bytes: int, async_on: bool) -> bool:
+    def decide(self, snapshot_bytes: int, async_on: bool, not_whole: Optional[str] = PART) -> bool:
         """Collective, once per process when training starts: snapshots on every rank, or on
-        none (one line why). `snapshot_bytes`: this rank's part of a snapshot."""
+        none (one line why). `snapshot_bytes`: this rank's part of a snapshot; `not_whole`:
+        why, in a job of several nodes, a node's snapshot would not hold every file its ranks
+        load (None: it does, the Trainer's `whole_node`), so resuming from it is not possible."""
         if self._decided or not self.configured:
             return self.on
         self._decided = True
@@ -112,11 +125,8 @@ class MemoryTier:
         problem = None
         if not async_on:
             problem = "the Trainer's saves do not take the fast path (the line above says why)"
-        elif topo.nodes > 1:
-            problem = (
-                "with several nodes a node's snapshot holds only its own ranks' files, and a "
-                "resume from RAM needs every file its ranks load (not yet)"
-            )
+        elif topo.nodes > 1 and not_whole:
+            problem = not_whole
         else:
             problem = self._room_problem(node_bytes)
         refused = session.control.all_gather(problem)
@@ -124,7 +134,9 @@ class MemoryTier:
         self.on = not reasons
         if self.on:
             ram_files.register(self.root)
-        self._writer = self.on and pid is not None
+        # With several nodes a node's snapshot is not its part of a save (each holds the
+        # shared files): the training processes write periodic saves to the volume.
+        self._writer = self.on and pid is not None and topo.nodes == 1
         if topo.rank == 0:
             if self.on:
                 every = f"{self.steps} steps" if self.steps else f"{self.seconds:g} s"
@@ -135,6 +147,12 @@ class MemoryTier:
                         "periodic saves go to RAM first; the RAM writer (pid %d) writes them "
                         "to the volume",
                         pid,
+                    )
+                elif pid is not None:
+                    session.log.info(
+                        "with several nodes the training processes write periodic saves to "
+                        "the volume (a node's snapshot holds what its ranks load, not its part "
+                        "of a save)"
                     )
                 elif session.run_id:  # under the entrypoint, which starts one
                     session.log.info(

@@ -26,6 +26,7 @@ from jitckpt_entrypoint.protocol.validity import (
     kept,
     loadable,
     local_save,
+    whole_here,
 )
 
 SaveKey = tuple[int, str, str]
@@ -77,11 +78,8 @@ def _saves(checkpoints: str, topo: Topology, own_part: bool = False) -> list[Sav
     return list(_dirs(checkpoints, topo, own_part))
 
 
-def _dirs(
-    checkpoints: str, topo: Topology, own_part: bool = False, same_size: bool = False
-) -> dict[SaveKey, str]:
-    """`_saves` with each one's directory; `same_size`: only saves of a job of this size (a
-    snapshot in RAM is never used at another)."""
+def _dirs(checkpoints: str, topo: Topology, own_part: bool = False) -> dict[SaveKey, str]:
+    """`_saves` with each one's directory."""
     found = {}
     for step in checkpoint_steps(checkpoints):
         path = os.path.join(checkpoints, checkpoint_name(step))
@@ -91,8 +89,6 @@ def _dirs(
             else loadable(path, topo.node, topo.nodes, topo.world_size)
         )
         if save is None:
-            continue
-        if same_size and (save[0].world_size, save[0].nodes) != (topo.world_size, topo.nodes):
             continue
         found[(step, save[0].save_id, save[0].lineage)] = path
     return found
@@ -147,12 +143,23 @@ def _wanted(checkpoints: str, topo: Topology) -> Optional[tuple[int, str]]:
 
 
 def _memory_dirs(memory: str, topo: Topology) -> dict[SaveKey, str]:
-    """The snapshots in RAM this node can resume from; none when the directory cannot be read
-    (memory_tier.decide says so in one line)."""
+    """The snapshots in RAM this node can resume from: of a job of this size, each holding on
+    this node what its ranks load (validity.whole_here); none when the directory cannot be
+    read (memory_tier.decide says so in one line)."""
+    found = {}
     try:
-        return _dirs(memory, topo, same_size=True)
+        steps = checkpoint_steps(memory)
     except OSError:
         return {}
+    for step in steps:
+        path = os.path.join(memory, checkpoint_name(step))
+        save = whole_here(path, topo.node)
+        if save is not None and (save[0].world_size, save[0].nodes) == (
+            topo.world_size,
+            topo.nodes,
+        ):
+            found[(step, save[0].save_id, save[0].lineage)] = path
+    return found
 
 
 def agreed_step(session: Session) -> Optional[int]:

@@ -165,7 +165,11 @@ class Stager:
 
         with torch.no_grad():
             out = map_tree(tree, host)
-        self._buffers = used  # storages gone since the last save free their buffers
+        # Storages gone since the last save free their buffers; a save of no tensors here (a
+        # rank whose volume saves write none, whose snapshots of a node write them all:
+        # trainer_checkpoint.py `whole_node`) keeps them, not set up again (pinned) each time.
+        if used:
+            self._buffers = used
         return out, Staging(copies, self)
 
     def _stream(self, device: torch.device) -> Any:

@@ -124,7 +124,7 @@ class Survivors:
         self._kept, self._buffer_copies = {}, {}
         try:
             self._why_not = self._unsupported(trainer)
-            self._buffers = [] if self._why_not else _persistent_buffers(trainer)
+            self._buffers = [] if self._why_not else persistent_buffers(trainer)
         except Exception as exc:  # noqa: BLE001 - a Trainer we cannot inspect: no such save
             self._why_not = f"cannot inspect the Trainer ({exc!r:.80})"
         if not self._why_not and self._buffers and self.session.topo.rank != 0:
@@ -453,7 +453,7 @@ def _accelerator(trainer: Any) -> Optional[str]:
     return None
 
 
-def _persistent_buffers(trainer: Any) -> list[tuple[Any, str, str]]:
+def persistent_buffers(trainer: Any) -> list[tuple[Any, str, str]]:
     """(module, name, state-dict key) of the model's buffers its state dict holds
     (BatchNorm's statistics: a forward changes them); parameters change only in the update."""
     from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint

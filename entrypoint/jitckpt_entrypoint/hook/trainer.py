@@ -172,24 +172,49 @@ def _start_async(manager: CheckpointManager, trainer: Any) -> None:
     """Decide (collectively) whether this Trainer's saves take the fast paths."""
     from jitckpt_entrypoint.hook import trainer_checkpoint
 
+    not_whole = _not_whole_nodes(manager, trainer)
+    several = manager.session.topo.nodes > 1
     try:
         reason = trainer_checkpoint.unsupported(trainer)
         nbytes = trainer_checkpoint.snapshot_bytes(trainer)
         growth = trainer_checkpoint.growth_bytes(trainer)
+        in_ram = trainer_checkpoint.snapshot_bytes(trainer, whole_node=several)
     except Exception as exc:  # noqa: BLE001 - the Trainer's own save needs none of this
         reason, nbytes, growth = f"cannot size the training state ({exc!r:.80})", 0, 0
+        in_ram = 0
     on = manager.enable_async(nbytes, reason, growth)
     sharded = getattr(trainer, "is_fsdp_enabled", False)  # staged by DCP: no parts to snapshot
-    manager.enable_snapshots(nbytes, on and not sharded)
+    manager.enable_snapshots(in_ram, on and not sharded, not_whole)
 
 
-def _snapshot_parts(trainer: Any) -> tuple[SaveParts, Optional[str]]:
+def _not_whole_nodes(manager: CheckpointManager, trainer: Any) -> Optional[str]:
+    """With several nodes, why a node's snapshot in RAM cannot hold all its ranks load (each
+    node's local rank 0 writes the shared files, TrainerCheckpoint's `whole_node`), or None."""
+    if manager.session.topo.nodes <= 1:
+        return None
+    from jitckpt_entrypoint.hook.survivors import persistent_buffers
+
+    try:
+        buffers = persistent_buffers(trainer)
+    except Exception as exc:  # noqa: BLE001 - snapshots only; the Trainer's saves need none
+        return f"cannot list the model's buffers ({exc!r:.80})"
+    if buffers:
+        return (
+            f"the model has persistent buffers ({buffers[0][2]}, ...) that DDP ranks hold "
+            "apart: with several nodes a node's snapshot would hold its own rank's, not "
+            "process 0's"
+        )
+    return None
+
+
+def _snapshot_parts(trainer: Any, whole_node: bool) -> tuple[SaveParts, Optional[str]]:
     """The fast path's parts of this step for a snapshot in RAM: the Trainer's checkpoint in
-    its own files, without HF's rotation (memory_tier.py keeps its own)."""
+    its own files, without HF's rotation (memory_tier.py keeps its own); `whole_node` (several
+    nodes): on each node, every file its ranks load."""
     from jitckpt_entrypoint.hook import gates
     from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
 
-    ckpt = TrainerCheckpoint(trainer)
+    ckpt = TrainerCheckpoint(trainer, whole_node=whole_node)
     tensors = ckpt.tensors()
     parts = SaveParts(ckpt.write_small, tensors, ckpt.deferrable, ckpt.writers, lambda: None)
     return parts, gates.state_problem(tensors)
@@ -412,7 +437,10 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         if trainer is not None and manager.tier.on:
             saved = bool(control.should_save or self._save_wanted or last)
             later = bool(control.should_evaluate or _ends_epoch(state))
-            manager.snapshot(step, lambda: _snapshot_parts(trainer), saved=saved, later=later)
+            whole = manager.session.topo.nodes > 1
+            manager.snapshot(
+                step, lambda: _snapshot_parts(trainer, whole), saved=saved, later=later
+            )
         return control
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:

@@ -107,14 +107,15 @@ def growth_bytes(trainer: Any) -> int:
     return int(total)
 
 
-def snapshot_bytes(trainer: Any) -> int:
+def snapshot_bytes(trainer: Any, *, whole_node: bool = False) -> int:
     """Host memory an async save's snapshot takes on this rank: the model's and the optimizer's
-    tensors (before the first step, Adam's two moments per trainable parameter are counted)."""
+    tensors (before the first step, Adam's two moments per trainable parameter are counted).
+    `whole_node`: a snapshot in RAM of a job of several nodes (TrainerCheckpoint's)."""
     from jitckpt_entrypoint.hook import fsdp_checkpoint
 
     if fsdp_checkpoint.sharded(trainer):
         return fsdp_checkpoint.snapshot_bytes(trainer)
-    ckpt = TrainerCheckpoint(trainer)
+    ckpt = TrainerCheckpoint(trainer, whole_node=whole_node)
     if not ckpt.should_save:
         return 0
     model = ckpt._model_to_save()
@@ -157,17 +158,34 @@ def rng_kept() -> bool:
 class TrainerCheckpoint:
     """What `trainer._save_checkpoint(model, trial)` writes at the current step; `alone`: what
     it writes on every rank together, written by this rank with no collective (a survivors'
-    save, survivors.py: the other ranks are gone, their RNG files are copies of this rank's)."""
+    save, survivors.py: the other ranks are gone, their RNG files are copies of this rank's);
+    `whole_node`: what every rank of this node loads to resume, the shared files written by
+    the node's local rank 0 as by process 0 (a snapshot in RAM of a job of several nodes,
+    memory_tier.py: each node's memory volume holds a whole copy; DDP ranks hold the same
+    model, optimizer and scheduler state)."""
 
-    def __init__(self, trainer: Any, trial: Any = None, *, alone: bool = False) -> None:
+    def __init__(
+        self, trainer: Any, trial: Any = None, *, alone: bool = False, whole_node: bool = False
+    ) -> None:
         self.trainer = trainer
         self.trial = trial
         self.alone = alone
+        self.whole_node = whole_node
         self.run_dir: str = trainer._get_output_dir(trial=trial)
 
     @property
     def should_save(self) -> bool:
-        return self.alone or bool(self.trainer.args.should_save)
+        args = self.trainer.args
+        return (
+            self.alone
+            or bool(args.should_save)
+            or (self.whole_node and args.local_process_index == 0)
+        )
+
+    @property
+    def _beside_process_zero(self) -> bool:
+        """This rank writes the shared files though it is not process 0."""
+        return self.should_save and not self.trainer.args.should_save
 
     def tensors(self) -> dict[str, Any]:
         """The model's and the optimizer's state dicts (live tensors): the big part."""
@@ -222,11 +240,7 @@ class TrainerCheckpoint:
                         trainer.lr_scheduler.state_dict(), os.path.join(path, hf.SCHEDULER_NAME)
                     )
                 hf.reissue_pt_warnings(caught)
-            if self.alone:
-                self._save_alone(path)
-            else:
-                trainer._save_scaler(path)
-                trainer._save_rng_state(path)
+            self._save_scaler_and_rng(path)
         if self.should_save:
             for cb in [*trainer.callback_handler.callbacks, trainer.control]:
                 if isinstance(cb, hf.ExportableState):
@@ -262,14 +276,28 @@ class TrainerCheckpoint:
         elif trainer.hp_search_backend is None and self.trial is None:
             trainer.store_flos()  # a collective in distributed training: every rank, in step
 
-    def _save_alone(self, path: str) -> None:
-        """The scaler (process 0's file) and every rank's RNG file, from this rank."""
+    def _save_scaler(self, path: str) -> None:
+        """The gradient scaler's state (process 0's file), from this rank; DDP ranks' agree
+        (their gradients are all-reduced before the scaler looks for infs)."""
         from transformers import trainer as hf
 
-        trainer = self.trainer
-        scaler = getattr(trainer.accelerator, "scaler", None)
+        scaler = getattr(self.trainer.accelerator, "scaler", None)
         if scaler is not None:
             torch.save(scaler.state_dict(), os.path.join(path, hf.SCALER_NAME))
+
+    def _save_scaler_and_rng(self, path: str) -> None:
+        if self.alone:
+            self._save_alone(path)
+            return
+        if self._beside_process_zero:
+            self._save_scaler(path)  # HF's writes on process 0 only
+        self.trainer._save_scaler(path)
+        self.trainer._save_rng_state(path)
+
+    def _save_alone(self, path: str) -> None:
+        """The scaler (process 0's file) and every rank's RNG file, from this rank."""
+        trainer = self.trainer
+        self._save_scaler(path)
         trainer._save_rng_state(path)
         world, own = trainer.args.world_size, trainer.args.process_index
         if world <= 1:
@@ -320,9 +348,10 @@ class TrainerCheckpoint:
 
     @contextlib.contextmanager
     def _any_rank(self, model: Any) -> Iterator[None]:
-        """`alone`: save_pretrained writes on this rank, though not rank 0 (transformers 5
-        writes only on rank 0 of the default process group: `should_save_on_this_rank`)."""
-        if not self.alone:
+        """`alone`, `whole_node`: save_pretrained writes on this rank, though not rank 0
+        (transformers 5 writes only on rank 0 of the default process group:
+        `should_save_on_this_rank`)."""
+        if not self._beside_process_zero:
             yield
             return
         model.should_save_on_this_rank = lambda is_main_process: is_main_process

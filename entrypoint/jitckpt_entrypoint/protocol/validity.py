@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from collections.abc import Iterable, Iterator
 from typing import Callable, Optional
 
@@ -140,6 +141,24 @@ def loadable(
     same_size = (nodes in (None, first.nodes)) and (world_size in (None, first.world_size))
     needed = node_files(save, node, union) if same_size else union
     return save if files_match(ckpt_dir, needed.values()) else None
+
+
+def whole_here(ckpt_dir: str, node: int) -> Optional[dict[int, m.Manifest]]:
+    """The manifests when local `ckpt_dir` is committed and node `node`'s own files (its
+    manifest's, present) are every file of the save but other ranks' RNG states, else None:
+    what its ranks load at the save's size, from this node alone. A snapshot in RAM (one node:
+    every file; several: each node's local rank 0 writes the shared files, hook/
+    trainer_checkpoint.py `whole_node`), which no other node's files ever complete."""
+    save = committed(ckpt_dir, node)
+    if save is None:
+        return None
+    own = {e.path for e in save[node].files}
+    union = local_union(save)
+    return save if all(p in own or RNG_FILE.fullmatch(p) for p in union) else None
+
+
+RNG_FILE = re.compile(r"rng_state_\d+\.pth")
+"""The Trainer's RNG states, one per rank: each rank loads its own (`_load_rng_state`)."""
 
 
 def kept(ckpt_dir: str, node: int, nodes: int, world_size: int) -> bool:
