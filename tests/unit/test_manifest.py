@@ -266,8 +266,8 @@ def test_the_hook_asks_for_the_rest_only_of_a_newest_checkpoint_it_cannot_load(
         )
 
     assert resume._wanted(str(tmp_path), topo(1)) is None
-    assert resume._wanted(str(tmp_path), topo(0)) == (4, "s")
-    assert resume._wanted(str(tmp_path), topo(0, nodes=1, world=2)) == (4, "s")
+    assert resume._wanted(str(tmp_path), topo(0)) == (4, "s", "")
+    assert resume._wanted(str(tmp_path), topo(0, nodes=1, world=2)) == (4, "s", "")
     hook_log = logging.getLogger("jitckpt.hook")  # a Session sets it up; put it back after
     monkeypatch.setattr(hook_log, "handlers", list(hook_log.handlers))
     monkeypatch.setattr(hook_log, "propagate", hook_log.propagate)

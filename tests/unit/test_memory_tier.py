@@ -114,11 +114,18 @@ def test_the_volume_wins_a_tie_and_another_world_size_is_never_used(tmp_path):
     assert manager.resumed_dir == session.layout.checkpoint_dir(10)
 
 
-def node_snapshot(manager: CheckpointManager, step: int, holdings: dict[int, list[str]]) -> str:
+def node_snapshot(
+    manager: CheckpointManager,
+    step: int,
+    holdings: dict[int, list[str]],
+    lineage: str = "",
+    path: str = "",
+) -> str:
     """A committed snapshot of a job of two nodes of one rank, as node 1's memory volume holds
-    it: every node's manifest (`holdings`: the files each node wrote), node 1's files only."""
+    it: every node's manifest (`holdings`: the files each node wrote), node 1's files only
+    (`path`: a checkpoint directory on the volume instead)."""
     session = manager.session
-    path = manager.tier.path(step)
+    path = path or manager.tier.path(step)
     os.makedirs(path)
     for name in holdings[1]:
         Path(path, name).write_bytes(b"x" * 10)
@@ -135,10 +142,40 @@ def node_snapshot(manager: CheckpointManager, step: int, holdings: dict[int, lis
         run_id="run-1",
         stage_for_upload=False,
         save_id=m.new_save_id(),
-        lineage=m.new_lineage(),
+        lineage=lineage or m.new_lineage(),
         record=False,
     )
     return path
+
+
+def test_nodes_restarted_in_place_ask_the_sidecar_for_nothing_a_newer_snapshot_covers(
+    tmp_path, monkeypatch
+):
+    """Node 1's volume holds only its own part of the newest periodic save: the sidecar would
+    fetch the rest from S3 (minutes for a large model), which no resume needs when a newer
+    snapshot every node holds is in RAM."""
+    from jitckpt_entrypoint.hook import resume
+
+    asked: list[int] = []
+    monkeypatch.setattr(
+        resume.fetch, "ask_sidecar", lambda _layout, step, *_a, **_k: asked.append(step)
+    )
+    manager = manager_for(tmp_path)
+    manager.session.topo = Topology(rank=1, world_size=2, node=1, nodes=2)
+    lineage = m.new_lineage()
+    shared = ["model.safetensors", "optimizer.pt", "trainer_state.json"]
+    volume = manager.session.layout.checkpoint_dir(20)
+    node_snapshot(
+        manager, 20, {0: [*shared, "rng_state_0.pth"], 1: ["rng_state_1.pth"]}, lineage, volume
+    )
+    in_ram = node_snapshot(
+        manager, 30, {0: [*shared, "rng_state_0.pth"], 1: [*shared, "rng_state_1.pth"]}, lineage
+    )
+    assert manager.resume() == 30
+    assert manager.resumed_dir == in_ram
+    assert asked == []
+    resume.fetch_missing(manager.session)  # no snapshot in RAM: node 1 asks for the rest
+    assert asked == [20]
 
 
 def test_each_node_resumes_from_its_own_whole_snapshot_which_is_never_written_out(tmp_path):

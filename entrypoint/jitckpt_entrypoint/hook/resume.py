@@ -100,13 +100,14 @@ def _newest(saves: Iterable[SaveKey]) -> Optional[SaveKey]:
     return max(saves, key=lambda s: (s[2], s[0]), default=None)
 
 
-def fetch_missing(session: Session) -> None:
+def fetch_missing(session: Session, in_ram: Optional[SaveKey] = None) -> None:
     """When the newest committed checkpoint on this node's volume is one its ranks cannot load
     from what the volume holds (the restore fetched another node's part, the job changed size,
     or a container restarted in place where each node holds only its own part), ask the sidecar
     for the rest and wait (hook/fetch.py): every local rank asks and waits, so no collective
     waits on it. Without an answer, training carries on: agreed_step then resumes from an
-    older checkpoint every node can load, or stops with one line."""
+    older checkpoint every node can load, or stops with one line. Not when `in_ram`, the
+    newest snapshot every node holds in RAM (`common_in_ram`), is newer: the resume takes it."""
     topo, layout = session.topo, session.layout
     try:
         wanted = _wanted(layout.checkpoints, topo)
@@ -114,7 +115,9 @@ def fetch_missing(session: Session) -> None:
         return
     if wanted is None:
         return
-    step, save_id = wanted
+    step, save_id, lineage = wanted
+    if in_ram is not None and (in_ram[2], in_ram[0]) > (lineage, step):
+        return
     if topo.is_leader:
         session.log.info(
             "%s is committed but this node does not hold every file its ranks load; asking the "
@@ -124,9 +127,9 @@ def fetch_missing(session: Session) -> None:
     fetch.ask_sidecar(layout, step, save_id, say=topo.is_leader)
 
 
-def _wanted(checkpoints: str, topo: Topology) -> Optional[tuple[int, str]]:
-    """(step, save id) of the newest committed checkpoint here, when this node cannot load it
-    from what it holds and can load nothing as new."""
+def _wanted(checkpoints: str, topo: Topology) -> Optional[SaveKey]:
+    """(step, save id, lineage) of the newest committed checkpoint here, when this node cannot
+    load it from what it holds and can load nothing as new."""
     newest: Optional[tuple[tuple[str, int], int, str, bool]] = None
     for step in checkpoint_steps(checkpoints):
         path = os.path.join(checkpoints, checkpoint_name(step))
@@ -139,7 +142,7 @@ def _wanted(checkpoints: str, topo: Topology) -> Optional[tuple[int, str]]:
             newest = (key, step, save[0].save_id, here)
     if newest is None or newest[3]:
         return None
-    return newest[1], newest[2]
+    return newest[1], newest[2], newest[0][0]
 
 
 def _memory_dirs(memory: str, topo: Topology) -> dict[SaveKey, str]:
@@ -160,6 +163,16 @@ def _memory_dirs(memory: str, topo: Topology) -> dict[SaveKey, str]:
         ):
             found[(step, save[0].save_id, save[0].lineage)] = path
     return found
+
+
+def common_in_ram(session: Session, memory: str) -> Optional[SaveKey]:
+    """Collective (with several nodes and `memory`, JITCKPT_MEMORY_DIR's checkpoints): the
+    newest snapshot every node holds in RAM, or None."""
+    if not memory or session.topo.nodes <= 1:
+        return None
+    reports = session.control.all_gather(list(_memory_dirs(memory, session.topo)))
+    common = set.intersection(*(set(r) for r in reports)) if reports else set()
+    return _newest(common)
 
 
 def agreed_step(session: Session) -> Optional[int]:
@@ -339,8 +352,8 @@ def resume(
         tier.settle()  # a save the RAM writer still writes out (a restarted worker): whole first
     if not (asked or session.cfg.resume):
         return None, None, start_over(session, tier)
-    fetch_missing(session)
     memory = tier.root if tier is not None else ""
+    fetch_missing(session, common_in_ram(session, memory))
     agreed = agreed_save(session, memory)
     step, path = (None, None) if agreed is None else agreed
     lineage = None if path is None else lineage_of(path)
