@@ -166,11 +166,12 @@ def _memory_dirs(memory: str, topo: Topology) -> dict[SaveKey, str]:
 
 
 def common_in_ram(session: Session, memory: str) -> Optional[SaveKey]:
-    """Collective (with several nodes and `memory`, JITCKPT_MEMORY_DIR's checkpoints): the
-    newest snapshot every node holds in RAM, or None."""
-    if not memory or session.topo.nodes <= 1:
+    """Collective with several nodes (on every node, whatever its `memory`, JITCKPT_MEMORY_DIR's
+    checkpoints, or ""): the newest snapshot every node holds in RAM, or None."""
+    if session.topo.nodes <= 1:
         return None
-    reports = session.control.all_gather(list(_memory_dirs(memory, session.topo)))
+    held = list(_memory_dirs(memory, session.topo)) if memory else []
+    reports = session.control.all_gather(held)
     common = set.intersection(*(set(r) for r in reports)) if reports else set()
     return _newest(common)
 
