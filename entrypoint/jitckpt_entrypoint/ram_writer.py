@@ -92,6 +92,8 @@ class RamWriter:
             if manifests is None:
                 return self._failed(request, f"the snapshot {src} is not committed")
             own = manifests[min(manifests)]
+            if own.nodes != 1:  # each node's holds what its ranks load, not its part of a save
+                return self._failed(request, f"the snapshot {src} is of a job of several nodes")
             there = committed(dest)
             if there is not None:
                 if newness(there[min(there)]) >= newness(own):  # the trainer's own save of the
@@ -372,13 +374,12 @@ class Process:
 def newer_snapshot(memory_dir: str, root: str) -> Optional[int]:
     """The step of the newest committed snapshot in `memory_dir` (JITCKPT_MEMORY_DIR) when it
     is newer than every committed checkpoint on the volume at `root` (JITCKPT_DIR; in resume's
-    order: lineage, then step; the volume's save of a step wins), else None. A snapshot of a
-    job of several nodes is never committed here (every node's manifest, this node's files
-    only): a node's snapshot holds what its ranks load, not its part of a save."""
+    order: lineage, then step; the volume's save of a step wins), else None. Never a snapshot
+    of a job of several nodes: a node's holds what its ranks load, not its part of a save."""
     snapshots = Layout(memory_dir).checkpoints
     step = newest_committed(snapshots)
     snapshot = None if step is None else committed(os.path.join(snapshots, checkpoint_name(step)))
-    if step is None or snapshot is None:
+    if step is None or snapshot is None or snapshot[min(snapshot)].nodes != 1:
         return None
     node = min(snapshot)  # the snapshot's node: what this node's volume holds of a save
     volume = Layout(root)

@@ -195,6 +195,14 @@ def test_each_node_resumes_from_its_own_whole_snapshot_which_is_never_written_ou
     assert validity.whole_here(part, 1) is None
     memory = manager.session.cfg.memory_dir
     assert ram_writer_module.newer_snapshot(memory, manager.session.cfg.dir) is None
+    Path(whole, "rng_state_0.pth").write_bytes(b"x" * 10)  # every node's files, by chance
+    assert validity.committed(whole) is not None
+    assert ram_writer_module.newer_snapshot(memory, manager.session.cfg.dir) is None
+    answer = ram_writer(manager).write(write_out.Request("r", 12, time.time(), "run-1"))
+    assert not answer.ok
+    assert "several nodes" in (answer.error or "")
+    assert not os.path.exists(manager.session.layout.checkpoint_dir(12))
+    os.remove(os.path.join(whole, "rng_state_0.pth"))
 
     assert manager.resume() == 12
     assert manager.resumed_dir == whole

@@ -347,3 +347,35 @@ def test_a_peer_that_does_not_read_is_not_taken_for_a_silent_machine(caplog, pee
     finally:
         for sock in (client, server, listener):
             sock.close()
+
+
+@pytest.mark.parametrize(
+    ("process", "local", "each_node", "mode", "shared", "beside"),
+    [
+        (0, 0, False, "whole_node", True, False),  # process 0: HF's own writer
+        (1, 0, False, "whole_node", True, True),  # node 1's local rank 0 in a node's snapshot
+        (1, 0, True, "whole_node", True, True),  # save_on_each_node: still not global rank 0
+        (3, 1, False, "whole_node", False, False),  # a local rank > 0: its RNG file only
+        (1, 0, False, "", False, False),  # a volume save: HF's rule
+        (1, 0, True, "", True, False),  # save_on_each_node: HF's save, HF's rule
+        (3, 1, False, "alone", True, True),  # a survivor writes everything
+    ],
+)
+def test_which_rank_writes_the_shared_files_and_saves_the_model_beside_process_zero(
+    process, local, each_node, mode, shared, beside
+):
+    """`beside`: save_pretrained must write on this rank though it is not global rank 0
+    (transformers 5 writes on rank 0 alone), whatever HF's own should_save says."""
+    from types import SimpleNamespace
+
+    from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
+
+    args = SimpleNamespace(
+        process_index=process,
+        local_process_index=local,
+        should_save=process == 0 or (each_node and local == 0),
+    )
+    trainer = SimpleNamespace(args=args, _get_output_dir=lambda **_: "out")
+    ckpt = TrainerCheckpoint(trainer, alone=mode == "alone", whole_node=mode == "whole_node")
+    assert ckpt.should_save is shared
+    assert ckpt._beside_process_zero is beside

@@ -57,9 +57,9 @@ class InFlight:
         save = self.save
         return save is not None and save.job is not None and not save.job.done
 
-    def save_async(self, save: Save, parts: SaveParts) -> None:
+    def save_async(self, save: Save, parts: SaveParts, keep: bool = False) -> None:
         """Training thread: small files and the copy of what the next forward changes now,
-        the rest in the background."""
+        the rest in the background (`keep`: Stager.plan's)."""
         from jitckpt_entrypoint.hook.writer import CancelledError, write_files
 
         stager = self.stager
@@ -70,7 +70,7 @@ class InFlight:
         staging = None
         try:
             parts.write_small(save.path)
-            host, staging = stager.plan(parts.tensors, parts.deferrable())
+            host, staging = stager.plan(parts.tensors, parts.deferrable(), keep)
             staging.start()
         except Exception as exc:  # noqa: BLE001 - never into training: this save is abandoned
             save.failed(exc)

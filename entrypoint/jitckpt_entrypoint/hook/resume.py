@@ -189,8 +189,9 @@ def agreed_save(session: Session, memory: str = "") -> Optional[tuple[int, str]]
     Ranks never disagree on where to resume: each node reports the checkpoints it can load
     (every file its ranks read: all of them, or for a sharded save at its own size, its own
     shards and the shared files) and all pick the newest step common to every report. With
-    several nodes a node holds only its own part of what it saved (each pod has its own
-    emptyDir); the sidecar's restore brings what else it reads when a pod starts. A newer
+    several nodes a node holds only its own part of what it saved to the volume (each pod has
+    its own emptyDir; its snapshots in RAM hold all it loads); the sidecar's restore brings
+    what else it reads when a pod starts. A newer
     checkpoint committed but not loadable everywhere is skipped with a warning; when it is the
     only one, training stops with an error rather than silently starting over.
     """

@@ -503,8 +503,9 @@ class Saver:
 
     def save_async(self, save: Save, parts: SaveParts) -> None:
         """Training thread, after `begin_save`: small files and the copy of what the next
-        forward changes now, the rest in the background (inflight.py)."""
-        self.inflight.save_async(save, parts)
+        forward changes now, the rest in the background (inflight.py); the host copy's buffers
+        of the snapshots stay while they are taken."""
+        self.inflight.save_async(save, parts, keep=self.tier.on)
         self._pending = None
 
     def save_now(self, save: Save, parts: SaveParts, retry: Callable[[], object]) -> None:

@@ -134,10 +134,13 @@ class Stager:
         return sum(b.numel() for b in self._buffers.values())
 
     def plan(
-        self, tree: Tree, deferrable: Optional[Collection[StorageKey]] = None
+        self, tree: Tree, deferrable: Optional[Collection[StorageKey]] = None, keep: bool = False
     ) -> tuple[Tree, Staging]:
         """The host tree and its staging (nothing copied yet). Training thread. Storages whose
-        key is in `deferrable` may be copied after `start()` returns; all when it is None."""
+        key is in `deferrable` may be copied after `start()` returns; all when it is None.
+        `keep`: the buffers this tree does not use stay for the next plan (a volume save while
+        snapshots are taken: on a rank whose volume saves stage none of the tensors its node's
+        snapshots stage, trainer_checkpoint.py `whole_node`), not set up (pinned) again."""
         used: dict[StorageKey, torch.Tensor] = {}
         copies: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
 
@@ -165,11 +168,8 @@ class Stager:
 
         with torch.no_grad():
             out = map_tree(tree, host)
-        # Storages gone since the last save free their buffers; a save of no tensors here (a
-        # rank whose volume saves write none, whose snapshots of a node write them all:
-        # trainer_checkpoint.py `whole_node`) keeps them, not set up again (pinned) each time.
-        if used:
-            self._buffers = used
+        # Storages gone since the last save free their buffers (unless kept).
+        self._buffers = {**self._buffers, **used} if keep else used
         return out, Staging(copies, self)
 
     def _stream(self, device: torch.device) -> Any:

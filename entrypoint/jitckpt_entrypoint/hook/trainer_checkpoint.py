@@ -184,8 +184,10 @@ class TrainerCheckpoint:
 
     @property
     def _beside_process_zero(self) -> bool:
-        """This rank writes the shared files though it is not process 0."""
-        return self.should_save and not self.trainer.args.should_save
+        """This rank writes the shared files though it is not process 0 (`alone`, `whole_node`;
+        HF's own `save_on_each_node` too: transformers 5 writes the model on rank 0 alone)."""
+        others = self.alone or self.whole_node
+        return others and self.should_save and self.trainer.args.process_index != 0
 
     def tensors(self) -> dict[str, Any]:
         """The model's and the optimizer's state dicts (live tensors): the big part."""
@@ -289,8 +291,8 @@ class TrainerCheckpoint:
         if self.alone:
             self._save_alone(path)
             return
-        if self._beside_process_zero:
-            self._save_scaler(path)  # HF's writes on process 0 only
+        if self.should_save and not self.trainer.args.should_save:
+            self._save_scaler(path)  # HF's writes where should_save only
         self.trainer._save_scaler(path)
         self.trainer._save_rng_state(path)
 
