@@ -227,3 +227,41 @@ def test_periodic_saves_are_written_to_the_volume_by_the_ram_writer_not_the_trai
     assert hook_lines(second, "resuming from"), second.output()
     assert any("checkpoint-20" in line for line in hook_lines(second, "resuming from"))
     assert same(final_weights(jdir, STEPS), straight)
+
+
+def dcp_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """FSDP's sharded model weights of a checkpoint (its DCP files), whole."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "model.pt"
+        dcp_to_torch_save(str(ckpt / "pytorch_model_fsdp_0"), str(out))
+        loaded = torch.load(out, weights_only=True)["model"]  # accelerate's DCP key
+    return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+
+
+def test_an_fsdp_trainers_workers_restarted_by_torchrun_resume_from_ram(
+    spawn, base_env, jdir, memory_dir, tmp_path
+):
+    """FSDP2 with a sharded state: a snapshot is the Trainer's own save into the memory
+    directory with its DCP saves staged and written by the background writer; a worker
+    SIGKILLed, torchrun restarts both, and they resume from it bitwise."""
+    steps, args = 12, ["--strategy", "fsdp2-sharded", "--max-steps", "12", "--save-steps", "1000"]
+    straight_dir = tmp_path / "straight"
+    straight_dir.mkdir()
+    straight = spawn(entrypoint(torchrun(TRAIN_HF, *args)), env=clean_env(straight_dir))
+    assert straight.wait(timeout=300) == 0, straight.output()
+
+    env = {**base_env, "JITCKPT_MEMORY_DIR": str(memory_dir), "JITCKPT_SNAPSHOT_INTERVAL": "3steps"}
+    marker = tmp_path / "killed"
+    command = torchrun(TRAIN_HF, *args, "--kill-at", "8", "--crash-marker", str(marker))
+    command.insert(command.index("--nproc-per-node=2") + 1, "--max-restarts=1")
+    proc = spawn(entrypoint(command), env=env)
+    assert proc.wait(timeout=300) == 0, proc.output()
+    assert marker.exists()
+    assert hook_lines(proc, "snapshots to RAM every 3 steps"), proc.output()
+    assert resumed_from_ram(proc) == 6
+    final = f"checkpoints/checkpoint-{steps}"
+    a, b = dcp_weights(straight_dir / final), dcp_weights(jdir / final)
+    assert a, "no weights"
+    assert same(a, b)

@@ -20,7 +20,7 @@ from jitckpt_entrypoint.config import Config
 from jitckpt_entrypoint.hook import memory_tier, ram_files
 from jitckpt_entrypoint.hook.manager import CheckpointManager
 from jitckpt_entrypoint.hook.saver import Handed
-from jitckpt_entrypoint.hook.saves import Save
+from jitckpt_entrypoint.hook.saves import Save, Staged
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.topology import Topology
 from jitckpt_entrypoint.protocol import commit, status, validity, write_out
@@ -640,3 +640,52 @@ def test_a_writer_that_exited_is_gone_before_it_is_reaped():
         assert Path(f"/proc/{child.pid}").exists()  # a zombie: not reaped yet
     finally:
         child.wait()
+
+
+def test_a_staged_snapshot_is_committed_in_ram_and_one_that_raises_turns_snapshots_off(
+    tmp_path,
+):
+    """FSDP's snapshots (saver.save_snapshot_staged): the library's own save into the memory
+    directory, its staged writes done by the background writer, then committed there; a save
+    that raises never reaches training: the snapshot goes, and snapshots, in one line."""
+    manager = manager_for(tmp_path)
+    manager.enable_async(1000, None)
+    assert manager.tier.decide(100, True, written_out=False)
+    assert not manager.tier.writes_out
+    path = manager.tier.path(3)
+
+    def own() -> None:  # HF's save makes the directory
+        os.makedirs(path)
+        Path(path, "trainer_state.json").write_text("{}")
+
+    def write(_group: object, _check: object) -> None:
+        os.makedirs(os.path.join(path, "pytorch_model_fsdp_0"))
+        Path(path, "pytorch_model_fsdp_0", "__0_0.distcp").write_bytes(b"s" * 100)
+
+    def stage(write_own) -> Staged:
+        write_own()
+        return Staged(True, write, lambda: None, lambda: None)
+
+    manager.saver.save_snapshot_staged(3, stage, own)
+    manager.saver.inflight.drain()
+    manifests = validity.committed(path)
+    assert manifests is not None
+    assert {f.path for f in manifests[0].files} >= {
+        "trainer_state.json",
+        "pytorch_model_fsdp_0/__0_0.distcp",
+    }
+    assert not os.path.exists(manager.session.layout.status + "/save-3.json")  # not a save
+
+    def failing(write_own) -> Staged:
+        write_own()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    manager.tier.wanted(6)
+    with Lines() as logged:
+        manager.saver.save_snapshot_staged(6, failing, lambda: None)
+    assert not manager.tier.on
+    lines = [line for line in logged if "no more snapshots to RAM" in line]
+    assert len(lines) == 1, logged
+    assert "No space left" in lines[0]
+    assert not os.path.exists(manager.tier.path(6))
+    assert validity.committed(path) is not None  # the previous snapshot stays

@@ -42,7 +42,7 @@ from jitckpt_entrypoint.hook.cadence import Cadence
 from jitckpt_entrypoint.hook.records import Records
 from jitckpt_entrypoint.hook.save_asks import SaveAsks
 from jitckpt_entrypoint.hook.saver import Saver
-from jitckpt_entrypoint.hook.saves import SaveParts, SaveRequest
+from jitckpt_entrypoint.hook.saves import SaveParts, SaveRequest, Staged
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.survivors import Survivors
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, step_of
@@ -198,16 +198,25 @@ class CheckpointManager:
         *,
         saved: bool,
         later: bool,
+        staged: Optional[
+            tuple[Callable[[Callable[[], object]], Staged], Callable[[], object]]
+        ] = None,
     ) -> None:
         """After `stop_agreed` and `save_due`, on every rank alike: snapshot `step` to RAM when
         one is wanted (memory_tier.py), unless it is `saved` to the volume (no snapshot needed)
-        or must wait for what `later` comes in this step (an evaluation)."""
+        or must wait for what `later` comes in this step (an evaluation). `make` gives the
+        fast path's parts; `staged` (FSDP), the library's own save with its big writes staged
+        instead (saver.save_snapshot_staged)."""
         tier = self.tier
         if not tier.wanted(step):
             return
         if saved:
             tier.covered()
-        elif not later:
+        elif later:
+            return
+        elif staged is not None:
+            self.saver.save_snapshot_staged(step, *staged)
+        else:
             self.saver.save_snapshot(step, make)
 
     def snapshot_wanted(self, step: int) -> bool:
@@ -218,12 +227,17 @@ class CheckpointManager:
             tier.decide(0, True)  # the state's size is not known here: a full tmpfs says so
         return tier.wanted(step)
 
-    def enable_snapshots(self, snapshot_bytes: int, fast: bool, not_whole: Optional[str]) -> bool:
+    def enable_snapshots(
+        self, snapshot_bytes: int, fast: bool, not_whole: Optional[str], written_out: bool = True
+    ) -> bool:
         """Collective, when training starts (after `enable_async`): snapshots to RAM on every
         rank or none (memory_tier.py, one line why not). `fast`: this Trainer's periodic saves
-        take the fast path's parts; `not_whole`: why, with several nodes, a node's snapshot
-        cannot hold every file its ranks load (None: it does)."""
-        return self.tier.decide(snapshot_bytes, fast and self.saver.async_on, not_whole)
+        take a fast path; `not_whole`: why, with several nodes, a node's snapshot cannot hold
+        every file its ranks load (None: it does); `written_out`: its periodic saves may go
+        through RAM to the RAM writer (they are the fast path's parts)."""
+        return self.tier.decide(
+            snapshot_bytes, fast and self.saver.async_on, not_whole, written_out
+        )
 
     def stop_now(self) -> bool:
         """Blocking agreement where every rank is in step anyway (after a save, an evaluation)."""

@@ -109,11 +109,18 @@ class MemoryTier:
 
     # -- deciding, once --
 
-    def decide(self, snapshot_bytes: int, async_on: bool, not_whole: Optional[str] = PART) -> bool:
+    def decide(
+        self,
+        snapshot_bytes: int,
+        async_on: bool,
+        not_whole: Optional[str] = PART,
+        written_out: bool = True,
+    ) -> bool:
         """Collective, once per process when training starts: snapshots on every rank, or on
         none (one line why). `snapshot_bytes`: this rank's part of a snapshot; `not_whole`:
         why, in a job of several nodes, a node's snapshot would not hold every file its ranks
-        load (None: it does, the Trainer's `whole_node`), so resuming from it is not possible."""
+        load (None: it does, the Trainer's `whole_node`), so resuming from it is not possible;
+        `written_out`: periodic saves may go through RAM to the RAM writer (not FSDP's)."""
         if self._decided or not self.configured:
             return self.on
         self._decided = True
@@ -136,7 +143,7 @@ class MemoryTier:
             ram_files.register(self.root)
         # With several nodes a node's snapshot is not its part of a save (each holds the
         # shared files): the training processes write periodic saves to the volume.
-        self._writer = self.on and pid is not None and topo.nodes == 1
+        self._writer = self.on and pid is not None and topo.nodes == 1 and written_out
         if topo.rank == 0:
             if self.on:
                 every = f"{self.steps} steps" if self.steps else f"{self.seconds:g} s"
@@ -147,6 +154,11 @@ class MemoryTier:
                         "periodic saves go to RAM first; the RAM writer (pid %d) writes them "
                         "to the volume",
                         pid,
+                    )
+                elif pid is not None and not written_out:
+                    session.log.info(
+                        "FSDP's periodic saves are written to the volume by the training "
+                        "processes (their DCP saves in the background), not the RAM writer"
                     )
                 elif pid is not None:
                     session.log.info(

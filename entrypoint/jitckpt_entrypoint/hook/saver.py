@@ -220,6 +220,39 @@ class Saver:
         self.inflight.save_async(save, dataclasses.replace(parts, after_commit=after))
         save.ready.set()  # nothing else writes into a snapshot's directory
 
+    def save_snapshot_staged(
+        self,
+        step: int,
+        stage: Callable[[Callable[[], object]], Staged],
+        own: Callable[[], object],
+    ) -> None:
+        """Training thread, collective, at a step every rank snapshots: the library's own save
+        `own` of this step into JITCKPT_MEMORY_DIR with its big writes staged (`stage`: FSDP's
+        DCP saves, fsdp_checkpoint.py), written there by the background writer, which commits
+        them. A rank whose save raised or could not stage ends the snapshot on every rank
+        (its directory goes) and snapshots, in one line."""
+        if not self._snapshot_begins():
+            return
+        tier = self.tier
+        save = self._snapshot_of(step)
+        started = time.monotonic()
+        staged: Optional[Staged] = None
+        try:
+            staged = stage(own)
+        except Exception as exc:  # noqa: BLE001 - a snapshot never fails training
+            tier.failed = f"the snapshot of step {step} failed: {exc!r:.100}"
+        if staged is not None and not staged.staged:
+            tier.failed = f"the state of step {step} cannot be staged (the line above says why)"
+        if self.session.control.any_now(tier.failed is not None) or staged is None:
+            if self.session.topo.is_leader:
+                with contextlib.suppress(OSError):
+                    remove_checkpoint(save.path)
+            tier.turn_off(tier.failed or "a snapshot failed on another rank")
+            return
+        after = functools.partial(tier.committed, step, spares=False)  # DCP takes no spares
+        self.inflight.save_staged(save, staged.write, after, started)
+        save.ready.set()  # nothing else writes into a snapshot's directory
+
     def _write_out(self, save: Save, parts: SaveParts) -> None:
         """Training thread, after `begin_save` of a periodic save (collective): the save as a
         snapshot in RAM, which the RAM writer writes to the volume once committed there; the

@@ -39,6 +39,9 @@ from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol.layout import step_of
 
 _logged_overrides = False
+_SNAPSHOT_INTO = "_jitckpt_snapshot_into"
+"""A Trainer's attribute while its own save writes a snapshot: the directory its checkpoints go
+to then (JITCKPT_MEMORY_DIR's), in place of JITCKPT_DIR's."""
 
 
 def patch(module: ModuleType) -> None:
@@ -77,11 +80,13 @@ def patch(module: ModuleType) -> None:
     def _get_output_dir(self: Any, trial: Any) -> str:
         if trial is not None and self.hp_search_backend is not None:
             return str(original_output_dir(self, trial))  # hyperparameter search: not ours
-        return session.layout.checkpoints
+        return str(vars(self).get(_SNAPSHOT_INTO, session.layout.checkpoints))
 
     @functools.wraps(original_save)
     def _save_checkpoint(self: Any, model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
         own = functools.partial(original_save, self, model, trial, *args, **kwargs)
+        if _SNAPSHOT_INTO in vars(self):  # a snapshot in RAM (_snapshot_staged): HF's own save
+            return own()
         manager.save_step(_save_request(self, self.state.global_step, own, trial is None))
         return None
 
@@ -183,8 +188,10 @@ def _start_async(manager: CheckpointManager, trainer: Any) -> None:
         reason, nbytes, growth = f"cannot size the training state ({exc!r:.80})", 0, 0
         in_ram = 0
     on = manager.enable_async(nbytes, reason, growth)
-    sharded = getattr(trainer, "is_fsdp_enabled", False)  # staged by DCP: no parts to snapshot
-    manager.enable_snapshots(in_ram, on and not sharded, not_whole)
+    # FSDP's sharded saves: HF's own, staged by DCP (_snapshot_staged); not written out by the
+    # RAM writer (it takes the fast path's parts).
+    sharded = getattr(trainer, "is_fsdp_enabled", False)
+    manager.enable_snapshots(in_ram, on, not_whole, written_out=not sharded)
 
 
 def _not_whole_nodes(manager: CheckpointManager, trainer: Any) -> Optional[str]:
@@ -192,8 +199,14 @@ def _not_whole_nodes(manager: CheckpointManager, trainer: Any) -> Optional[str]:
     node's local rank 0 writes the shared files, TrainerCheckpoint's `whole_node`), or None."""
     if manager.session.topo.nodes <= 1:
         return None
+    from jitckpt_entrypoint.hook import fsdp_checkpoint
     from jitckpt_entrypoint.hook.survivors import persistent_buffers
 
+    if getattr(trainer, "is_fsdp_enabled", False) or fsdp_checkpoint.sharded(trainer):
+        return (
+            "FSDP's sharded state: with several nodes a node holds only its own ranks' shards "
+            "(not yet)"
+        )
     try:
         buffers = persistent_buffers(trainer)
     except Exception as exc:  # noqa: BLE001 - snapshots only; the Trainer's saves need none
@@ -218,6 +231,31 @@ def _snapshot_parts(trainer: Any, whole_node: bool) -> tuple[SaveParts, Optional
     tensors = ckpt.tensors()
     parts = SaveParts(ckpt.write_small, tensors, ckpt.deferrable, ckpt.writers, lambda: None)
     return parts, gates.state_problem(tensors)
+
+
+def _snapshot_staged(
+    trainer: Any, root: str
+) -> tuple[Callable[[Callable[[], object]], Staged], Callable[[], object]]:
+    """A snapshot in RAM of an FSDP Trainer (sharded state): (stage, own), HF's own save of
+    this step into `root` (its `_get_output_dir` points there meanwhile) with its DCP saves
+    staged (fsdp_checkpoint.DeferredSaves) and written there by the background writer; HF's
+    rotation held (memory_tier.py keeps its own)."""
+
+    def own() -> None:
+        vars(trainer)[_SNAPSHOT_INTO] = root
+        try:
+            trainer._save_checkpoint(trainer.model_wrapped, None)
+        finally:
+            vars(trainer).pop(_SNAPSHOT_INTO, None)
+
+    def stage(write_own: Callable[[], object]) -> Staged:
+        from jitckpt_entrypoint.hook.fsdp_checkpoint import DeferredSaves
+
+        with DeferredSaves(trainer) as deferred:
+            write_own()
+        return Staged(deferred.staged, deferred.write, deferred.write_now, lambda: None)
+
+    return stage, own
 
 
 def _end_training(manager: CheckpointManager, trainer: Any) -> None:
@@ -438,8 +476,15 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
             saved = bool(control.should_save or self._save_wanted or last)
             later = bool(control.should_evaluate or _ends_epoch(state))
             whole = manager.session.topo.nodes > 1
+            staged = None
+            if getattr(trainer, "is_fsdp_enabled", False):
+                staged = _snapshot_staged(trainer, manager.tier.root)
             manager.snapshot(
-                step, lambda: _snapshot_parts(trainer, whole), saved=saved, later=later
+                step,
+                lambda: _snapshot_parts(trainer, whole),
+                saved=saved,
+                later=later,
+                staged=staged,
             )
         return control
 
