@@ -22,6 +22,7 @@ and whether the rerun's final weights equal an uninterrupted run's bit for bit (
 count). Medians over the trials; the kill steps are drawn once from a fixed seed.
 
     .venv/bin/python bench/bench_ram_recovery.py [TRIALS] [--ranks 1 2]   # default 3
+        [--strategy fsdp2-sharded]   # FSDP2's sharded state (2 ranks): its snapshots, staged
 """
 
 from __future__ import annotations
@@ -53,9 +54,13 @@ STEP = re.compile(r"^step (\d+) rank=0$")
 BEGIN = re.compile(r"^begin rank=0 pid=\d+ step=(\d+)$")
 
 
+STRATEGY: list[str] = []
+"""train_hf.py's --strategy and its value (--strategy here), or nothing: DDP."""
+
+
 def command(ranks: int) -> list[str]:
     args = ("--max-steps", str(STEPS), "--save-steps", str(SAVE_STEPS), "--logging-steps", "1000")
-    return entrypoint(torchrun(TRAIN_HF, *args, *MODEL, nproc=ranks))
+    return entrypoint(torchrun(TRAIN_HF, *args, *MODEL, *STRATEGY, nproc=ranks))
 
 
 def env_for(variant: str, jdir: Path, memory: Path) -> dict[str, str]:
@@ -77,7 +82,16 @@ def steps_of(proc: Proc) -> dict[int, float]:
 
 
 def final_weights(jdir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(jdir / "checkpoints" / f"checkpoint-{STEPS}" / "model.safetensors"))
+    ckpt = jdir / "checkpoints" / f"checkpoint-{STEPS}"
+    if (ckpt / "model.safetensors").exists():
+        return load_file(str(ckpt / "model.safetensors"))
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # FSDP's shards
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "model.pt"
+        dcp_to_torch_save(str(ckpt / "pytorch_model_fsdp_0"), str(out))
+        loaded = torch.load(out, weights_only=True)["model"]  # accelerate's DCP key
+    return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
 
 
 def straight(ranks: int, tmp: Path) -> dict[str, torch.Tensor]:
@@ -142,7 +156,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trials", nargs="?", type=int, default=3)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--strategy", default="", help="train_hf.py's, e.g. fsdp2-sharded")
     opts = parser.parse_args()
+    if opts.strategy:
+        STRATEGY.extend(["--strategy", opts.strategy])
     rng = random.Random(36)
     kills = [rng.randint(*KILL_RANGE) for _ in range(opts.trials)]
     rows: dict[tuple[int, str], list[dict[str, Any]]] = {}
@@ -174,7 +191,8 @@ def main() -> None:
             + (f" (from RAM: {ram}/{len(runs)})" if variant == "ram" else "")
         )
     print(
-        f"\n{STEPS} steps, save_steps {SAVE_STEPS}, model {' '.join(MODEL)}; kill steps {kills}"
+        f"\n{STEPS} steps, save_steps {SAVE_STEPS}, model {' '.join(MODEL)}"
+        f" {opts.strategy or 'ddp'}; kill steps {kills}"
         f" (the same for both variants); medians of {opts.trials} trials; extra = the rerun's"
         " start to first step minus the fresh run's (the goal: <= 5 s)"
     )

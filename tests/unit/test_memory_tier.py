@@ -689,3 +689,10 @@ def test_a_staged_snapshot_is_committed_in_ram_and_one_that_raises_turns_snapsho
     assert "No space left" in lines[0]
     assert not os.path.exists(manager.tier.path(6))
     assert validity.committed(path) is not None  # the previous snapshot stays
+
+    def broken(_write_own) -> Staged:  # an error of the library's own: its collectives may
+        raise RuntimeError("half done")  # be half done elsewhere, so it is its own to raise
+
+    manager.tier.on, manager.tier.failed = True, None  # as if still on
+    with pytest.raises(RuntimeError):
+        manager.saver.save_snapshot_staged(9, broken, lambda: None)

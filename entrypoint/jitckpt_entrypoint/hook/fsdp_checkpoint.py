@@ -117,10 +117,15 @@ class DeferredSaves:
         `check` between them (a cancelled save stops before the next one)."""
         from torch.distributed.checkpoint import state_dict_saver
 
-        for _, staged, kwargs in self._saves:
+        # Every rank staged (write_now is not needed): the live state dicts (accelerate's
+        # offloaded host copies) go, and each staged copy once it is written.
+        saves, self._saves = [(staged, kwargs) for _, staged, kwargs in self._saves], []
+        while saves:
+            staged, kwargs = saves.pop(0)
             if check is not None:
                 check()
             state_dict_saver.save(staged, **{**kwargs, "process_group": group})
+            del staged
 
     def write_now(self) -> None:
         """Training thread, on every rank (some rank could not stage): every deferred save,

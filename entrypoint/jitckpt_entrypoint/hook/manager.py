@@ -228,15 +228,24 @@ class CheckpointManager:
         return tier.wanted(step)
 
     def enable_snapshots(
-        self, snapshot_bytes: int, fast: bool, not_whole: Optional[str], written_out: bool = True
+        self,
+        snapshot_bytes: int,
+        fast: bool,
+        not_whole: Optional[str],
+        *,
+        staged: bool = False,
     ) -> bool:
         """Collective, when training starts (after `enable_async`): snapshots to RAM on every
         rank or none (memory_tier.py, one line why not). `fast`: this Trainer's periodic saves
         take a fast path; `not_whole`: why, with several nodes, a node's snapshot cannot hold
-        every file its ranks load (None: it does); `written_out`: its periodic saves may go
-        through RAM to the RAM writer (they are the fast path's parts)."""
+        every file its ranks load (None: it does); `staged`: its saves are the library's own
+        with DCP's staging (FSDP: two host copies while staging; not the RAM writer's)."""
         return self.tier.decide(
-            snapshot_bytes, fast and self.saver.async_on, not_whole, written_out
+            snapshot_bytes,
+            fast and self.saver.async_on,
+            not_whole,
+            written_out=not staged,
+            host_copies=2 if staged else 1,
         )
 
     def stop_now(self) -> bool:

@@ -28,7 +28,11 @@ Several nodes (each pod has its own memory volume): the Trainer's snapshot is wh
 node (trainer_checkpoint.py `whole_node`: each node's local rank 0 writes the shared files, as
 process 0 does), so a node resumes from RAM with its own files alone (validity.whole_here). It
 is not a node's part of a save: the RAM writer does not write periodic saves out. A plain
-loop's snapshots are refused there (its DCP shards are per rank: PART).
+loop's snapshots are refused there (its DCP shards are per rank: PART), and FSDP's.
+
+FSDP with a sharded state (one node): a snapshot is the Trainer's own save with its DCP saves
+staged (trainer.py `_snapshot_staged`, saver.py `save_snapshot_staged`); its periodic saves are
+not the RAM writer's (`written_out`).
 
 Threads: `due`, `wanted`, `began`, `covered` on the training thread; `committed` on the
 background writer (it only retires older snapshot directories).
@@ -115,12 +119,15 @@ class MemoryTier:
         async_on: bool,
         not_whole: Optional[str] = PART,
         written_out: bool = True,
+        host_copies: int = 1,
     ) -> bool:
         """Collective, once per process when training starts: snapshots on every rank, or on
         none (one line why). `snapshot_bytes`: this rank's part of a snapshot; `not_whole`:
         why, in a job of several nodes, a node's snapshot would not hold every file its ranks
         load (None: it does, the Trainer's `whole_node`), so resuming from it is not possible;
-        `written_out`: periodic saves may go through RAM to the RAM writer (not FSDP's)."""
+        `written_out`: periodic saves may go through RAM to the RAM writer (not FSDP's);
+        `host_copies`: copies of the state in host memory while a snapshot is taken (FSDP: the
+        state dict accelerate offloads, and DCP's staged copy of it)."""
         if self._decided or not self.configured:
             return self.on
         self._decided = True
@@ -135,7 +142,7 @@ class MemoryTier:
         elif topo.nodes > 1 and not_whole:
             problem = not_whole
         else:
-            problem = self._room_problem(node_bytes)
+            problem = self._room_problem(node_bytes, host_copies)
         refused = session.control.all_gather(problem)
         reasons = [r for r in refused if r]
         self.on = not reasons
@@ -175,8 +182,9 @@ class MemoryTier:
                 session.log.warning("no snapshots to RAM: %s", reasons[0])
         return self.on
 
-    def _room_problem(self, node_bytes: int) -> Optional[str]:
-        """Why two snapshots of this node do not fit in JITCKPT_MEMORY_DIR, or None."""
+    def _room_problem(self, node_bytes: int, host_copies: int = 1) -> Optional[str]:
+        """Why two snapshots of this node do not fit in JITCKPT_MEMORY_DIR (and, beside
+        `host_copies` of it, in the container's memory), or None."""
         try:
             os.makedirs(self.root, exist_ok=True)
             free = room.free_bytes(self.root)
@@ -192,13 +200,14 @@ class MemoryTier:
                 "raise its sizeLimit (and the pod's memory limit) or unset it"
             )
         # A memory-backed volume's pages count against the container's memory: two snapshots
-        # beside the host copy the async saves keep (one more), where an OOM kill would end
-        # the very run they are for.
-        budget = room.budget()
-        if not budget.fits(max(0, (KEPT + 1) * node_bytes - held)):
+        # beside the host copies a snapshot takes, where an OOM kill would end the very run
+        # they are for.
+        budget, total = room.budget(), (KEPT + host_copies) * node_bytes
+        if not budget.fits(max(0, total - held)):
+            copies = "the host copy" if host_copies == 1 else f"{host_copies} host copies"
             return (
-                f"two snapshots of node {self.session.topo.node} and the host copy take "
-                f"{room.gb((KEPT + 1) * node_bytes)} of memory, more than "
+                f"two snapshots of node {self.session.topo.node} and {copies} take "
+                f"{room.gb(total)} of memory, more than "
                 f"{room.HEADROOM:.0%} of the {budget.describe()}; raise the pod's memory limit"
             )
         return None

@@ -229,8 +229,10 @@ class Saver:
         """Training thread, collective, at a step every rank snapshots: the library's own save
         `own` of this step into JITCKPT_MEMORY_DIR with its big writes staged (`stage`: FSDP's
         DCP saves, fsdp_checkpoint.py), written there by the background writer, which commits
-        them. A rank whose save raised or could not stage ends the snapshot on every rank
-        (its directory goes) and snapshots, in one line."""
+        them. A rank whose save could not write a file (OSError: a full tmpfs, after the save's
+        collectives) or could not stage ends the snapshot on every rank (its directory goes)
+        and snapshots, in one line. Other errors are the library's own and propagate, as in
+        `write_own`: its collectives may be half done on the other ranks."""
         if not self._snapshot_begins():
             return
         tier = self.tier
@@ -239,7 +241,7 @@ class Saver:
         staged: Optional[Staged] = None
         try:
             staged = stage(own)
-        except Exception as exc:  # noqa: BLE001 - a snapshot never fails training
+        except OSError as exc:
             tier.failed = f"the snapshot of step {step} failed: {exc!r:.100}"
         if staged is not None and not staged.staged:
             tier.failed = f"the state of step {step} cannot be staged (the line above says why)"

@@ -85,8 +85,6 @@ def patch(module: ModuleType) -> None:
     @functools.wraps(original_save)
     def _save_checkpoint(self: Any, model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
         own = functools.partial(original_save, self, model, trial, *args, **kwargs)
-        if _SNAPSHOT_INTO in vars(self):  # a snapshot in RAM (_snapshot_staged): HF's own save
-            return own()
         manager.save_step(_save_request(self, self.state.global_step, own, trial is None))
         return None
 
@@ -116,6 +114,7 @@ def patch(module: ModuleType) -> None:
     trainer_cls.__init__ = __init__
     trainer_cls.train = train
     trainer_cls._save_checkpoint = _save_checkpoint
+    trainer_cls._jitckpt_original_save = original_save
     trainer_cls._get_output_dir = _get_output_dir
     trainer_cls._jitckpt_patched = True
 
@@ -191,7 +190,7 @@ def _start_async(manager: CheckpointManager, trainer: Any) -> None:
     # FSDP's sharded saves: HF's own, staged by DCP (_snapshot_staged); not written out by the
     # RAM writer (it takes the fast path's parts).
     sharded = getattr(trainer, "is_fsdp_enabled", False)
-    manager.enable_snapshots(in_ram, on, not_whole, written_out=not sharded)
+    manager.enable_snapshots(in_ram, on, not_whole, staged=sharded)
 
 
 def _not_whole_nodes(manager: CheckpointManager, trainer: Any) -> Optional[str]:
@@ -242,11 +241,18 @@ def _snapshot_staged(
     rotation held (memory_tier.py keeps its own)."""
 
     def own() -> None:
+        state = trainer.state
+        best = state.best_model_checkpoint  # HF's save may point it at a snapshot's directory
         vars(trainer)[_SNAPSHOT_INTO] = root
         try:
-            trainer._save_checkpoint(trainer.model_wrapped, None)
+            if trainer._get_output_dir(None) != root:
+                raise OSError(f"{type(trainer).__name__} overrides _get_output_dir")
+            # The Trainer's own save, not a subclass's (TRL's write a model card there): what
+            # HF's resume reads, as the fast path's snapshots write.
+            type(trainer)._jitckpt_original_save(trainer, trainer.model_wrapped, None)
         finally:
             vars(trainer).pop(_SNAPSHOT_INTO, None)
+            state.best_model_checkpoint = best
 
     def stage(write_own: Callable[[], object]) -> Staged:
         from jitckpt_entrypoint.hook.fsdp_checkpoint import DeferredSaves
