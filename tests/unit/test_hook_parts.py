@@ -158,6 +158,32 @@ def test_torchrun_restarts_give_the_workers_their_own_store_unless_the_user_chos
     assert said == (expected == "1")
 
 
+@pytest.mark.parametrize("worker", [True, False])
+def test_a_launcher_inside_another_launchers_worker_is_one_warning(monkeypatch, capsys, worker):
+    """`accelerate launch ... trl sft`: TRL's CLI launches accelerate itself, so each worker of
+    the outer job starts a job of its own (its rendezvous waits for ever): said, not changed."""
+
+    class FakeLauncherApi:
+        @staticmethod
+        def launch_agent(_config):
+            return "launched"
+
+    for name in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    if worker:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "outer")
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        monkeypatch.setenv("RANK", "1")
+    torchrun.patch_launch_agent(FakeLauncherApi)
+    config = type("Config", (), {"max_restarts": 0, "shutdown_timeout": None})()
+    assert FakeLauncherApi.launch_agent(config) == "launched"
+    lines = [x for x in capsys.readouterr().err.splitlines() if "inside a worker" in x]
+    assert len(lines) == (1 if worker else 0), lines
+    if worker:
+        assert "rank 1" in lines[0]
+        assert "trl sft" in lines[0]
+
+
 def session_for(root: Path, storage_uri: str = "") -> Session:
     session = Session(Config(dir=str(root), storage_uri=storage_uri), Topology(), "run-1")
     session.layout.ensure()

@@ -32,6 +32,7 @@ import functools
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, Optional
 
@@ -76,6 +77,10 @@ def patch_launch_agent(launcher_api: ModuleType) -> None:
         # Only a log line depends on the record: nothing may break the launch over it.
         with contextlib.suppress(Exception):
             register_agent(getattr(config, "shutdown_timeout", None))
+        nested = nested_in(os.environ)
+        if nested is not None:
+            with contextlib.suppress(Exception):  # the agent has no logger of ours: one line
+                sys.stderr.write(f"jitckpt-hook[torchrun]: WARNING {nested}\n")
         restarts = getattr(config, "max_restarts", 0)
         dynamic = getattr(config, "rdzv_backend", "static") != "static"  # static never shares
         if (
@@ -105,6 +110,19 @@ def patch_launch_agent(launcher_api: ModuleType) -> None:
 
     launch_agent._jitckpt_registers = True  # type: ignore[attr-defined]
     launcher_api.launch_agent = launch_agent  # type: ignore[attr-defined]
+
+
+def nested_in(env: Mapping[str, str]) -> Optional[str]:
+    """Why this agent is a launcher started inside another launcher's worker, or None: each of
+    the outer job's workers then launches a job of its own, whose rendezvous waits for ever."""
+    if "TORCHELASTIC_RUN_ID" not in env or "LOCAL_RANK" not in env:
+        return None
+    return (
+        f"a launcher started inside a worker of another (rank {env.get('RANK', '?')}): each "
+        "of the outer job's workers launches a job of its own, which usually waits for ever; "
+        "run the inner launcher alone under the entrypoint (TRL's `trl sft` runs `accelerate "
+        "launch` itself: not under `accelerate launch` or torchrun)"
+    )
 
 
 def stopped_by_sigterm(exc: BaseException) -> bool:
