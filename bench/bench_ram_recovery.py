@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from harness import pod
 from harness.procs import Proc, clean_env
 from harness.training import TRAIN_HF, entrypoint, torchrun
 
@@ -82,16 +82,7 @@ def steps_of(proc: Proc) -> dict[int, float]:
 
 
 def final_weights(jdir: Path) -> dict[str, torch.Tensor]:
-    ckpt = jdir / "checkpoints" / f"checkpoint-{STEPS}"
-    if (ckpt / "model.safetensors").exists():
-        return load_file(str(ckpt / "model.safetensors"))
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save  # FSDP's shards
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "model.pt"
-        dcp_to_torch_save(str(ckpt / "pytorch_model_fsdp_0"), str(out))
-        loaded = torch.load(out, weights_only=True)["model"]  # accelerate's DCP key
-    return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
+    return pod.final_weights(jdir, STEPS)
 
 
 def straight(ranks: int, tmp: Path) -> dict[str, torch.Tensor]:

@@ -283,4 +283,19 @@ def last_step(pod: Pod) -> int:
 
 
 def final_weights(jdir: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(jdir / "checkpoints" / f"checkpoint-{step}" / "model.safetensors"))
+    return weights(jdir / "checkpoints" / f"checkpoint-{step}")
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The model weights of a checkpoint: model.safetensors, else FSDP's sharded DCP files."""
+    if (ckpt / "model.safetensors").exists():
+        return load_file(str(ckpt / "model.safetensors"))
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "model.pt"
+        dcp_to_torch_save(str(ckpt / "pytorch_model_fsdp_0"), str(out))
+        loaded = torch.load(out, weights_only=True)["model"]  # accelerate's DCP key
+    return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}

@@ -229,17 +229,6 @@ def test_periodic_saves_are_written_to_the_volume_by_the_ram_writer_not_the_trai
     assert same(final_weights(jdir, STEPS), straight)
 
 
-def dcp_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    """FSDP's sharded model weights of a checkpoint (its DCP files), whole."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "model.pt"
-        dcp_to_torch_save(str(ckpt / "pytorch_model_fsdp_0"), str(out))
-        loaded = torch.load(out, weights_only=True)["model"]  # accelerate's DCP key
-    return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
-
-
 def test_an_fsdp_trainers_workers_restarted_by_torchrun_resume_from_ram(
     spawn, base_env, jdir, memory_dir, tmp_path
 ):
@@ -261,7 +250,6 @@ def test_an_fsdp_trainers_workers_restarted_by_torchrun_resume_from_ram(
     assert marker.exists()
     assert hook_lines(proc, "snapshots to RAM every 3 steps"), proc.output()
     assert resumed_from_ram(proc) == 6
-    final = f"checkpoints/checkpoint-{steps}"
-    a, b = dcp_weights(straight_dir / final), dcp_weights(jdir / final)
+    a, b = final_weights(straight_dir, steps), final_weights(jdir, steps)
     assert a, "no weights"
     assert same(a, b)

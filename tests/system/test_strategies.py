@@ -24,10 +24,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from harness.checkpoints import committed_in_s3, scrape
-from harness.pod import Node, Pod, finish_resumed_job, resumed_from, start_job
+from harness.pod import Node, Pod, finish_resumed_job, resumed_from, start_job, weights
 from harness.procs import free_port, wait_for
 from harness.training import TRAIN_HF, entrypoint, hook_lines, strategy_env, torchrun
 from jitckpt_entrypoint.protocol import status
@@ -77,19 +76,6 @@ def losses(pod: Pod) -> dict[int, str]:
         for line in pod.trainer.stdout
         if line.startswith("loss ")
     }
-
-
-def weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    """The model weights of a checkpoint: model.safetensors, else FSDP's sharded DCP files."""
-    if (ckpt / "model.safetensors").exists():
-        return load_file(str(ckpt / "model.safetensors"))
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "model.pt"
-        dcp_to_torch_save(str(ckpt / "pytorch_model_fsdp_0"), str(out))
-        loaded = torch.load(out, weights_only=True)["model"]  # accelerate's DCP key
-    return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

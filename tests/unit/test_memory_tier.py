@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -61,16 +62,35 @@ def write_files(path: str) -> str:
     return path
 
 
-def snapshot(manager: CheckpointManager, step: int, world_size: int = 1) -> str:
-    """A committed snapshot of `step` in the memory directory, of the run's lineage."""
+def snapshot(
+    manager: CheckpointManager,
+    step: int,
+    world_size: int = 1,
+    *,
+    holdings: Optional[dict[int, list[str]]] = None,
+    lineage: str = "",
+    path: str = "",
+) -> str:
+    """A committed snapshot of `step` in the memory directory (`path`: a checkpoint directory
+    elsewhere), of the run's lineage (or `lineage`). `holdings`: of a job of two nodes of one
+    rank, as node 1 holds it: every node's manifest (the files each node wrote), node 1's
+    files only."""
     session = manager.session
-    path = write_files(manager.tier.path(step))
+    path = path or manager.tier.path(step)
+    node, nodes = (0, 1) if holdings is None else (1, 2)
+    if holdings is None:
+        files = {0: m.list_files(write_files(path))}
+    else:
+        os.makedirs(path)
+        for name in holdings[1]:
+            Path(path, name).write_bytes(b"x" * 10)
+        files, world_size = {n: dict.fromkeys(names, 10) for n, names in holdings.items()}, 2
     commit.commit_node(
         session.layout,
         path,
-        {0: m.list_files(path)},
-        node=0,
-        nodes=1,
+        files,
+        node=node,
+        nodes=nodes,
         world_size=world_size,
         step=step,
         kind="periodic",
@@ -78,7 +98,7 @@ def snapshot(manager: CheckpointManager, step: int, world_size: int = 1) -> str:
         run_id="run-1",
         stage_for_upload=False,
         save_id=m.new_save_id(),
-        lineage=session.lineage or m.new_lineage(),
+        lineage=lineage or session.lineage or m.new_lineage(),
         record=False,
     )
     return path
@@ -114,40 +134,6 @@ def test_the_volume_wins_a_tie_and_another_world_size_is_never_used(tmp_path):
     assert manager.resumed_dir == session.layout.checkpoint_dir(10)
 
 
-def node_snapshot(
-    manager: CheckpointManager,
-    step: int,
-    holdings: dict[int, list[str]],
-    lineage: str = "",
-    path: str = "",
-) -> str:
-    """A committed snapshot of a job of two nodes of one rank, as node 1's memory volume holds
-    it: every node's manifest (`holdings`: the files each node wrote), node 1's files only
-    (`path`: a checkpoint directory on the volume instead)."""
-    session = manager.session
-    path = path or manager.tier.path(step)
-    os.makedirs(path)
-    for name in holdings[1]:
-        Path(path, name).write_bytes(b"x" * 10)
-    commit.commit_node(
-        session.layout,
-        path,
-        {node: dict.fromkeys(names, 10) for node, names in holdings.items()},
-        node=1,
-        nodes=2,
-        world_size=2,
-        step=step,
-        kind="periodic",
-        started_at=time.time(),
-        run_id="run-1",
-        stage_for_upload=False,
-        save_id=m.new_save_id(),
-        lineage=lineage or m.new_lineage(),
-        record=False,
-    )
-    return path
-
-
 def test_nodes_restarted_in_place_ask_the_sidecar_for_nothing_a_newer_snapshot_covers(
     tmp_path, monkeypatch
 ):
@@ -165,12 +151,10 @@ def test_nodes_restarted_in_place_ask_the_sidecar_for_nothing_a_newer_snapshot_c
     lineage = m.new_lineage()
     shared = ["model.safetensors", "optimizer.pt", "trainer_state.json"]
     volume = manager.session.layout.checkpoint_dir(20)
-    node_snapshot(
-        manager, 20, {0: [*shared, "rng_state_0.pth"], 1: ["rng_state_1.pth"]}, lineage, volume
-    )
-    in_ram = node_snapshot(
-        manager, 30, {0: [*shared, "rng_state_0.pth"], 1: [*shared, "rng_state_1.pth"]}, lineage
-    )
+    part = {0: [*shared, "rng_state_0.pth"], 1: ["rng_state_1.pth"]}
+    snapshot(manager, 20, holdings=part, lineage=lineage, path=volume)
+    whole = {0: [*shared, "rng_state_0.pth"], 1: [*shared, "rng_state_1.pth"]}
+    in_ram = snapshot(manager, 30, holdings=whole, lineage=lineage)
     assert manager.resume() == 30
     assert manager.resumed_dir == in_ram
     assert asked == []
@@ -186,10 +170,10 @@ def test_each_node_resumes_from_its_own_whole_snapshot_which_is_never_written_ou
     manager = manager_for(tmp_path)
     manager.session.topo = Topology(rank=1, world_size=2, node=1, nodes=2)
     shared = ["model.safetensors", "optimizer.pt", "trainer_state.json"]
-    whole = node_snapshot(
-        manager, 12, {0: [*shared, "rng_state_0.pth"], 1: [*shared, "rng_state_1.pth"]}
+    whole = snapshot(
+        manager, 12, holdings={0: [*shared, "rng_state_0.pth"], 1: [*shared, "rng_state_1.pth"]}
     )
-    part = node_snapshot(manager, 15, {0: [*shared, "rng_state_0.pth"], 1: ["rng_state_1.pth"]})
+    part = snapshot(manager, 15, holdings={0: [*shared, "rng_state_0.pth"], 1: ["rng_state_1.pth"]})
     assert validity.whole_here(whole, 1) is not None
     assert validity.loadable(whole, 1, 2, 2) is None  # not this node's part of a save
     assert validity.whole_here(part, 1) is None
