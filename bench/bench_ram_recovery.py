@@ -176,7 +176,7 @@ def main() -> None:
         exact = sum(r["exact"] for r in runs)
         ram = sum(r["from_ram"] for r in runs)
         print(
-            f"{ranks:5}  {variant:7}  {pairs:27}  {med['lost']:10.0f}  {med['lost_s']:6.1f}"
+            f"{ranks:5}  {variant:7}  {pairs:27}  {med['lost']:10.1f}  {med['lost_s']:6.1f}"
             f"  {med['step_s']:6.3f}  {fresh:26.1f}  {again:14.1f}  {again - fresh:5.1f}"
             f"  {exact}/{len(runs)}"
             + (f" (from RAM: {ram}/{len(runs)})" if variant == "ram" else "")

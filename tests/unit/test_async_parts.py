@@ -55,6 +55,8 @@ def test_buffers_are_reused_from_one_save_to_the_next():
     stager.plan({"step": 3}, keep=True)
     third, _ = stager.plan({"w": weight})
     assert third["w"].untyped_storage().data_ptr() == first["w"].untyped_storage().data_ptr()
+    stager.plan({"v": torch.zeros(10)}, keep=True)  # a plan that uses buffers frees the rest
+    assert stager.nbytes == 40
     stager.plan({"step": 4})
     assert stager.nbytes == 0
 

@@ -211,6 +211,33 @@ def test_snapshots_of_several_nodes_are_taken_only_where_each_node_holds_what_it
     assert any("several nodes the training processes write" in line for line in logged), logged
 
 
+def test_a_memory_directory_on_some_nodes_only_is_one_line_and_every_rank_takes_part(
+    tmp_path, monkeypatch
+):
+    """Every rank joins the decision whether its node has JITCKPT_MEMORY_DIR or not (a
+    collective skipped on some would hang the next one): set on some nodes only, no snapshots."""
+    manager = manager_for(tmp_path)
+    manager.session.topo = Topology(rank=0, world_size=2, node=0, nodes=2)
+    control = manager.session.control
+
+    def all_gather(obj):  # node 1, the other rank, without the variable
+        if isinstance(obj, tuple) and len(obj) == 4:
+            return [obj, (1, obj[1], None, False)]
+        return [obj, obj]
+
+    monkeypatch.setattr(control, "all_gather", all_gather)
+    with Lines() as logged:
+        assert not manager.tier.decide(100, True, None)
+    lines = [line for line in logged if "no snapshots to RAM" in line]
+    assert len(lines) == 1, logged
+    assert "some nodes only (not on node 1)" in lines[0]
+
+    unset = Config(dir=str(tmp_path / "volume"))  # no JITCKPT_MEMORY_DIR here at all
+    bare = CheckpointManager(Session(unset, Topology(), "run-1"))
+    assert not bare.tier.decide(100, True)
+    assert bare.tier.decided
+
+
 def test_starting_over_clears_the_snapshots(tmp_path):
     manager = manager_for(tmp_path, resume=False)
     snapshot(manager, 12)

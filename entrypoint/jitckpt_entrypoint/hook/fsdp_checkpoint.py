@@ -108,7 +108,11 @@ class DeferredSaves:
                 global _warned  # noqa: PLW0603 - one warning per process
                 if not _warned:
                     _warned = True
-                    log.warning("an FSDP state DCP cannot stage is saved synchronously: %s", exc)
+                    log.warning(
+                        "an FSDP state DCP cannot stage is saved synchronously (no snapshot of "
+                        "it is taken): %s",
+                        exc,
+                    )
                 staged = None
         self._saves.append((state_dict, staged, kwargs))
 

@@ -223,7 +223,7 @@ class CheckpointManager:
         """The plain loop, after `stop_agreed`, on every rank alike: whether to snapshot `step`
         (collective on the first call: snapshots are decided then)."""
         tier = self.tier
-        if tier.configured and not tier.decided:
+        if not tier.decided:  # on every rank: a node without JITCKPT_MEMORY_DIR takes part
             tier.decide(0, True)  # the state's size is not known here: a full tmpfs says so
         return tier.wanted(step)
 
@@ -329,7 +329,7 @@ class CheckpointManager:
         fall back to the volume)."""
         self._mark(step, kind)
         tier = self.tier
-        if tier.configured and not tier.decided and self._kind_of(step) == "periodic":
+        if not tier.decided and self._kind_of(step) == "periodic":
             tier.decide(0, True)  # as `snapshot_wanted`: a full tmpfs says so when written
         save = self.saver.begin_save(step)
         if save is not None and not self.saver.write_out_own(save, write, errors):

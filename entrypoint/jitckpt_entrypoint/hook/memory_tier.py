@@ -127,17 +127,26 @@ class MemoryTier:
         load (None: it does, the Trainer's `whole_node`), so resuming from it is not possible;
         `written_out`: periodic saves may go through RAM to the RAM writer (not FSDP's);
         `host_copies`: copies of the state in host memory while a snapshot is taken (FSDP: the
-        state dict accelerate offloads, and DCP's staged copy of it)."""
-        if self._decided or not self.configured:
+        state dict accelerate offloads, and DCP's staged copy of it). Every rank takes part,
+        with JITCKPT_MEMORY_DIR or without (set on some nodes only: refused in one line)."""
+        if self._decided:
             return self.on
         self._decided = True
         session, topo = self.session, self.session.topo
         pid = self.writer() if topo.rank == 0 else None
-        gathered = session.control.all_gather((topo.node, snapshot_bytes, pid))
-        node_bytes = sum(b for node, b, _ in gathered if node == topo.node)
+        gathered = session.control.all_gather((topo.node, snapshot_bytes, pid, self.configured))
+        if not any(configured for *_, configured in gathered):
+            return False
+        node_bytes = sum(b for node, b, _, _ in gathered if node == topo.node)
         pid = gathered[0][2]
+        without = sorted({node for node, _, _, configured in gathered if not configured})
         problem = None
-        if not async_on:
+        if without:
+            problem = (
+                f"JITCKPT_MEMORY_DIR is set on some nodes only (not on node "
+                f"{', '.join(map(str, without))}); set it for every node's trainer"
+            )
+        elif not async_on:
             problem = "the Trainer's saves do not take the fast path (the line above says why)"
         elif topo.nodes > 1 and not_whole:
             problem = not_whole
@@ -151,36 +160,38 @@ class MemoryTier:
         # With several nodes a node's snapshot is not its part of a save (each holds the
         # shared files): the training processes write periodic saves to the volume.
         self._writer = self.on and pid is not None and topo.nodes == 1 and written_out
-        if topo.rank == 0:
-            if self.on:
-                every = f"{self.steps} steps" if self.steps else f"{self.seconds:g} s"
-                size = f" ({room.gb(node_bytes)} each on this node)" if node_bytes else ""
-                session.log.info("snapshots to RAM every %s into %s%s", every, self.root, size)
-                if self._writer:
-                    session.log.info(
-                        "periodic saves go to RAM first; the RAM writer (pid %d) writes them "
-                        "to the volume",
-                        pid,
-                    )
-                elif pid is not None and not written_out:
-                    session.log.info(
-                        "FSDP's periodic saves are written to the volume by the training "
-                        "processes (their DCP saves in the background), not the RAM writer"
-                    )
-                elif pid is not None:
-                    session.log.info(
-                        "with several nodes the training processes write periodic saves to "
-                        "the volume (a node's snapshot holds what its ranks load, not its part "
-                        "of a save)"
-                    )
-                elif session.run_id:  # under the entrypoint, which starts one
-                    session.log.info(
-                        "no RAM writer is running for this run (its own line says why): the "
-                        "training processes write periodic saves to the volume"
-                    )
-            else:
-                session.log.warning("no snapshots to RAM: %s", reasons[0])
+        if topo.rank == 0 and not self.on:
+            session.log.warning("no snapshots to RAM: %s", reasons[0])
+        elif topo.rank == 0:
+            self._say_on(node_bytes, pid, written_out)
         return self.on
+
+    def _say_on(self, node_bytes: int, pid: Optional[int], written_out: bool) -> None:
+        """Rank 0: snapshots are on, and who writes the periodic saves to the volume."""
+        log = self.session.log
+        every = f"{self.steps} steps" if self.steps else f"{self.seconds:g} s"
+        size = f" ({room.gb(node_bytes)} each on this node)" if node_bytes else ""
+        log.info("snapshots to RAM every %s into %s%s", every, self.root, size)
+        if self._writer:
+            log.info(
+                "periodic saves go to RAM first; the RAM writer (pid %d) writes them to the volume",
+                pid,
+            )
+        elif pid is not None and not written_out:
+            log.info(
+                "FSDP's periodic saves are written to the volume by the training processes "
+                "(their DCP saves in the background), not the RAM writer"
+            )
+        elif pid is not None:
+            log.info(
+                "with several nodes the training processes write periodic saves to the volume "
+                "(a node's snapshot holds what its ranks load, not its part of a save)"
+            )
+        elif self.session.run_id:  # under the entrypoint, which starts one
+            log.info(
+                "no RAM writer is running for this run (its own line says why): the training "
+                "processes write periodic saves to the volume"
+            )
 
     def _room_problem(self, node_bytes: int, host_copies: int = 1) -> Optional[str]:
         """Why two snapshots of this node do not fit in JITCKPT_MEMORY_DIR (and, beside
@@ -279,9 +290,8 @@ class MemoryTier:
 
     def settle(self) -> None:
         """Collective: wait until no save is being written out (rank 0 looks; every rank joins
-        a short round per look, so none waits in one collective for the whole copy)."""
-        if not self.configured:
-            return
+        a short round per look, so none waits in one collective for the whole copy; on every
+        rank, with JITCKPT_MEMORY_DIR or without)."""
         control = self.session.control
         while control.any_now(self.session.topo.rank == 0 and self.writing_out()):
             time.sleep(WAIT_POLL)

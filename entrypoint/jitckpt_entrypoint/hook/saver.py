@@ -244,7 +244,7 @@ class Saver:
         except OSError as exc:
             tier.failed = f"the snapshot of step {step} failed: {exc!r:.100}"
         if staged is not None and not staged.staged:
-            tier.failed = f"the state of step {step} cannot be staged (the line above says why)"
+            tier.failed = f"DCP cannot stage the state of step {step} (a tensor it cannot copy)"
         if self.session.control.any_now(tier.failed is not None) or staged is None:
             if self.session.topo.is_leader:
                 with contextlib.suppress(OSError):

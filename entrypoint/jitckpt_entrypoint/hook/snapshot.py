@@ -138,9 +138,9 @@ class Stager:
     ) -> tuple[Tree, Staging]:
         """The host tree and its staging (nothing copied yet). Training thread. Storages whose
         key is in `deferrable` may be copied after `start()` returns; all when it is None.
-        `keep`: the buffers this tree does not use stay for the next plan (a volume save while
-        snapshots are taken: on a rank whose volume saves stage none of the tensors its node's
-        snapshots stage, trainer_checkpoint.py `whole_node`), not set up (pinned) again."""
+        `keep`: when this tree uses no buffer, they all stay for the next plan (a volume save
+        while snapshots are taken, on a rank whose volume saves stage none of the tensors its
+        node's snapshots stage: trainer_checkpoint.py `whole_node`), not set up (pinned) again."""
         used: dict[StorageKey, torch.Tensor] = {}
         copies: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
 
@@ -168,8 +168,10 @@ class Stager:
 
         with torch.no_grad():
             out = map_tree(tree, host)
-        # Storages gone since the last save free their buffers (unless kept).
-        self._buffers = {**self._buffers, **used} if keep else used
+        # Storages gone since the last save free their buffers; a plan that uses none keeps
+        # them when asked (`keep`).
+        if used or not keep:
+            self._buffers = used
         return out, Staging(copies, self)
 
     def _stream(self, device: torch.device) -> Any:

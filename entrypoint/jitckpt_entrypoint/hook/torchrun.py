@@ -117,6 +117,8 @@ def nested_in(env: Mapping[str, str]) -> Optional[str]:
     the outer job's workers then launches a job of its own, whose rendezvous waits for ever."""
     if "TORCHELASTIC_RUN_ID" not in env or "LOCAL_RANK" not in env:
         return None
+    if env.get("WORLD_SIZE", "1") in ("", "0", "1"):  # one outer worker: one inner job
+        return None
     return (
         f"a launcher started inside a worker of another (rank {env.get('RANK', '?')}): each "
         "of the outer job's workers launches a job of its own, which usually waits for ever; "

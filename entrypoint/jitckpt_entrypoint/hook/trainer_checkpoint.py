@@ -184,8 +184,9 @@ class TrainerCheckpoint:
 
     @property
     def _beside_process_zero(self) -> bool:
-        """This rank writes the shared files though it is not process 0 (`alone`, `whole_node`;
-        HF's own `save_on_each_node` too: transformers 5 writes the model on rank 0 alone)."""
+        """This rank writes the shared files for `alone` or `whole_node` though it is not
+        process 0 (whatever HF's `should_save` says: transformers 5 writes the model on global
+        rank 0 alone)."""
         others = self.alone or self.whole_node
         return others and self.should_save and self.trainer.args.process_index != 0
 

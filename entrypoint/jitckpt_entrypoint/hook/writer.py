@@ -95,7 +95,6 @@ class BackgroundWriter:
             if job is None:
                 return
             job.execute()
-            del job  # its closure (a staged host copy) goes now, not at the next job
 
 
 def write_files(
