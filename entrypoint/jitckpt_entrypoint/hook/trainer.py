@@ -144,15 +144,8 @@ def _save_request(trainer: Any, step: int, own: Callable[[], object], ours: bool
         parts = SaveParts(ckpt.write_small, tensors, ckpt.deferrable, ckpt.writers, after_commit)
         return parts, gates.state_problem(tensors)
 
-    def stage(write_own: Callable[[], object]) -> Staged:
-        from jitckpt_entrypoint.hook.fsdp_checkpoint import DeferredSaves
-
-        with DeferredSaves(trainer) as deferred:
-            write_own()
-        return Staged(deferred.staged, deferred.write, deferred.write_now, after_commit)
-
     if getattr(trainer, "is_fsdp_enabled", False):
-        return SaveRequest(step, own, stage=stage)
+        return SaveRequest(step, own, stage=functools.partial(_stage, trainer, after_commit))
     return SaveRequest(step, own, parts=parts)
 
 
@@ -182,7 +175,7 @@ def _start_async(manager: CheckpointManager, trainer: Any) -> None:
         reason = trainer_checkpoint.unsupported(trainer)
         nbytes = trainer_checkpoint.snapshot_bytes(trainer)
         growth = trainer_checkpoint.growth_bytes(trainer)
-        in_ram = trainer_checkpoint.snapshot_bytes(trainer, whole_node=several)
+        in_ram = trainer_checkpoint.snapshot_bytes(trainer, whole_node=True) if several else nbytes
     except Exception as exc:  # noqa: BLE001 - the Trainer's own save needs none of this
         reason, nbytes, growth = f"cannot size the training state ({exc!r:.80})", 0, 0
         in_ram = 0
@@ -198,10 +191,9 @@ def _not_whole_nodes(manager: CheckpointManager, trainer: Any) -> Optional[str]:
     node's local rank 0 writes the shared files, TrainerCheckpoint's `whole_node`), or None."""
     if manager.session.topo.nodes <= 1:
         return None
-    from jitckpt_entrypoint.hook import fsdp_checkpoint
     from jitckpt_entrypoint.hook.survivors import persistent_buffers
 
-    if getattr(trainer, "is_fsdp_enabled", False) or fsdp_checkpoint.sharded(trainer):
+    if getattr(trainer, "is_fsdp_enabled", False):
         return (
             "FSDP's sharded state: with several nodes a node holds only its own ranks' shards "
             "(not yet)"
@@ -254,14 +246,19 @@ def _snapshot_staged(
             vars(trainer).pop(_SNAPSHOT_INTO, None)
             state.best_model_checkpoint = best
 
-    def stage(write_own: Callable[[], object]) -> Staged:
-        from jitckpt_entrypoint.hook.fsdp_checkpoint import DeferredSaves
+    return functools.partial(_stage, trainer, lambda: None), own
 
-        with DeferredSaves(trainer) as deferred:
-            write_own()
-        return Staged(deferred.staged, deferred.write, deferred.write_now, lambda: None)
 
-    return stage, own
+def _stage(
+    trainer: Any, after_commit: Callable[[], None], write_own: Callable[[], object]
+) -> Staged:
+    """The Trainer's own save `write_own` with its DCP saves staged (FSDP's sharded state:
+    fsdp_checkpoint.DeferredSaves), HF's rotation held; `after_commit` runs after the commit."""
+    from jitckpt_entrypoint.hook.fsdp_checkpoint import DeferredSaves
+
+    with DeferredSaves(trainer) as deferred:
+        write_own()
+    return Staged(deferred.staged, deferred.write, deferred.write_now, after_commit)
 
 
 def _end_training(manager: CheckpointManager, trainer: Any) -> None:
