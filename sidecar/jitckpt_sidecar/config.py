@@ -31,6 +31,7 @@ from jitckpt_entrypoint.settings import (
     Fallback,
     Kind,
     Option,
+    SettingError,
     at_least,
     between,
     one_of,
@@ -104,6 +105,15 @@ NODE_COUNT = Kind(
     optional=True,
     format=lambda v: "" if v is None else str(v),
 )
+
+
+def _peers_ok(value: str) -> bool:
+    urls = [value.replace("{node}", "0")] if "{node}" in value else value.split(",")
+    return not value or all(
+        u.strip().startswith(("http://", "https://")) and _endpoint_ok(u.strip()) for u in urls
+    )
+
+
 _CONCURRENCY = between(1, 64, "a number from 1 to 64")
 
 OPTIONS = (
@@ -246,6 +256,27 @@ OPTIONS = (
         default_doc="unknown",
         doc="the job's node count (torchrun's `--nnodes`; `MIN:MAX` counts as unknown); "
         "unknown means every node restores every file",
+    ),
+    Option(
+        "peers",
+        TEXT,
+        "every node's sidecar URL: one with {node} (its rank), or one per node, comma-separated; "
+        "empty = no peer replica",
+        check=rule(_peers_ok, "http(s)://host:port URLs, one with {node} or one per node"),
+        doc="every node's sidecar (`http://<job>-{node}.<service>:9402`: `{node}` is the node "
+        "rank; or one URL per node, comma-separated): the peer replica, where each node's "
+        "sidecar keeps the newest snapshot in RAM of the node before it, and a replacement pod "
+        "restores its own from it (needs `JITCKPT_MEMORY_DIR`, `JITCKPT_PEER_TOKEN`, the node "
+        "rank and count; docs/how-it-works.md)",
+    ),
+    Option(
+        "peer_token",
+        TEXT,
+        "the token every sidecar of the job presents to its peers (from a Secret)",
+        show=lambda _: "***",
+        doc="the token the job's sidecars present to each other (a Secret's key: set the "
+        "variable, a flag shows in the process list); required with `JITCKPT_PEERS`, never "
+        "logged",
     ),
     Option(
         "notice_taints",
@@ -392,6 +423,11 @@ class Config:
     pod_name: str = ""
     pod_namespace: str = ""
     kube_credentials: str = "/var/run/secrets/kubernetes.io/serviceaccount"
+    peers: str = ""
+    """Every node's sidecar URL (a template with {node}, or one per node): the peer replica
+    (peer.py); empty = off."""
+    peer_token: str = ""
+    """The bearer token of the peer replica's requests."""
     exit_with_trainer: bool = False
     """Exit once the trainer has ended for good and the queue is empty (plain-container
     variant: no SIGTERM comes when the trainer container ends)."""
@@ -410,6 +446,31 @@ class Config:
 
     def __post_init__(self) -> None:
         validate(self, OPTIONS)
+        problem = self.peer_problem()
+        if problem:
+            raise SettingError("JITCKPT_PEERS=", f"{self.peers!r}{problem}", "peers")
+
+    def peer_problem(self) -> str:
+        """What the peer replica lacks, as the rest of a one-line error ("" when it is off or
+        has what it needs)."""
+        if not self.peers:
+            return ""
+        if not self.peer_token:
+            return " needs JITCKPT_PEER_TOKEN (a Secret's key shared by the job's sidecars)"
+        if not self.memory_dir:
+            return " needs JITCKPT_MEMORY_DIR (the snapshots in RAM it replicates)"
+        if self.node_rank is None or self.nnodes is None or self.nnodes < 2:
+            return (
+                " needs the node rank and a node count of 2 or more (JITCKPT_NODE_RANK, "
+                "JITCKPT_NNODES)"
+            )
+        if "{node}" not in self.peers and len(self.peers.split(",")) != self.nnodes:
+            given = len(self.peers.split(","))
+            return (
+                f" names {given} URLs for {self.nnodes} nodes; give one per node or one with "
+                "{node}"
+            )
+        return ""
 
     @property
     def uri(self) -> S3Uri:

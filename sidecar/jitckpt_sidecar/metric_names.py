@@ -195,20 +195,22 @@ SIDECAR_READY = _gauge(
     "1 once the restore finished (readiness).",
     doc="1 once a restore succeeded; 0 while it runs or keeps failing",
 )
-RECOVERY_SOURCES = ("s3", "local", "none")
+RECOVERY_SOURCES = ("s3", "local", "ram", "peer", "none")
 RECOVERY_SECONDS = _define(
     Metric(
         "jitckpt_recovery_seconds",
         "gauge",
         "Seconds from the pod's start (or the trainer container's restart) to the first "
-        "training step finished, by where the checkpoint came from (s3, local, none).",
+        "training step finished, by where the checkpoint came from (s3, local, ram, peer, "
+        "none).",
         (("source", RECOVERY_SOURCES),),
         late=True,
         doc=(
             "the last recovery: the pod's start (this sidecar's) or the trainer container's "
             "restart, to its first optimizer step finished (`status/first-step.json`); one "
-            "sample, `source`: `s3` (restored), `local` (the volume's), `none` (began at step "
-            "0); absent before the first step. A plain loop records it when it passes the "
+            "sample, `source`: `s3` (restored), `local` (the volume's), `ram` (a snapshot in "
+            "`JITCKPT_MEMORY_DIR`), `peer` (a snapshot the peer replica restored), `none` (began "
+            "at step 0); absent before the first step. A plain loop records it when it passes the "
             "step: `should_stop(step)`"
         ),
     )
@@ -327,6 +329,23 @@ STORAGE_SAVE_PEAK = _gauge(
         "the last save's peak used bytes over the usage when it began: the new checkpoint "
         "plus what the save wrote and removed again (sampled every 50 ms)"
     ),
+)
+# The peer replica (peer.py; only with JITCKPT_PEERS).
+PEER_REPLICA_AGE = _gauge(
+    "jitckpt_peer_replica_age_seconds",
+    "Seconds since the snapshot this sidecar keeps of its peer node was taken; +Inf while it "
+    "keeps none.",
+    late=True,
+    doc=(
+        "age of the newest snapshot of the node before this one in the ring that this sidecar "
+        "keeps (`JITCKPT_PEERS`); `+Inf` while it keeps none; absent without the peer replica"
+    ),
+)
+PEER_REPLICA_BYTES = _gauge(
+    "jitckpt_peer_replica_bytes",
+    "Bytes of the snapshot this sidecar keeps of its peer node (0 while none).",
+    late=True,
+    doc="bytes of that snapshot in this pod's memory volume; absent without the peer replica",
 )
 
 LABEL_VALUES: dict[tuple[str, str], tuple[str, ...]] = {

@@ -13,6 +13,8 @@ sample rather than a 0 that reads as a value (Metric.late).
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections.abc import Iterator
 from typing import Callable, Optional, TypeVar, Union
 
@@ -237,6 +239,20 @@ class StorageCollector(Collector):
             (names.STORAGE_PRESSURE, sample.ratio),
             (names.STORAGE_PRESSURE_THRESHOLD, self.threshold),
         ):
+            yield GaugeMetricFamily(spec.name, spec.help, value=value)
+
+
+class PeerCollector(Collector):
+    """The peer replica's age and bytes, at scrape time (registered only with the replica on):
+    `held` gives the kept snapshot's creation time (None while none is kept) and bytes."""
+
+    def __init__(self, held: Callable[[], tuple[Optional[float], int]]) -> None:
+        self.held = held
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        created_at, nbytes = self.held()
+        age = math.inf if created_at is None else max(0.0, time.time() - created_at)
+        for spec, value in ((names.PEER_REPLICA_AGE, age), (names.PEER_REPLICA_BYTES, nbytes)):
             yield GaugeMetricFamily(spec.name, spec.help, value=value)
 
 

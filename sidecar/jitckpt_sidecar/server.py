@@ -1,4 +1,4 @@
-"""The HTTP endpoint on JITCKPT_METRICS_PORT: /metrics, /readyz, /healthz.
+"""The HTTP endpoint on JITCKPT_METRICS_PORT: /metrics, /readyz, /healthz (and /peer/: peer.py).
 
 /metrics is prometheus_client's own WSGI app (content negotiation: the Prometheus text
 formats and OpenMetrics; gzip; `name[]` filtering), served like its `start_wsgi_server`: a
@@ -32,6 +32,8 @@ class MetricsServer:
         self.host, self.log = host, logger
         self.ready: Callable[[], bool] = lambda: False
         self.healthy: Callable[[], bool] = lambda: True
+        self.peer: Optional[Callable[..., Iterable[bytes]]] = None
+        """The peer replica's app (peer.py), served under /peer/ when set."""
         self._metrics = make_wsgi_app(registry)
         try:
             server_class = _server_class(host, port, logger)
@@ -77,6 +79,8 @@ class MetricsServer:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
             return self._metrics(environ, start_response)  # type: ignore[no-any-return]
+        if path.startswith("/peer/") and self.peer is not None:
+            return self.peer(environ, start_response)
         if path == "/readyz":
             ok = self.ready()
             body = b"ready\n" if ok else b"restoring\n"

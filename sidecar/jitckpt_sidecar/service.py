@@ -22,6 +22,7 @@ S3 and are not sent again). Exit 0 when everything staged is committed in S3, 1 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -36,8 +37,9 @@ from jitckpt_sidecar.backlog import Backlog
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.fetch import Fetcher
 from jitckpt_sidecar.final import FinalModel, FinalUploader
-from jitckpt_sidecar.metrics import Metrics
+from jitckpt_sidecar.metrics import Metrics, PeerCollector
 from jitckpt_sidecar.notice import NoticeWatcher
+from jitckpt_sidecar.peer import PeerReplica, peer_urls
 from jitckpt_sidecar.pressure import Pruner, Storage
 from jitckpt_sidecar.ram_rescue import RamRescue, told_by_lock
 from jitckpt_sidecar.readiness import Readiness, process_start
@@ -145,6 +147,25 @@ class Service:
         )
         self.watcher = Watcher(layout, self.wake, logger)
         self.rescue = RamRescue(cfg.memory_dir, layout, logger, self.wake)
+        self.peer: Optional[PeerReplica] = None
+        if cfg.peers and not os.access(cfg.memory_dir, os.W_OK):
+            logger.warning(
+                "peer replica off: JITCKPT_MEMORY_DIR %s is not writable here; mount the memory "
+                "volume read-write in the sidecar",
+                cfg.memory_dir,
+            )
+        elif cfg.peers and cfg.node_rank is not None and cfg.nnodes is not None:
+            self.peer = PeerReplica(
+                cfg.memory_dir,
+                cfg.node_rank,
+                peer_urls(cfg.peers, cfg.nnodes),
+                cfg.peer_token,
+                logger,
+            )
+            server.peer = self.peer.app
+            registry.register(PeerCollector(self.peer.metric))
+        elif cfg.memory_dir:  # an earlier sidecar's of this pod: the trainer must not wait on it
+            status.PEER_KEPT.remove(cfg.memory_dir)
         self.notice = NoticeWatcher(
             layout.status, cfg, on_notice=self.metrics.notice.seen, log=logger
         )
@@ -179,6 +200,8 @@ class Service:
     def run(self) -> int:
         self.readiness.reset()
         self.server.serve(ready=lambda: self.readiness.ready, healthy=self._healthy)
+        if self.peer is not None:  # own RAM, then the peer's copy, before the volume and S3
+            self.feed.from_peer = self.peer.restore_own()
         result = self.restore()
         if result is None:
             return 1
@@ -208,12 +231,16 @@ class Service:
             self.watcher.start()
             self.notice.start()
             self.save_peaks.start()
+            if self.peer is not None:
+                self.peer.start()
             worker.start()
             settler.start()
             return self._loop()
         finally:
             self._stop.set()
             self.rescue.stop(wait=1.0)
+            if self.peer is not None:
+                self.peer.stop()
             self.worker.stop.set()
             self.final.stop()
             self.backlog.close()

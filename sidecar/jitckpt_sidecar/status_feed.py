@@ -6,7 +6,8 @@ A recovery is timed from the pod's start (this sidecar's start: its restore come
 the first trainer (the init container's start when `jitckpt-sidecar restore` ran as one), and
 from the trainer container's own start for later ones (restarted in the pod: the volume has the
 checkpoint). A restarted sidecar (`status/sidecar-started` exists) times only the trainer
-restarts after its own start. A run that began at step 0 is labelled `none`."""
+restarts after its own start. A run that began at step 0 is labelled `none`, one that resumed
+from a snapshot in RAM `ram` (`peer` when this pod's start restored it from the peer replica)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ from typing import Optional
 from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.layout import checkpoint_name
 from jitckpt_sidecar.metrics import CheckpointMetrics, RecoveryMetrics
+
+_SOURCES = {
+    "s3": "restored from S3",
+    "local": "from the volume",
+    "ram": "a snapshot in RAM",
+    "peer": "a snapshot in RAM from the peer replica",
+    "none": "fresh start",
+}
 
 
 class StatusFeed:
@@ -37,6 +46,8 @@ class StatusFeed:
         """(this sidecar's start, its restore's source, bytes) until a pod start is timed."""
         self._started_at = 0.0
         self._first_seen: Optional[str] = None
+        self.from_peer: Optional[tuple[int, int]] = None
+        """(step, bytes) of the snapshot the peer replica restored at this pod's start."""
 
     def restored(
         self, pod_start: float, source: str, nbytes: int, *, own_start: float, first: bool
@@ -86,6 +97,12 @@ class StatusFeed:
             return  # a trainer that started before this (restarted) sidecar: not its to time
         if first.began_at_step == 0:
             source, nbytes = "none", 0  # it did not resume (JITCKPT_RESUME=0, nothing saved)
+        elif first.in_ram:
+            source, nbytes = "ram", 0
+            if what == "the pod's start" and self.from_peer is not None:
+                peer_step, peer_bytes = self.from_peer
+                if peer_step == first.began_at_step:
+                    source, nbytes = "peer", peer_bytes
         seconds = first.finished_at - start
         recovery.recovered(seconds, source, nbytes)
         if self.log is not None:
@@ -94,10 +111,10 @@ class StatusFeed:
                 what,
                 "the start" if first.began_at_step == 0 else checkpoint_name(first.began_at_step),
                 seconds,
-                {"s3": "restored from S3", "local": "from the volume", "none": "fresh start"}.get(
-                    source, source
-                ),
-                f", {nbytes / 1e6:.1f} MB downloaded" if nbytes else "",
+                _SOURCES.get(source, source),
+                f", {nbytes / 1e6:.1f} MB {'copied' if source == 'peer' else 'downloaded'}"
+                if nbytes
+                else "",
             )
 
     def trainer(self) -> Optional[status.TrainerStatus]:

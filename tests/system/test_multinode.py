@@ -1,15 +1,26 @@
 """A two-node job (two pods, torchrun --nnodes 2 on 127.0.0.1) drained one node at a time, and
-the job resumed on one node (4 ranks -> 2)."""
+the job resumed on one node (4 ranks -> 2); a node lost without notice (the survivors' save;
+the peer replica's copy of its snapshot in RAM)."""
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
-from harness.pod import Node, Pod, finish_resumed_job, restored_by_sidecars, start_job
-from harness.procs import free_port
-from jitckpt_entrypoint.protocol import status
+from harness.pod import (
+    Node,
+    Pod,
+    finish_resumed_job,
+    restored_by_sidecars,
+    resumed_from,
+    start_job,
+)
+from harness.procs import free_port, wait_for
+from harness.training import TRAIN_HF
+from jitckpt_entrypoint.protocol import status, validity
 
 pytestmark = pytest.mark.integration
 
@@ -76,3 +87,72 @@ def test_a_node_lost_without_notice_the_survivors_save_reaches_s3_and_a_new_job_
     port = free_port()
     new = [pods(ARGS, node=Node(rank, 2, port)) for rank in (0, 1)]
     restored_by_sidecars(new, node0.jdir / "checkpoints" / name, step)
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def test_a_lost_node_replaced_resumes_from_the_snapshot_its_peer_kept_in_ram(pods, tmp_path):
+    """The peer replica (sidecar/peer.py): each node's sidecar keeps the other's newest
+    snapshot in RAM. Node 0's trainer container dies (restarted in place, its memory volume
+    kept) and node 1 is lost whole: no survivor saves, nothing is in S3. Node 1's replacement
+    pod (new volumes, the same address) gets its snapshot from node 0's sidecar, byte for byte
+    what node 1 held, and both nodes resume from it in RAM."""
+    args = ["--max-steps", "40", "--save-steps", "1000", "--step-sleep", "0.1"]
+    memory = [tmp_path / f"memory-{n}" for n in (0, 1, 2)]
+    for path in memory:
+        path.mkdir()
+    snap = {"JITCKPT_SNAPSHOT_INTERVAL": "3steps", "JITCKPT_PEER_TOKEN": "job-secret"}
+    port = free_port()
+    members = [
+        pods(args, node=Node(n, 2, port), env={**snap, "JITCKPT_MEMORY_DIR": str(memory[n])})
+        for n in (0, 1)
+    ]
+    peers = ",".join(f"http://127.0.0.1:{p.metrics_port}" for p in members)
+    for pod in members:
+        pod.env["JITCKPT_PEERS"] = peers
+    node0, node1 = start_job(members)
+    node0.wait_step(15)
+    replicas = memory[0] / "replica" / "checkpoints"
+    wait_for(lambda: validity.committed_steps(str(replicas), 1), 60, "node 0 keeps node 1's")
+    assert re.search(r"^jitckpt_peer_replica_bytes [1-9]", node0.metrics(), re.MULTILINE)
+    assert node0.trainer is not None
+    assert node1.trainer is not None
+    assert node1.sidecar is not None
+    node0.trainer.kill_tree()  # its container dies (the kubelet restarts it in place)
+    node1.sidecar.kill_tree()  # node 1 is lost: its pod, memory volume and all
+    node1.trainer.kill_tree()
+    kept = validity.committed_steps(str(replicas), 1)[-1]
+    assert kept % 3 == 0, kept
+    assert kept in validity.committed_steps(str(memory[0] / "checkpoints"), 0), node0.output()
+    lost = tree(memory[1] / "checkpoints" / f"checkpoint-{kept}")
+
+    port = free_port()
+    replacement = pods(
+        args, node=Node(1, 2, port), env={**snap, "JITCKPT_MEMORY_DIR": str(memory[2])}
+    )
+    replacement.metrics_port = node1.metrics_port  # the same DNS name in a cluster
+    replacement.env.update(JITCKPT_METRICS_PORT=str(node1.metrics_port), JITCKPT_PEERS=peers)
+    replacement.start_sidecar()
+    replacement.wait_ready()
+    assert replacement.sidecar is not None
+    said = "\n".join(replacement.sidecar.stderr)
+    assert f"restored checkpoint-{kept} (a snapshot in RAM) from node 0" in said, said
+    assert tree(memory[2] / "checkpoints" / f"checkpoint-{kept}") == lost
+
+    node0.node = Node(0, 2, port)
+    node0.command = node0._torchrun(TRAIN_HF, args)
+    node0.start_trainer()
+    replacement.start_trainer()
+    assert resumed_from(node0) == kept, node0.output()
+    assert replacement.trainer is not None
+    begun = replacement.trainer.expect(r"^begin rank=2 pid=\d+ step=(\d+)$", timeout=120)
+    assert int(begun.group(1)) == kept, replacement.output()
+    for pod in (node0, replacement):
+        assert pod.finish().trainer == 0, pod.output()
+    recovered = [x for x in replacement.sidecar.stderr if "recovered:" in x]
+    assert "(a snapshot in RAM from the peer replica" in "".join(recovered), recovered
+    assert node0.sidecar is not None
+    recovered = [x for x in node0.sidecar.stderr if f"(from checkpoint-{kept})" in x]
+    assert "(a snapshot in RAM)" in "".join(recovered), node0.output()

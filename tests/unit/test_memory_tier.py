@@ -590,6 +590,78 @@ def test_a_committed_snapshot_retires_the_older_one_into_spares_and_drops_untake
     assert not (root / ram_files.SPARE).exists()
 
 
+def test_with_a_peer_replica_the_older_snapshot_stays_until_the_peer_keeps_the_newer(
+    tmp_path, monkeypatch
+):
+    """The sidecar says its peer keeps this node's snapshot of step 5 (peer.json, live): once
+    10 is committed, 5 stays, and no snapshot begins until the peer keeps 10; the next one's
+    `prepare` retires 5 into spares. A record gone stale, or a peer more than PEER_WAIT behind,
+    is not waited for (one line)."""
+    manager = manager_for(tmp_path)
+    manager.session.topo = Topology(rank=0, world_size=2, node=0, nodes=2)
+    tier, memory = manager.tier, manager.session.cfg.memory_dir
+    tier.on = True
+    shared = ["model.safetensors", "rng_state_0.pth"]
+    holdings = {0: shared, 1: ["rng_state_1.pth"]}
+    monkeypatch.setattr(ram_files, "_written", {"model.safetensors"})
+
+    ids: dict[int, str] = {}
+
+    def said(step: int, at: Optional[float] = None, live: bool = True) -> None:
+        """The sidecar's record: the peer keeps `step`'s snapshot of this node."""
+        kept = status.PeerKept(live, step, ids[step], time.time() if at is None else at)
+        status.PEER_KEPT.write(memory, kept)
+
+    for step in (5, 10):
+        path = tier.path(step)
+        os.makedirs(path)
+        for name in shared:
+            Path(path, name).write_bytes(b"x" * ram_files.LARGE)
+        ids[step] = m.new_save_id()
+        sizes = {n: dict.fromkeys(f, 10 if n else ram_files.LARGE) for n, f in holdings.items()}
+        commit.commit_node(
+            manager.session.layout,
+            path,
+            sizes,
+            node=0,
+            nodes=2,
+            world_size=2,
+            step=step,
+            kind="periodic",
+            started_at=time.time(),
+            run_id="run-1",
+            stage_for_upload=False,
+            save_id=ids[step],
+            lineage=manager.session.lineage or m.new_lineage(),
+            record=False,
+        )
+        if step == 5:
+            said(5)
+    tier.committed(10)
+    assert checkpoint_steps(tier.root) == [5, 10]  # 5 stays: the peer keeps only 5
+    assert tier.replicating()
+    said(10)
+    assert not tier.replicating()
+    tier.prepare(13)
+    assert checkpoint_steps(tier.root) == [10]
+    assert sorted(p.name for p in (Path(tier.root) / ram_files.SPARE).iterdir()) == [
+        "model.safetensors"
+    ]
+
+    said(5, at=time.time() - memory_tier.PEER_LIVE - 1)  # the sidecar is gone
+    assert not tier.replicating()
+    said(5, live=False)  # its peer does not answer
+    assert not tier.replicating()
+    said(5)
+    assert tier.replicating()
+    monkeypatch.setattr(memory_tier, "PEER_WAIT", 0.0)
+    with Lines() as lines:
+        assert not tier.replicating()
+        assert not tier.replicating()
+    assert len(lines) == 1, lines
+    assert "has not kept checkpoint-10" in lines[0], lines
+
+
 def test_the_ram_writer_replaces_an_older_runs_save_of_the_step_and_keeps_a_newer_one(tmp_path):
     manager = manager_for(tmp_path)
     layout = manager.session.layout

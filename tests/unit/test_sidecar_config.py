@@ -90,6 +90,21 @@ def test_malformed_quantities_are_rejected(text):
         parse_quantity(text)
 
 
+PEER = {
+    "JITCKPT_PEERS": "http://job-{node}.job:9402",
+    "JITCKPT_PEER_TOKEN": "peer-secret",
+    "JITCKPT_MEMORY_DIR": "/mnt/m",
+    "JITCKPT_NODE_RANK": "1",
+    "JITCKPT_NNODES": "2",
+}
+
+
+def test_the_peer_replica_takes_a_template_or_a_url_per_node():
+    assert Config.from_env({**URI, **PEER}).peers == PEER["JITCKPT_PEERS"]
+    listed = {**PEER, "JITCKPT_PEERS": "http://10.0.0.1:9402,http://10.0.0.2:9402"}
+    assert Config.from_env({**URI, **listed}).peer_token == PEER["JITCKPT_PEER_TOKEN"]
+
+
 @pytest.mark.parametrize(
     ("env", "flags", "message"),
     [
@@ -118,6 +133,11 @@ def test_malformed_quantities_are_rejected(text):
         ({**URI, "AWS_S3_ENDPOINT": "minio:9000"}, {}, "AWS_S3_ENDPOINT='minio:9000' is invalid"),
         ({**URI, "JITCKPT_LOG_FORMAT": "xml"}, {}, "JITCKPT_LOG_FORMAT='xml' is invalid"),
         ({**URI, "JITCKPT_RESCAN_SECONDS": "0"}, {}, "use seconds from 0.1 to 3600"),
+        ({**URI, "JITCKPT_PEERS": "ftp://a:1"}, {}, "JITCKPT_PEERS='ftp://a:1' is invalid"),
+        ({**URI, **PEER, "JITCKPT_PEER_TOKEN": ""}, {}, "needs JITCKPT_PEER_TOKEN"),
+        ({**URI, **PEER, "JITCKPT_MEMORY_DIR": ""}, {}, "needs JITCKPT_MEMORY_DIR"),
+        ({**URI, **PEER, "JITCKPT_NNODES": "1"}, {}, "needs the node rank and a node count of 2"),
+        ({**URI, **PEER, "JITCKPT_PEERS": "http://a:1"}, {}, "names 1 URLs for 2 nodes"),
     ],
 )
 def test_bad_values_are_one_line_errors_naming_their_source(env, flags, message):
@@ -125,6 +145,7 @@ def test_bad_values_are_one_line_errors_naming_their_source(env, flags, message)
     with pytest.raises(SettingError) as info:
         Config.from_env(env, flags)
     assert message in str(info.value)
+    assert "peer-secret" not in str(info.value)
     assert "\n" not in str(info.value)
     assert info.value.exit_code == 2
 

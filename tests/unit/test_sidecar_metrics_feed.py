@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from harness.prometheus import needs_promtool, promtool
 from jitckpt_entrypoint.protocol import status
 from jitckpt_sidecar.metric_names import ABSENT_UNTIL_KNOWN, METRICS, series_names
-from jitckpt_sidecar.metrics import Metrics
+from jitckpt_sidecar.metrics import Metrics, PeerCollector
 from jitckpt_sidecar.pressure import Storage
 from jitckpt_sidecar.status_feed import StatusFeed
 from jitckpt_sidecar.work_at_risk import WorkAtRisk
@@ -75,6 +75,7 @@ def test_unknown_gauges_appear_with_their_first_value(tmp_path):
     metrics.checkpoints.jit(status.JitRecord("r", 7, "checkpoint-7", 10.0, 8.0, 1.0))
     metrics.recovery.recovered(12.5, "s3", 1000)
     metrics.notice.to_durable.set(1.5)
+    registry.register(PeerCollector(lambda: (time.time(), 10)))  # the service's, with a peer
     training(str(tmp_path), "r", began_at=120, first_step_at=time.time(), step=121, at=time.time())
     assert exposed(registry) == set(METRICS)
     value = registry.get_sample_value
@@ -168,6 +169,27 @@ def test_recovery_is_timed_from_the_pod_start_then_from_each_trainer_restart(tmp
     status.FIRST_STEP.write(d, status.FirstStep("run-f", 0, 272.0))  # started over
     restarted.poll()
     assert value("jitckpt_recovery_seconds", {"source": "none"}) == 2.0
+
+
+def test_a_resume_from_ram_is_labelled_ram_and_peer_when_the_peer_replica_restored_it(tmp_path):
+    """A replacement pod whose sidecar restored its snapshot from the peer (source `peer`, the
+    bytes copied); its trainer restarted in place, from its own RAM (`ram`)."""
+    registry, metrics = build(tmp_path)
+    d = str(tmp_path)
+    feed = StatusFeed(d, metrics.checkpoints, metrics.recovery)
+    value = registry.get_sample_value
+    feed.from_peer = (30, 7_000)
+    feed.restored(100.0, "none", 0, own_start=100.0, first=True)
+    status.TRAINER.write(d, status.TrainerStatus("run-a", 1, ("x",), 101.0))
+    status.FIRST_STEP.write(d, status.FirstStep("run-a", 30, 108.0, in_ram=True))
+    feed.poll()
+    assert value("jitckpt_recovery_seconds", {"source": "peer"}) == 8.0
+    assert value("jitckpt_recovery_bytes") == 7_000
+    status.TRAINER.write(d, status.TrainerStatus("run-b", 1, ("x",), 200.0))
+    status.FIRST_STEP.write(d, status.FirstStep("run-b", 36, 202.0, in_ram=True))
+    feed.poll()
+    assert value("jitckpt_recovery_seconds", {"source": "ram"}) == 2.0
+    assert value("jitckpt_recovery_bytes") == 0
 
 
 def test_the_first_long_running_sidecar_of_a_pod_is_told_from_a_restarted_one(tmp_path):

@@ -115,7 +115,9 @@ class CheckpointManager:
         into training."""
         start = self._resumed_step if began_at is None else began_at
         self._finished = step
-        self.records.step_finished(step, start)
+        resumed = self.resumed_dir
+        in_ram = resumed is not None and resumed != self.checkpoint_dir(self._resumed_step or 0)
+        self.records.step_finished(step, start, in_ram and start == self._resumed_step)
         self.saver.poll_write_out()
 
     def training_ended(self) -> None:

@@ -34,6 +34,13 @@ FSDP with a sharded state (one node): a snapshot is the Trainer's own save with 
 staged (trainer.py `_snapshot_staged`, saver.py `save_snapshot_staged`); its periodic saves are
 not the RAM writer's (`written_out`).
 
+The peer replica (sidecar/peer.py: each node's sidecar keeps another node's newest snapshot;
+a replacement pod's restores its own from it): a lost node's copy must be of a save every
+other node still holds in RAM. While the sidecar says the peer answers (status.PEER_KEPT), an
+older snapshot stays past a newer one's commit until the next snapshot begins, and that one
+begins only once the peer keeps the newest (`replicating`; at most PEER_WAIT after its commit).
+Still at most two snapshots' bytes: the older goes before the next is written.
+
 Threads: `due`, `wanted`, `began`, `covered` on the training thread; `committed` on the
 background writer (it only retires older snapshot directories).
 """
@@ -47,7 +54,7 @@ from typing import Optional
 
 from jitckpt_entrypoint.hook import ram_files, room
 from jitckpt_entrypoint.hook.session import Session
-from jitckpt_entrypoint.protocol import write_out
+from jitckpt_entrypoint.protocol import status, write_out
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
 from jitckpt_entrypoint.protocol.validity import committed
@@ -61,6 +68,10 @@ KEPT = 2
 """Snapshots whose bytes the volume must hold at once: the committed one and the next."""
 WAIT_POLL = 0.02
 """Seconds between looks at the RAM writer's answer while waiting for it."""
+PEER_LIVE = 10.0
+"""Seconds: a peer record (status.PEER_KEPT) older than this is of a sidecar gone: not waited on."""
+PEER_WAIT = 120.0
+"""Seconds after its commit that a snapshot's replica at the peer is waited for at most."""
 
 
 class MemoryTier:
@@ -89,6 +100,10 @@ class MemoryTier:
         """The entrypoint's RAM writer writes periodic saves out (decided with `on`)."""
         self._request: Optional[str] = None
         """Rank 0: the id of the request for the save handed to the RAM writer."""
+        self._deferred: Optional[bool] = None
+        """Each node's local rank 0: older snapshots stay past a commit for the peer replica,
+        retired at the next `prepare` (with spares: the value)."""
+        self._said_peer: Optional[str] = None
 
     @property
     def configured(self) -> bool:
@@ -363,31 +378,85 @@ class MemoryTier:
 
     def prepare(self, step: int) -> None:
         """Each node's local rank 0, before a snapshot of `step`: what no resume uses goes
-        (a cut-short snapshot, an older save of this step), the newest committed one stays."""
+        (a cut-short snapshot, an older save of this step, a committed one older than the
+        newest: kept past a commit for the peer replica, `committed`), the newest committed one
+        stays."""
         if not self.session.topo.is_leader:
             return
         node = self.session.topo.node
         os.makedirs(self.root, exist_ok=True)
-        for other in checkpoint_steps(self.root):
+        kept = [s for s in checkpoint_steps(self.root) if s != step]
+        whole = [s for s in kept if committed(self.path(s), node) is not None]
+        for other in kept:
             path = self.path(other)
-            if other == step or committed(path, node) is None:
+            if other not in whole:
                 remove_checkpoint(path)
+            elif other != whole[-1]:  # kept past its commit for the peer's copy (`committed`)
+                self._retire(path, self._deferred is not False)
+        self._deferred = None
+        remove_checkpoint(self.path(step))
 
     def committed(self, step: int, spares: bool = True) -> None:
         """Background writer, once snapshot `step` is committed on every node: the older ones
         go (each node's local rank 0), their large files kept as the spares of the next one
         (`spares`: written by direct_write, which takes them; what this one did not take goes,
-        so at most two snapshots' bytes are held)."""
+        so at most two snapshots' bytes are held). With the peer replica, they stay until the
+        next snapshot begins (`prepare`), which waits until the peer keeps this one
+        (`replicating`)."""
         if not self.session.topo.is_leader:
             return
         with contextlib.suppress(OSError):  # the next commit tries again
             ram_files.remove(self.root)
+            if self._peer_kept() is not None:  # until the peer keeps this one (`replicating`)
+                self._deferred = spares
+                return
             for other in checkpoint_steps(self.root):
                 if other != step:
-                    if spares:
-                        ram_files.retire(self.root, self.path(other))
-                    else:
-                        remove_checkpoint(self.path(other))
+                    self._retire(self.path(other), spares)
+
+    def _retire(self, path: str, spares: bool) -> None:
+        if spares:
+            ram_files.retire(self.root, path)
+        else:
+            remove_checkpoint(path)
+
+    # -- the peer replica (sidecar/peer.py) --
+
+    def _peer_kept(self) -> Optional[status.PeerKept]:
+        """What the node keeping this node's replica holds of it, while the sidecar says so
+        (a live record of the last PEER_LIVE seconds), else None: no peer replica."""
+        if self.session.topo.nodes < 2:
+            return None
+        kept = status.PEER_KEPT.read(self.session.cfg.memory_dir)
+        if kept is None or not kept.live or abs(time.time() - kept.at) > PEER_LIVE:
+            return None
+        return kept
+
+    def replicating(self) -> bool:
+        """Each node's local rank 0, before a snapshot: the newest one committed here is not
+        kept by the peer yet, so no newer one is taken (the older stays until then: `committed`,
+        `prepare`). A lost node's copy is then of a save every other node still holds. Not
+        longer than PEER_WAIT after the newest one's commit (one line; snapshots go on)."""
+        if not self.on or not self.session.topo.is_leader:
+            return False
+        kept = self._peer_kept()
+        if kept is None:
+            return False
+        node = self.session.topo.node
+        for step in reversed(checkpoint_steps(self.root)):
+            save = committed(self.path(step), node)
+            if save is None:
+                continue
+            if save[node].save_id == kept.save_id:
+                return False
+            if time.time() - save[node].created_at < PEER_WAIT:
+                return True
+            why = f"the peer has not kept {checkpoint_name(step)} within {PEER_WAIT:.0f} s"
+            if why != self._said_peer:
+                self._said_peer = why
+                self.session.log.warning("%s; snapshots go on without waiting for it", why)
+            return False
+        return False
 
     def clear(self) -> None:
         """Each node's local rank 0: every snapshot goes (JITCKPT_RESUME=0 starts over)."""

@@ -64,9 +64,10 @@ class Records:
                 status.NODE.write(session.layout.status, node)
                 self._announced = node
 
-    def step_finished(self, step: int, began_at: int) -> None:
+    def step_finished(self, step: int, began_at: int, in_ram: bool = False) -> None:
         """After an optimizer step: the first of this process for the sidecar's recovery time
-        (training began at `began_at`), then progress.json at most once every
+        (training began at `began_at`, from a snapshot `in_ram`), then progress.json at most
+        once every
         PROGRESS_SECONDS for the work at risk."""
         session = self.session
         if not self._writes:
@@ -75,9 +76,8 @@ class Records:
         try:
             if not self._first_step_recorded:
                 self._first_step_recorded = True
-                status.FIRST_STEP.write(
-                    session.layout.status, status.FirstStep(session.run_id, began_at, now)
-                )
+                first = status.FirstStep(session.run_id, began_at, now, in_ram)
+                status.FIRST_STEP.write(session.layout.status, first)
             tick = time.monotonic()  # a wall clock set back must not stop the records
             if tick - self._progress_at >= status.PROGRESS_SECONDS:
                 self._progress_at = tick

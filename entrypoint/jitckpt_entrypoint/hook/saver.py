@@ -425,7 +425,8 @@ class Saver:
         if control.any_now(tier.failed is not None):  # set by the background writer
             tier.turn_off(tier.failed or "a snapshot failed on another rank")
             return False
-        busy = self.inflight.busy or tier.writing_out()  # the snapshot written out must stay
+        # The snapshot written out must stay; a newer one waits for the peer's copy of the last.
+        busy = self.inflight.busy or tier.writing_out() or tier.replicating()
         return not control.any_now(busy or (fast and not self.gates.on))
 
     def _snapshot_of(self, step: int) -> Save:

@@ -230,6 +230,8 @@ class FirstStep:
     began_at_step: int
     """The step training began at: the resumed checkpoint's, 0 for a fresh start."""
     finished_at: float
+    in_ram: bool = False
+    """It resumed from a snapshot in RAM (JITCKPT_MEMORY_DIR), not from the volume."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +256,18 @@ class SidecarReady:
     restore_bytes: int
     restore_bytes_per_second: Optional[float] = None
     """S3 restores only: the entrypoint's grace-period estimate takes it as upload throughput."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerKept:
+    """`<JITCKPT_MEMORY_DIR>/peer.json`, the sidecar's with the peer replica on (peer.py): the
+    snapshot of this node that the node keeping its replica holds (step and save id; None:
+    none), whether that node answered (`live`), and when it was asked (`at`, every poll)."""
+
+    live: bool
+    step: Optional[int]
+    save_id: Optional[str]
+    at: float
 
 
 def write_record(path: str, record: Any, *, durable: bool) -> None:
@@ -376,6 +390,8 @@ FETCH = StatusFile("fetch.json", Fetch)
 FETCHED = StatusFile("fetched.json", Fetched)
 SAVE_ASK = StatusFile("save-ask.json", SaveAsk)
 SAVE_ANSWER = StatusFile("save-answer.json", SaveAnswer)
+PEER_KEPT = StatusFile("peer.json", PeerKept)
+"""In JITCKPT_MEMORY_DIR, not status/: the RAM tier's (hook/memory_tier.py `replicating`)."""
 FIRST_STEP = StatusFile("first-step.json", FirstStep)
 PROGRESS = StatusFile("progress.json", Progress)
 SIDECAR_READY = StatusFile(
