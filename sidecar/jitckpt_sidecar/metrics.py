@@ -244,13 +244,17 @@ class StorageCollector(Collector):
 
 class PeerCollector(Collector):
     """The peer replica's age and bytes, at scrape time (registered only with the replica on):
-    `held` gives the kept snapshot's creation time (None while none is kept) and bytes."""
+    `held` gives the kept snapshot's creation time (None while none is kept) and bytes, or
+    None for no sample (training has ended: nothing is snapshotted to keep)."""
 
-    def __init__(self, held: Callable[[], tuple[Optional[float], int]]) -> None:
+    def __init__(self, held: Callable[[], Optional[tuple[Optional[float], int]]]) -> None:
         self.held = held
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        created_at, nbytes = self.held()
+        held = self.held()
+        if held is None:
+            return
+        created_at, nbytes = held
         age = math.inf if created_at is None else max(0.0, time.time() - created_at)
         for spec, value in ((names.PEER_REPLICA_AGE, age), (names.PEER_REPLICA_BYTES, nbytes)):
             yield GaugeMetricFamily(spec.name, spec.help, value=value)

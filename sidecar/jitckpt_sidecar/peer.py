@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hmac
+import http.client
 import json
 import logging
 import os
@@ -51,6 +52,7 @@ import urllib.request
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional
 
+from jitckpt_entrypoint.hook import room
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
@@ -64,6 +66,8 @@ node's (a small JSON answer each)."""
 TIMEOUT = 10.0
 """Seconds a peer has to connect and to send each chunk."""
 CHUNK = 1 << 20
+BACKOFF_MAX = 30.0
+"""Seconds between a failing keeper's tries at most."""
 REPLICA = "replica"
 INCOMING = ".incoming"
 
@@ -113,11 +117,15 @@ def _safe(relpath: str) -> bool:
     return bool(relpath) and not relpath.startswith("/") and ".." not in parts and "" not in parts
 
 
-def newest(checkpoints: str, node: int, nodes: int) -> Optional[tuple[str, Held]]:
-    """The newest snapshot in `checkpoints` that node `node` of a job of `nodes` nodes resumes
-    from alone (validity.whole_here), with its directory."""
-    for step in reversed(checkpoint_steps(checkpoints)):
-        path = os.path.join(checkpoints, checkpoint_name(step))
+def newest(
+    checkpoints: str, node: int, nodes: int, step: Optional[int] = None
+) -> Optional[tuple[str, Held]]:
+    """The newest snapshot in `checkpoints` (or that of `step`, while it is committed) that node
+    `node` of a job of `nodes` nodes resumes from alone (validity.whole_here), with its
+    directory."""
+    steps = checkpoint_steps(checkpoints) if step is None else [step]
+    for each in reversed(steps):
+        path = os.path.join(checkpoints, checkpoint_name(each))
         save = whole_here(path, node)
         if save is None or save[node].nodes != nodes:
             continue
@@ -128,12 +136,26 @@ def newest(checkpoints: str, node: int, nodes: int) -> Optional[tuple[str, Held]
                 full = os.path.join(parent, name)
                 with contextlib.suppress(OSError):
                     files.append((os.path.relpath(full, path), os.lstat(full).st_size))
-        return path, Held(node, step, own.save_id, own.lineage, own.created_at, tuple(files))
+        return path, Held(node, each, own.save_id, own.lineage, own.created_at, tuple(files))
     return None
 
 
 class PeerError(Exception):
-    """A transfer from a peer that did not give a whole, unchanged copy."""
+    """A peer that did not answer as one, or a copy that is not whole and unchanged."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """A sidecar's answer about a node: the snapshot of it that it holds (None: none), and why
+    it cannot keep that node's newest now (its keeper's last failure), if so."""
+
+    held: Optional[Held]
+    failing: Optional[str] = None
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:  # noqa: ARG002
+        return None  # a peer never redirects: the token goes nowhere else
 
 
 class PeerReplica:
@@ -157,9 +179,17 @@ class PeerReplica:
         """The node that keeps this one's."""
         self.own = os.path.join(memory_dir, "checkpoints")
         self.replica = os.path.join(memory_dir, REPLICA, "checkpoints")
+        self._incoming = os.path.join(memory_dir, REPLICA, INCOMING)
+        # In-cluster only: never through an egress proxy of the environment (the token and the
+        # model would leave the cluster), never redirected.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._said: Optional[str] = None
+        """The keeper's last warning (said once until it changes or a copy succeeds)."""
+        self.failing: Optional[str] = None
+        """Why the keeper cannot keep the source's newest now (told to the source's sidecar:
+        its trainer does not wait for this copy then)."""
         self.held: Optional[Held] = None
         """The replica held (for the metrics)."""
         with contextlib.suppress(OSError):
@@ -174,36 +204,37 @@ class PeerReplica:
     # -- serving --
 
     def app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        """The WSGI app of PREFIX (server.py routes it here)."""
+        """The WSGI app of PREFIX (server.py routes it here; PATH_INFO arrives unquoted)."""
         given = environ.get("HTTP_AUTHORIZATION", "")
         if not hmac.compare_digest(given.encode(), self._auth.encode()):
             return _answer(start_response, "401 Unauthorized", b"a valid peer token is needed\n")
         if environ.get("REQUEST_METHOD", "GET") != "GET":
             return _answer(start_response, "405 Method Not Allowed", b"GET only\n")
-        path = urllib.parse.unquote(environ.get("PATH_INFO", ""))[len(PREFIX) :]
+        path = environ.get("PATH_INFO", "")[len(PREFIX) :]
         kind, _, rest = path.partition("/")
         try:
             if kind == "snapshot":
-                return self._index(int(rest), start_response)
+                query = urllib.parse.parse_qs(environ.get("QUERY_STRING", ""))
+                step = int(query["step"][0]) if "step" in query else None
+                return self._index(int(rest), step, start_response)
             if kind == "file":
-                node, step, relpath = rest.split("/", 2)
-                return self._file(int(node), int(step), relpath, start_response)
+                node, step_text, relpath = rest.split("/", 2)
+                return self._file(int(node), int(step_text), relpath, start_response)
         except ValueError:
             pass
         return _answer(start_response, "404 Not Found", b"no such peer path\n")
 
-    def _found(self, node: int) -> Optional[tuple[str, Held]]:
+    def _index(
+        self, node: int, step: Optional[int], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
         if node == self.node:
-            return newest(self.own, node, self.nodes)
-        if node == self.source:
-            return newest(self.replica, node, self.nodes)
-        return None
-
-    def _index(self, node: int, start_response: Callable[..., Any]) -> Iterable[bytes]:
-        found = self._found(node)
-        if found is None:
-            return _answer(start_response, "404 Not Found", b"no snapshot of that node here\n")
-        body = json.dumps(found[1].to_json()).encode()
+            found, failing = newest(self.own, node, self.nodes, step), None
+        elif node == self.source:
+            found, failing = newest(self.replica, node, self.nodes, step), self.failing
+        else:
+            return _answer(start_response, "404 Not Found", b"not a node this sidecar keeps\n")
+        held = None if found is None else found[1].to_json()
+        body = json.dumps({"node": node, "held": held, "failing": failing}).encode()
         start_response("200 OK", _headers("application/json", len(body)))
         return [body]
 
@@ -234,30 +265,50 @@ class PeerReplica:
             self.holder,
         )
 
+    def cancel(self) -> None:
+        """SIGTERM: no more copies (one in progress stops within a chunk), no more records;
+        the drain's uploads have the network."""
+        self._stop.set()
+
     def stop(self, wait: float = 1.0) -> None:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=wait)
 
     def keep(self) -> None:
-        while not self._stop.wait(self.poll):
+        """Copy the source's newest every poll; after a failure, again in 1, 2, 4 ... 30 s."""
+        wait = self.poll
+        while not self._stop.wait(wait):
             try:
                 self.refresh()
-            except Exception as exc:  # noqa: BLE001 - one line a kind; the next poll tries again
-                self._say(f"peer replica: cannot copy node {self.source}'s snapshot: {exc}")
+                wait = self.poll
+            except Exception as exc:  # noqa: BLE001 - one line a kind; tried again later
+                self.failing = str(exc)
+                wait = min(BACKOFF_MAX, max(1.0, wait * 2))
+                if not self._stop.is_set():
+                    self._say(f"peer replica: cannot keep node {self.source}'s snapshot: {exc}")
 
     def refresh(self) -> bool:
-        """Copy the source's newest snapshot when it is not the one held; True when copied."""
-        index = self._ask(self.source, self.source)
+        """Copy the source's newest snapshot when it is not the one held; True when copied. A
+        source with none keeps the copy held: it may be the lost node's replacement, whose
+        sidecar asks for exactly that copy."""
+        index = self._ask(self.source, self.source).held
         if index is None or (self.held is not None and _same(self.held, index)):
+            self.failing = None
             return False
+        free = room.free_bytes(self.memory_dir)
+        if free < index.bytes:
+            raise PeerError(
+                f"{checkpoint_name(index.step)} takes {room.gb(index.bytes)} and the memory "
+                f"volume has {room.gb(free)} free; size it for four snapshots (two of this "
+                "node's, two of its peer's)"
+            )
         started = time.monotonic()
         self._copy(self.source, index, self.replica)
-        self.held = index
-        for step in checkpoint_steps(self.replica):
-            if step != index.step:
-                remove_checkpoint(os.path.join(self.replica, checkpoint_name(step)))
-        self._said = None
+        self.held, self.failing, self._said = index, None, None
+        for other in checkpoint_steps(self.replica):
+            if other != index.step:
+                remove_checkpoint(os.path.join(self.replica, checkpoint_name(other)))
         self.log.debug(
             "peer replica: %s of node %d copied (%s)",
             checkpoint_name(index.step),
@@ -276,10 +327,12 @@ class PeerReplica:
             self.report()
 
     def report(self) -> None:
+        """One record: `live` only while the holder answers and can keep this node's newest
+        (a holder failing, unreachable or without the peer replica is not waited for)."""
         try:
-            kept = self._ask(self.holder, self.node)
-            step, save_id = (None, None) if kept is None else kept.key
-            record = status.PeerKept(True, step, save_id, time.time())
+            answer = self._ask(self.holder, self.node)
+            step, save_id = (None, None) if answer.held is None else answer.held.key
+            record = status.PeerKept(answer.failing is None, step, save_id, time.time())
         except PeerError:
             record = status.PeerKept(False, None, None, time.time())
         with contextlib.suppress(OSError):  # the next poll writes it again
@@ -287,13 +340,15 @@ class PeerReplica:
 
     # -- restoring this node's own --
 
-    def restore_own(self) -> Optional[tuple[int, int]]:
-        """A pod with no snapshot of its own in RAM (a replacement): its newest from the node
-        that keeps it, among its own snapshots; (step, bytes), or None. Never raises."""
+    def restore_own(self, first: bool) -> Optional[tuple[int, int]]:
+        """The pod's first sidecar (`first`), its memory volume without snapshots (a
+        replacement pod): its newest from the node that keeps it, among its own snapshots;
+        (step, bytes), or None. Never raises; SIGTERM (`cancel`) stops it."""
         try:
-            if newest(self.own, self.node, self.nodes) is not None:
-                return None
-            index = self._ask(self.holder, self.node)
+            if not first or checkpoint_steps(self.own):
+                return None  # restarted in place: the trainer's own snapshots, whatever they are
+            answer = self._ask(self.holder, self.node)
+            index = answer.held
             if index is None:
                 self.log.info(
                     "peer replica: node %d holds no snapshot of this node; restoring as before",
@@ -301,7 +356,7 @@ class PeerReplica:
                 )
                 return None
             started = time.monotonic()
-            self._copy(self.holder, index, self.own)
+            self._copy(self.holder, index, self.own, replace=False)
         except Exception as exc:  # noqa: BLE001 - the restore from S3 goes on without it
             self.log.warning(
                 "peer replica: cannot restore this node's snapshot from node %d: %s",
@@ -319,50 +374,51 @@ class PeerReplica:
 
     # -- transfers --
 
-    def _ask(self, peer: int, node: int) -> Optional[Held]:
-        """What `peer` holds of `node` (None: nothing, or unreachable); raises PeerError on an
-        answer that is not an index."""
+    def _ask(self, peer: int, node: int, step: Optional[int] = None) -> Answer:
+        """What `peer` holds of `node` (of `step`, while committed there); PeerError when it
+        is unreachable or does not answer as a peer."""
+        path = f"snapshot/{node}" + ("" if step is None else f"?step={step}")
         try:
-            with self._get(peer, f"snapshot/{node}") as answer:
+            with self._get(peer, path) as answer:
                 body = answer.read(1 << 24)
         except urllib.error.HTTPError as exc:
-            if exc.code == 404:
-                return None
-            hint = " (its JITCKPT_PEER_TOKEN differs)" if exc.code == 401 else ""
+            hint = {
+                401: " (its JITCKPT_PEER_TOKEN differs)",
+                404: " (no peer replica there: JITCKPT_PEERS unset, or its memory volume "
+                "read-only)",
+            }.get(exc.code, "")
             raise PeerError(f"node {peer} answered {exc.code} {exc.reason}{hint}") from None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             raise PeerError(f"node {peer} unreachable ({_reason(exc)})") from None
-        try:
-            index = Held.from_json(json.loads(body))
-        except ValueError:
-            index = None
-        if index is None or index.node != node:
-            raise PeerError(f"node {peer} answered something other than a snapshot index")
-        return index
+        parsed = _parse(body, node)
+        if parsed is None:
+            raise PeerError(f"node {peer} answered something other than a peer's answer")
+        return parsed
 
-    def _copy(self, peer: int, index: Held, checkpoints: str) -> None:
+    def _copy(self, peer: int, index: Held, checkpoints: str, *, replace: bool = True) -> None:
         """Every file of `index` from `peer` into `checkpoints/checkpoint-<step>`, manifests
-        last, kept only when committed and `peer` still serves the same save afterwards."""
+        last, kept only when committed and still committed at `peer` afterwards (`replace`:
+        an older copy of the step there goes; else one there ends it)."""
         name = checkpoint_name(index.step)
-        incoming = os.path.join(self.memory_dir, REPLICA, INCOMING, name)
-        shutil.rmtree(os.path.dirname(incoming), ignore_errors=True)
+        incoming = os.path.join(self._incoming, name)
+        shutil.rmtree(self._incoming, ignore_errors=True)
         try:
             ordered = sorted(index.files, key=lambda f: (m.is_manifest_name(f[0]), f[0]))
             for relpath, size in ordered:
-                if self._stop.is_set():
-                    raise PeerError("the sidecar is stopping")
                 self._fetch(peer, index, relpath, size, os.path.join(incoming, relpath))
             if whole_here(incoming, index.node) is None:
                 raise PeerError(f"{name} from node {peer} is not committed whole")
-            if not _same(self._ask(peer, index.node), index):
+            if not _same(self._ask(peer, index.node, index.step).held, index):
                 raise PeerError(f"{name} changed at node {peer} during the copy")
             os.makedirs(checkpoints, exist_ok=True)
             final = os.path.join(checkpoints, name)
             if os.path.exists(final):
+                if not replace:
+                    raise PeerError(f"{name} appeared in {checkpoints} during the copy")
                 remove_checkpoint(final)
             os.rename(incoming, final)
         finally:
-            shutil.rmtree(os.path.dirname(incoming), ignore_errors=True)
+            shutil.rmtree(self._incoming, ignore_errors=True)
 
     def _fetch(self, peer: int, index: Held, relpath: str, size: int, dest: str) -> None:
         os.makedirs(os.path.dirname(dest), exist_ok=True)
@@ -372,11 +428,13 @@ class PeerReplica:
             path = f"file/{index.node}/{index.step}/{quoted}"
             with self._get(peer, path) as answer, open(dest, "wb") as out:
                 while chunk := answer.read(CHUNK):
+                    if self._stop.is_set():
+                        raise PeerError("stopped (SIGTERM)")
                     out.write(chunk)
                     got += len(chunk)
         except urllib.error.HTTPError as exc:
             raise PeerError(f"{relpath}: node {peer} answered {exc.code} {exc.reason}") from None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             raise PeerError(f"{relpath}: from node {peer}: {_reason(exc)}") from None
         if got != size:
             raise PeerError(f"{relpath}: {got} bytes from node {peer}, not {size}")
@@ -384,7 +442,7 @@ class PeerReplica:
     def _get(self, peer: int, path: str) -> Any:
         url = self.peers[peer].rstrip("/") + PREFIX + path  # http(s) only: config.py
         request = urllib.request.Request(url, headers={"Authorization": self._auth})  # noqa: S310
-        return urllib.request.urlopen(request, timeout=TIMEOUT)  # noqa: S310 - http(s) URLs only (config.py)
+        return self._opener.open(request, timeout=TIMEOUT)
 
     def _say(self, line: str) -> None:
         """A warning once until it changes or a copy succeeds (a peer down for long says it
@@ -392,6 +450,21 @@ class PeerReplica:
         if line != self._said:
             self._said = line
             self.log.warning("%s", line)
+
+
+def _parse(body: bytes, node: int) -> Optional[Answer]:
+    """An index answer about `node`, or None when `body` is not one."""
+    try:
+        obj = json.loads(body)
+        held = None if obj["held"] is None else Held.from_json(obj["held"])
+        failing = obj.get("failing")
+        if int(obj["node"]) != node or (obj["held"] is not None and held is None):
+            return None
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if held is not None and held.node != node:
+        return None
+    return Answer(held, None if failing is None else str(failing))
 
 
 def _same(a: Optional[Held], b: Held) -> bool:

@@ -21,6 +21,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from jitckpt_sidecar.errors import ConfigError
 
 _NOT_FOUND = b"not found; try /metrics, /readyz or /healthz\n"
+_PATHS = "/metrics, /readyz and /healthz"
 
 
 class MetricsServer:
@@ -57,7 +58,8 @@ class MetricsServer:
             target=self._server.serve_forever, args=(0.5,), name="jitckpt-http", daemon=True
         )
         self._thread.start()
-        self.log.info("serving /metrics, /readyz and /healthz on %s:%d", self.host, self.port)
+        paths = "/metrics, /readyz, /healthz and /peer/" if self.peer else _PATHS
+        self.log.info("serving %s on %s:%d", paths, self.host, self.port)
         return self.port
 
     def stop(self) -> None:
@@ -114,7 +116,10 @@ def _server_class(host: str, port: int, logger: logging.Logger) -> type[Threadin
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """No access log on stderr: a scrape every few seconds would flood the container's log."""
+    """No access log on stderr: a scrape every few seconds would flood the container's log. A
+    client silent for `timeout` seconds (a peer that stopped reading a snapshot) is dropped."""
+
+    timeout = 60
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: ARG002 - the stdlib's signature
         return

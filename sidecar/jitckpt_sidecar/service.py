@@ -163,7 +163,7 @@ class Service:
                 logger,
             )
             server.peer = self.peer.app
-            registry.register(PeerCollector(self.peer.metric))
+            registry.register(PeerCollector(self._peer_metric))
         elif cfg.memory_dir:  # an earlier sidecar's of this pod: the trainer must not wait on it
             status.PEER_KEPT.remove(cfg.memory_dir)
         self.notice = NoticeWatcher(
@@ -193,6 +193,8 @@ class Service:
         if self._sigterm_at is None:
             self._sigterm_at = self.monotonic()
         self.worker.draining = True  # short backoffs from now on
+        if self.peer is not None:
+            self.peer.cancel()  # the drain's uploads have the network
         self._wake.set()
 
     # -- the whole life --
@@ -201,7 +203,8 @@ class Service:
         self.readiness.reset()
         self.server.serve(ready=lambda: self.readiness.ready, healthy=self._healthy)
         if self.peer is not None:  # own RAM, then the peer's copy, before the volume and S3
-            self.feed.from_peer = self.peer.restore_own()
+            first = not os.path.exists(os.path.join(self.layout.status, status.SIDECAR_STARTED))
+            self.feed.from_peer = self.peer.restore_own(first)
         result = self.restore()
         if result is None:
             return 1
@@ -505,6 +508,13 @@ class Service:
     def _model_location(self) -> str:
         where = self.final.location
         return "" if where is None else f"; the final model is in {where}"
+
+    def _peer_metric(self) -> Optional[tuple[Optional[float], int]]:
+        """The peer replica's (creation time, bytes) until the trainer has exited."""
+        trainer = self.feed.trainer()
+        if self.peer is None or (trainer is not None and trainer.exited_at is not None):
+            return None
+        return self.peer.metric()
 
     def _healthy(self) -> bool:
         """Alive unless the main loop has not come round for far longer than a rescan."""

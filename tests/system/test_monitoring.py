@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import signal
 import subprocess
 import threading
@@ -57,7 +58,7 @@ EXPECTED = {
     "disk": {"JitckptDiskPressure"},
     "restore": {"JitckptRestoreFailed", "JitckptSidecarNotReady"},
 }
-OWN_TEST = {"JitckptWorkAtRisk"}
+OWN_TEST = {"JitckptWorkAtRisk", "JitckptNoPeerReplica"}
 """Alerts with a test of their own (below); the scenarios here check only that the normal run
 does not fire them."""
 BOOT_PENDING = {"JitckptSidecarNotReady"}
@@ -65,6 +66,8 @@ BOOT_PENDING = {"JitckptSidecarNotReady"}
 their `for:` keeps them from firing."""
 Metric = tuple[str, tuple[tuple[str, str], ...]]
 RESTORE_FAILED: Metric = ("jitckpt_restores_total", (("result", "failure"),))
+PEER_PANEL = "Peer replica: age and bytes of the snapshot each sidecar keeps of its peer"
+"""A panel of a feature the scenarios do not use (JITCKPT_PEERS): its own test shows it."""
 
 
 @dataclasses.dataclass
@@ -313,7 +316,7 @@ def test_each_alert_fires_in_its_scenario_only_and_the_dashboard_shows_the_norma
         normal_run = runs["normal"]
         panels = ["panel | query | series | max"]
         empty = []
-        for title, expr in dashboard_queries():
+        for title, expr in (q for q in dashboard_queries() if q[0] != PEER_PANEL):
             series = prom.query_range(expr, normal_run.started, normal_run.ended + 1)
             values = [float(v) for s in series for _, v in s["values"]]
             finite = [v for v in values if math.isfinite(v)]
@@ -333,11 +336,11 @@ def test_each_alert_fires_in_its_scenario_only_and_the_dashboard_shows_the_norma
         print(prom.output())
 
 
-def dashboard_queries() -> list[tuple[str, str]]:
-    """(panel title, PromQL) for every target, with Grafana's variables filled in for the
-    normal run's pods (15 s for $__rate_interval: four 1 s scrapes and then some)."""
+def dashboard_queries(pods: str = "normal-.*") -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every target, with Grafana's variables filled in for `pods`
+    (the normal run's; 15 s for $__rate_interval: four 1 s scrapes and then some)."""
     dashboard = json.loads(DASHBOARD.read_text())
-    variables = {"$__rate_interval": "15s", "$namespace": NS, "$pod": "normal-.*"}
+    variables = {"$__rate_interval": "15s", "$namespace": NS, "$pod": pods}
     out = []
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
@@ -422,3 +425,108 @@ def test_work_at_risk_fires_while_s3_fails_and_training_goes_on(
         flaky.stop()
         prom.stop()
         print(prom.output())
+
+
+PEER_FAST = {"JitckptNoPeerReplica": ("> 600", "> 10")}
+"""A copy older than 10 min -> 10 s (its `for: 10m` is 10 s at 60x)."""
+PEER_TOKEN = "monitoring-peer-token"  # noqa: S105 - a test's
+
+
+def test_no_peer_replica_fires_until_the_peer_serves_snapshots_and_the_panel_shows_them(
+    pods: Callable[..., Pod], s3_bucket: Bucket, tmp_path: Path
+) -> None:
+    """Node 0's sidecar with the peer replica (JITCKPT_PEERS) and no node 1 yet: it keeps no
+    copy (age +Inf) and JitckptNoPeerReplica fires. Node 1's sidecar comes, with a snapshot in
+    RAM every 2 s (its trainer's, written here as the hook commits them): node 0 keeps each one,
+    the alert ends, and the dashboard's peer panel has data."""
+    rules = rule_file(tmp_path / "rules.yaml", speedup=SPEEDUP, replace=PEER_FAST)
+    prom = Prometheus(tmp_path / "prometheus", rules).start()
+    stop = threading.Event()
+    try:
+        memory = [tmp_path / f"memory-{n}" for n in (0, 1)]
+        members = []
+        for node in (0, 1):
+            memory[node].mkdir()
+            members.append(
+                pods(
+                    [],
+                    storage_uri=f"s3://{s3_bucket.name}/peer",
+                    command=["true"],
+                    env={
+                        "JITCKPT_MEMORY_DIR": str(memory[node]),
+                        "JITCKPT_NODE_RANK": str(node),
+                        "JITCKPT_NNODES": "2",
+                        "JITCKPT_PEER_TOKEN": PEER_TOKEN,
+                    },
+                )
+            )
+        peers = ",".join(f"http://127.0.0.1:{p.metrics_port}" for p in members)
+        for pod in members:
+            pod.env["JITCKPT_PEERS"] = peers
+        node0, node1 = members
+        node0.start_sidecar()
+        node0.wait_ready()
+        prom.targets(
+            {p.metrics_port: {"namespace": NS, "pod": f"peer-{n}"} for n, p in enumerate(members)}
+        )
+        absent = time.time()
+        fired = prom.wait_firing("JitckptNoPeerReplica", 90, pod="peer-0")
+
+        def snapshots() -> None:
+            step = 0
+            while not stop.wait(2.0):
+                step += 3
+                peer_snapshot(memory[1], step)
+
+        writer = threading.Thread(target=snapshots, daemon=True)
+        writer.start()
+        node1.start_sidecar()
+        node1.wait_ready()
+        copies: Metric = ("jitckpt_peer_replica_bytes", ())
+        # its keeper backs off to 30 s while node 1 is down
+        wait_for(lambda: (value(node0.metrics_port, copies) or 0) > 0, 90, "node 0's copy")
+        kept = time.time()
+        wait_for(
+            lambda: not prom.firing("JitckptNoPeerReplica", pod="peer-0"), 60, "the alert to end"
+        )
+        panel = [expr for title, expr in dashboard_queries("peer-0") if title == PEER_PANEL]
+        assert len(panel) == 2, panel
+
+        def shown() -> dict[str, list[float]]:
+            got = {expr: prom.query_range(expr, kept, time.time()) for expr in panel}
+            finite = {
+                expr: [float(v) for s in series for _, v in s["values"] if v != "+Inf"]
+                for expr, series in got.items()
+            }
+            return finite if all(any(v > 0 for v in vs) for vs in finite.values()) else {}
+
+        finite = wait_for(shown, 30, "the peer panel's data")
+        assert min(finite[next(e for e in finite if "age" in e)]) < 10, finite
+        print(f"no peer replica: fired {fired - absent:.1f} s after node 0 started alone")
+    finally:
+        stop.set()
+        prom.stop()
+        print(prom.output())
+
+
+def peer_snapshot(memory: Path, step: int) -> None:
+    """Node 1's snapshot of `step` of a 2-node save in RAM, committed as the hook leaves it
+    (its files, every node's manifest); older ones go."""
+    root = memory / "checkpoints"
+    path = root / checkpoint_name(step)
+    path.mkdir(parents=True)
+    files = {"model.safetensors": b"m" * 65536, "rng_state_1.pth": b"r" * 100}
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    save_id = m.new_save_id()
+    for node in (0, 1):
+        entries = tuple(m.FileEntry(n, len(d)) for n, d in files.items() if node == 1) or (
+            m.FileEntry("rng_state_0.pth", 100),
+        )
+        manifest = m.new_manifest(
+            step, "periodic", node=node, nodes=2, world_size=2, files=entries, save_id=save_id
+        )
+        m.write_manifest(str(path), manifest, durable=False)
+    for older in root.iterdir():
+        if older != path and step_of(older.name) is not None:
+            shutil.rmtree(older)

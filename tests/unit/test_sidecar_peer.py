@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import urllib.error
 import urllib.request
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from jitckpt_entrypoint.hook import room
 from jitckpt_entrypoint.protocol import manifest as m
+from jitckpt_entrypoint.protocol import status
 from jitckpt_sidecar.metrics import PeerCollector
 from jitckpt_sidecar.peer import PeerError, PeerReplica, newest, peer_urls
 from jitckpt_sidecar.server import MetricsServer
@@ -84,12 +87,13 @@ def test_a_replacement_node_restores_its_snapshot_from_the_peer_that_keeps_it(ri
     original = tree(lost)
     os.rename(tmp_path / "memory1", tmp_path / "memory1-gone")  # a new pod: its RAM is empty
     (tmp_path / "memory1").mkdir()
-    assert node1.restore_own() == (6, sum(map(len, original.values())))
+    assert node1.restore_own(first=False) is None  # a sidecar restarted in place asks nobody
+    assert node1.restore_own(first=True) == (6, sum(map(len, original.values())))
     assert tree(tmp_path / "memory1" / "checkpoints" / "checkpoint-6") == original
     found = newest(str(tmp_path / "memory1" / "checkpoints"), 1, 2)
     assert found is not None
     assert found[1].save_id == "save-6"
-    assert node1.restore_own() is None  # its own RAM first: it asks nobody now
+    assert node1.restore_own(first=True) is None  # its own RAM first: it asks nobody now
 
 
 def test_a_snapshot_retired_during_the_copy_is_not_kept(ring, tmp_path, monkeypatch):
@@ -145,7 +149,7 @@ def test_an_unreachable_peer_costs_one_line_and_no_restore(tmp_path, caplog):
     urls = ("http://127.0.0.1:9", "http://127.0.0.1:9")  # the discard port: refused
     replica = PeerReplica(str(tmp_path / "memory1"), 1, urls, TOKEN, log)
     with caplog.at_level(logging.INFO, logger=log.name):
-        assert replica.restore_own() is None
+        assert replica.restore_own(first=True) is None
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1, said
     assert "cannot restore this node's snapshot from node 0" in said[0], said
@@ -179,3 +183,66 @@ def test_peer_urls_from_a_template_or_a_list():
         f"http://job-{n}.svc:9402" for n in range(3)
     )
     assert peer_urls("http://a:1, http://b:2", 2) == ("http://a:1", "http://b:2")
+
+
+def test_the_trainer_is_told_what_the_holder_keeps_and_not_to_wait_on_one_that_cannot(
+    ring, tmp_path, monkeypatch
+):
+    """peer.json: the snapshot of this node its holder keeps (live); not live when the holder
+    cannot keep it (no room), is unreachable, or serves no peer replica."""
+    node0, node1 = ring
+    snapshot(tmp_path / "memory1", 3, 1, "save-3")
+    node1.report()
+    kept = status.PEER_KEPT.read(str(tmp_path / "memory1"))
+    assert kept is not None
+    assert (kept.live, kept.step) == (True, None)  # not copied yet: the trainer waits
+    assert node0.refresh()
+    node1.report()
+    kept = status.PEER_KEPT.read(str(tmp_path / "memory1"))
+    assert kept is not None
+    assert (kept.live, kept.step, kept.save_id) == (True, 3, "save-3")
+
+    snapshot(tmp_path / "memory1", 6, 1, "save-6")
+    monkeypatch.setattr(room, "free_bytes", lambda _: 1000)  # node 0's memory volume is full
+    with pytest.raises(PeerError, match="size it for four snapshots"):
+        node0.refresh()
+    node0.failing = "no room"  # as keep() records it
+    node1.report()
+    kept = status.PEER_KEPT.read(str(tmp_path / "memory1"))
+    assert kept is not None
+    assert not kept.live  # node 1's trainer does not wait for a copy that cannot come
+
+    no_peer = PeerReplica(str(tmp_path / "memory1"), 1, ("http://127.0.0.1:9",) * 2, TOKEN, log)
+    no_peer.report()
+    assert not status.PEER_KEPT.read(str(tmp_path / "memory1")).live  # type: ignore[union-attr]
+
+
+def test_a_holder_without_the_peer_replica_is_an_error_not_an_empty_answer(tmp_path):
+    server = MetricsServer(host="127.0.0.1", port=0, registry=CollectorRegistry(), logger=log)
+    server.serve(ready=lambda: True, healthy=lambda: True)  # no /peer/ app: 404
+    try:
+        (tmp_path / "m").mkdir()
+        urls = (f"http://127.0.0.1:{server.port}",) * 2
+        replica = PeerReplica(str(tmp_path / "m"), 1, urls, TOKEN, log)
+        with pytest.raises(PeerError, match="no peer replica there"):
+            replica.refresh()
+    finally:
+        server.stop()
+
+
+def test_a_source_with_no_snapshot_leaves_the_copy_and_sigterm_stops_a_copy(ring, tmp_path):
+    """Node 1 comes back as a new pod (nothing in RAM) whose sidecar serves before it asks:
+    node 0 keeps the copy the new pod is about to ask for."""
+    node0, node1 = ring
+    lost = snapshot(tmp_path / "memory1", 3, 1, "save-3")
+    assert node0.refresh()
+    shutil.rmtree(lost)
+    assert not node0.refresh()
+    assert node0.held is not None
+    assert node1.restore_own(first=True) == (3, node0.held.bytes)
+
+    snapshot(tmp_path / "memory1", 6, 1, "save-6")
+    node0.cancel()
+    with pytest.raises(PeerError, match="stopped"):
+        node0.refresh()
+    assert not (tmp_path / "memory0" / "replica" / ".incoming").exists()

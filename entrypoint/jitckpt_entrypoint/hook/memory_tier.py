@@ -103,7 +103,7 @@ class MemoryTier:
         self._deferred: Optional[bool] = None
         """Each node's local rank 0: older snapshots stay past a commit for the peer replica,
         retired at the next `prepare` (with spares: the value)."""
-        self._said_peer: Optional[str] = None
+        self._said_peer = False
 
     @property
     def configured(self) -> bool:
@@ -443,19 +443,24 @@ class MemoryTier:
         if kept is None:
             return False
         node = self.session.topo.node
-        for step in reversed(checkpoint_steps(self.root)):
-            save = committed(self.path(step), node)
-            if save is None:
-                continue
-            if save[node].save_id == kept.save_id:
-                return False
-            if time.time() - save[node].created_at < PEER_WAIT:
-                return True
-            why = f"the peer has not kept {checkpoint_name(step)} within {PEER_WAIT:.0f} s"
-            if why != self._said_peer:
-                self._said_peer = why
-                self.session.log.warning("%s; snapshots go on without waiting for it", why)
+        try:
+            steps = checkpoint_steps(self.root)
+            newest = next((s for s in map(self.path, reversed(steps)) if committed(s, node)), None)
+            save = None if newest is None else committed(newest, node)
+        except OSError:  # cannot tell now: not waited for
             return False
+        if save is None or save[node].save_id == kept.save_id:
+            return False
+        if time.time() - save[node].created_at < PEER_WAIT:
+            return True
+        if not self._said_peer:
+            self._said_peer = True
+            self.session.log.warning(
+                "the peer has not kept %s within %.0f s of its commit; snapshots go on without "
+                "waiting for it (said once)",
+                checkpoint_name(save[node].step),
+                PEER_WAIT,
+            )
         return False
 
     def clear(self) -> None:
