@@ -70,6 +70,7 @@ BACKOFF_MAX = 30.0
 """Seconds between a failing keeper's tries at most."""
 REPLICA = "replica"
 INCOMING = ".incoming"
+STARTED = "sidecar-started"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +193,7 @@ class PeerReplica:
         its trainer does not wait for this copy then)."""
         self.held: Optional[Held] = None
         """The replica held (for the metrics)."""
+        shutil.rmtree(self._incoming, ignore_errors=True)  # a copy cut short by a kill
         with contextlib.suppress(OSError):
             found = newest(self.replica, self.source, self.nodes)
             self.held = found[1] if found else None
@@ -296,12 +298,14 @@ class PeerReplica:
         if index is None or (self.held is not None and _same(self.held, index)):
             self.failing = None
             return False
-        free = room.free_bytes(self.memory_dir)
-        if free < index.bytes:
+        shutil.rmtree(self._incoming, ignore_errors=True)
+        free, reserve = room.free_bytes(self.memory_dir), self._reserve()
+        if free < index.bytes + reserve:
+            kept = f" beside room for this node's next ({room.gb(reserve)})" if reserve else ""
             raise PeerError(
-                f"{checkpoint_name(index.step)} takes {room.gb(index.bytes)} and the memory "
-                f"volume has {room.gb(free)} free; size it for four snapshots (two of this "
-                "node's, two of its peer's)"
+                f"{checkpoint_name(index.step)} takes {room.gb(index.bytes)}{kept} and the "
+                f"memory volume has {room.gb(free)} free; size it for four snapshots (two of "
+                "this node's, two of its peer's)"
             )
         started = time.monotonic()
         self._copy(self.source, index, self.replica)
@@ -316,6 +320,15 @@ class PeerReplica:
             _rate(index.bytes, time.monotonic() - started),
         )
         return True
+
+    def _reserve(self) -> int:
+        """The free bytes the trainer's own two snapshots still need: a copy never takes them
+        (the older of two is written over by the next, ram_files.py: it needs none)."""
+        found = newest(self.own, self.node, self.nodes)
+        if found is None:
+            return 0
+        used = _tree_bytes(self.own)  # its snapshots and their spares (ram_files.SPARE)
+        return max(0, 2 * found[1].bytes - used)
 
     # -- what the holder keeps of this node (for the trainer's RAM tier) --
 
@@ -340,12 +353,12 @@ class PeerReplica:
 
     # -- restoring this node's own --
 
-    def restore_own(self, first: bool) -> Optional[tuple[int, int]]:
-        """The pod's first sidecar (`first`), its memory volume without snapshots (a
-        replacement pod): its newest from the node that keeps it, among its own snapshots;
-        (step, bytes), or None. Never raises; SIGTERM (`cancel`) stops it."""
+    def restore_own(self) -> Optional[tuple[int, int]]:
+        """The first sidecar on this memory volume (a new pod: the volume goes with it), the
+        volume without snapshots: this node's newest from the node that keeps it, among its
+        own snapshots; (step, bytes), or None. Never raises; SIGTERM (`cancel`) stops it."""
         try:
-            if not first or checkpoint_steps(self.own):
+            if not self._first_on_volume() or checkpoint_steps(self.own):
                 return None  # restarted in place: the trainer's own snapshots, whatever they are
             answer = self._ask(self.holder, self.node)
             index = answer.held
@@ -371,6 +384,17 @@ class PeerReplica:
             _rate(index.bytes, time.monotonic() - started),
         )
         return index.step, index.bytes
+
+    def _first_on_volume(self) -> bool:
+        """Whether no sidecar ran on this memory volume before (a marker there says one did)."""
+        os.makedirs(os.path.join(self.memory_dir, REPLICA), exist_ok=True)
+        try:
+            os.close(
+                os.open(os.path.join(self.memory_dir, REPLICA, STARTED), os.O_CREAT | os.O_EXCL)
+            )
+        except FileExistsError:
+            return False
+        return True
 
     # -- transfers --
 
@@ -465,6 +489,15 @@ def _parse(body: bytes, node: int) -> Optional[Answer]:
     if held is not None and held.node != node:
         return None
     return Answer(held, None if failing is None else str(failing))
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for parent, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(parent, name)).st_size
+    return total
 
 
 def _same(a: Optional[Held], b: Held) -> bool:

@@ -203,8 +203,7 @@ class Service:
         self.readiness.reset()
         self.server.serve(ready=lambda: self.readiness.ready, healthy=self._healthy)
         if self.peer is not None:  # own RAM, then the peer's copy, before the volume and S3
-            first = not os.path.exists(os.path.join(self.layout.status, status.SIDECAR_STARTED))
-            self.feed.from_peer = self.peer.restore_own(first)
+            self.feed.from_peer = self.peer.restore_own()
         result = self.restore()
         if result is None:
             return 1
@@ -510,9 +509,10 @@ class Service:
         return "" if where is None else f"; the final model is in {where}"
 
     def _peer_metric(self) -> Optional[tuple[Optional[float], int]]:
-        """The peer replica's (creation time, bytes) until the trainer has exited."""
+        """The peer replica's (creation time, bytes) while a trainer runs: none before the
+        first (a long restore is not a missing copy), none once it has exited."""
         trainer = self.feed.trainer()
-        if self.peer is None or (trainer is not None and trainer.exited_at is not None):
+        if self.peer is None or trainer is None or trainer.exited_at is not None:
             return None
         return self.peer.metric()
 

@@ -466,6 +466,7 @@ def test_no_peer_replica_fires_until_the_peer_serves_snapshots_and_the_panel_sho
         node0, node1 = members
         node0.start_sidecar()
         node0.wait_ready()
+        write_trainer(node0.jdir)  # a trainer runs (its status file, as the entrypoint's)
         prom.targets(
             {p.metrics_port: {"namespace": NS, "pod": f"peer-{n}"} for n, p in enumerate(members)}
         )

@@ -660,6 +660,12 @@ def test_with_a_peer_replica_the_older_snapshot_stays_until_the_peer_keeps_the_n
         assert not tier.replicating()
     assert len(lines) == 1, lines
     assert "has not kept checkpoint-10" in lines[0], lines
+    monkeypatch.setattr(memory_tier, "PEER_WAIT", 120.0)
+    assert not tier.replicating()  # behind: not waited for until it catches up
+    said(10)
+    assert not tier.replicating()
+    said(5)  # (as if 10 were newer than what it keeps again)
+    assert tier.replicating()  # caught up once: waited for again
 
 
 def test_the_ram_writer_replaces_an_older_runs_save_of_the_step_and_keeps_a_newer_one(tmp_path):

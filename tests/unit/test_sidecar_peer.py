@@ -85,15 +85,16 @@ def test_a_replacement_node_restores_its_snapshot_from_the_peer_that_keeps_it(ri
     assert node0.metric()[1] == sum(len(b) for b in tree(lost).values())
 
     original = tree(lost)
+    assert node1.restore_own() is None  # its own RAM first: it asks nobody
     os.rename(tmp_path / "memory1", tmp_path / "memory1-gone")  # a new pod: its RAM is empty
     (tmp_path / "memory1").mkdir()
-    assert node1.restore_own(first=False) is None  # a sidecar restarted in place asks nobody
-    assert node1.restore_own(first=True) == (6, sum(map(len, original.values())))
+    assert node1.restore_own() == (6, sum(map(len, original.values())))
     assert tree(tmp_path / "memory1" / "checkpoints" / "checkpoint-6") == original
     found = newest(str(tmp_path / "memory1" / "checkpoints"), 1, 2)
     assert found is not None
     assert found[1].save_id == "save-6"
-    assert node1.restore_own(first=True) is None  # its own RAM first: it asks nobody now
+    shutil.rmtree(tmp_path / "memory1" / "checkpoints")  # the trainer removed its snapshots
+    assert node1.restore_own() is None  # a sidecar restarted on this volume asks nobody
 
 
 def test_a_snapshot_retired_during_the_copy_is_not_kept(ring, tmp_path, monkeypatch):
@@ -149,7 +150,7 @@ def test_an_unreachable_peer_costs_one_line_and_no_restore(tmp_path, caplog):
     urls = ("http://127.0.0.1:9", "http://127.0.0.1:9")  # the discard port: refused
     replica = PeerReplica(str(tmp_path / "memory1"), 1, urls, TOKEN, log)
     with caplog.at_level(logging.INFO, logger=log.name):
-        assert replica.restore_own(first=True) is None
+        assert replica.restore_own() is None
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1, said
     assert "cannot restore this node's snapshot from node 0" in said[0], said
@@ -239,10 +240,28 @@ def test_a_source_with_no_snapshot_leaves_the_copy_and_sigterm_stops_a_copy(ring
     shutil.rmtree(lost)
     assert not node0.refresh()
     assert node0.held is not None
-    assert node1.restore_own(first=True) == (3, node0.held.bytes)
+    assert node1.restore_own() == (3, node0.held.bytes)
 
     snapshot(tmp_path / "memory1", 6, 1, "save-6")
     node0.cancel()
     with pytest.raises(PeerError, match="stopped"):
         node0.refresh()
     assert not (tmp_path / "memory0" / "replica" / ".incoming").exists()
+
+
+def test_a_copy_leaves_room_for_the_trainers_next_snapshot_and_a_cut_short_one_goes(
+    ring, tmp_path, monkeypatch
+):
+    node0, _ = ring
+    own = snapshot(tmp_path / "memory0", 3, 0, "save-3")  # node 0's trainer has one snapshot
+    need = sum(p.stat().st_size for p in own.rglob("*") if p.is_file())
+    snapshot(tmp_path / "memory1", 3, 1, "save-3")
+    leftover = tmp_path / "memory0" / "replica" / ".incoming" / "checkpoint-9"
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_bytes(b"x" * 1000)  # a copy a kill cut short
+    monkeypatch.setattr(room, "free_bytes", lambda _: need + 100)  # one snapshot's room
+    with pytest.raises(PeerError, match="beside room for this node's next"):
+        node0.refresh()
+    assert not leftover.parent.exists()
+    monkeypatch.setattr(room, "free_bytes", lambda _: 3 * need)
+    assert node0.refresh()

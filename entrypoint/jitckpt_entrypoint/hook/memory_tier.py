@@ -57,6 +57,7 @@ from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol import status, write_out
 from jitckpt_entrypoint.protocol.commit import remove_checkpoint
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
+from jitckpt_entrypoint.protocol.manifest import Manifest
 from jitckpt_entrypoint.protocol.validity import committed
 
 PART = (
@@ -104,6 +105,8 @@ class MemoryTier:
         """Each node's local rank 0: older snapshots stay past a commit for the peer replica,
         retired at the next `prepare` (with spares: the value)."""
         self._said_peer = False
+        self._peer_behind = False
+        """The peer took longer than PEER_WAIT: not waited for until it keeps the newest."""
 
     @property
     def configured(self) -> bool:
@@ -436,32 +439,41 @@ class MemoryTier:
         """Each node's local rank 0, before a snapshot: the newest one committed here is not
         kept by the peer yet, so no newer one is taken (the older stays until then: `committed`,
         `prepare`). A lost node's copy is then of a save every other node still holds. Not
-        longer than PEER_WAIT after the newest one's commit (one line; snapshots go on)."""
-        if not self.on or not self.session.topo.is_leader:
-            return False
-        kept = self._peer_kept()
-        if kept is None:
-            return False
+        longer than PEER_WAIT after the newest one's commit (one line; snapshots go on without
+        waiting until the peer keeps the newest again)."""
+        kept = self._peer_kept() if self.on and self.session.topo.is_leader else None
+        save = None if kept is None else self._newest_own()
         node = self.session.topo.node
-        try:
-            steps = checkpoint_steps(self.root)
-            newest = next((s for s in map(self.path, reversed(steps)) if committed(s, node)), None)
-            save = None if newest is None else committed(newest, node)
-        except OSError:  # cannot tell now: not waited for
+        if kept is None or save is None or save[node].save_id == kept.save_id:
+            self._peer_behind = False  # caught up (or nothing to wait for): waited for again
             return False
-        if save is None or save[node].save_id == kept.save_id:
+        if self._peer_behind:
             return False
         if time.time() - save[node].created_at < PEER_WAIT:
             return True
+        self._peer_behind = True
         if not self._said_peer:
             self._said_peer = True
             self.session.log.warning(
                 "the peer has not kept %s within %.0f s of its commit; snapshots go on without "
-                "waiting for it (said once)",
+                "waiting for it until it catches up (said once)",
                 checkpoint_name(save[node].step),
                 PEER_WAIT,
             )
         return False
+
+    def _newest_own(self) -> Optional[dict[int, Manifest]]:
+        """The manifests of the newest snapshot committed on this node, or None (also when the
+        directory cannot be read now)."""
+        node = self.session.topo.node
+        try:
+            for step in reversed(checkpoint_steps(self.root)):
+                save = committed(self.path(step), node)
+                if save is not None:
+                    return save
+        except OSError:
+            pass
+        return None
 
     def clear(self) -> None:
         """Each node's local rank 0: every snapshot goes (JITCKPT_RESUME=0 starts over)."""
