@@ -66,7 +66,7 @@ node's (a small JSON answer each)."""
 TIMEOUT = 10.0
 """Seconds a peer has to connect and to send each chunk."""
 CHUNK = 1 << 20
-BACKOFF_MAX = 30.0
+BACKOFF_MAX = 10.0
 """Seconds between a failing keeper's tries at most."""
 REPLICA = "replica"
 INCOMING = ".incoming"
@@ -278,7 +278,7 @@ class PeerReplica:
             thread.join(timeout=wait)
 
     def keep(self) -> None:
-        """Copy the source's newest every poll; after a failure, again in 1, 2, 4 ... 30 s."""
+        """Copy the source's newest every poll; after a failure, again in 1, 2, 4, 8, 10 s."""
         wait = self.poll
         while not self._stop.wait(wait):
             try:
@@ -327,7 +327,7 @@ class PeerReplica:
         found = newest(self.own, self.node, self.nodes)
         if found is None:
             return 0
-        used = _tree_bytes(self.own)  # its snapshots and their spares (ram_files.SPARE)
+        used = room.tree_bytes(self.own)  # its snapshots and their spares (ram_files.SPARE)
         return max(0, 2 * found[1].bytes - used)
 
     # -- what the holder keeps of this node (for the trainer's RAM tier) --
@@ -489,15 +489,6 @@ def _parse(body: bytes, node: int) -> Optional[Answer]:
     if held is not None and held.node != node:
         return None
     return Answer(held, None if failing is None else str(failing))
-
-
-def _tree_bytes(path: str) -> int:
-    total = 0
-    for parent, _, names in os.walk(path):
-        for name in names:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(parent, name)).st_size
-    return total
 
 
 def _same(a: Optional[Held], b: Held) -> bool:

@@ -217,8 +217,8 @@ class MemoryTier:
         try:
             os.makedirs(self.root, exist_ok=True)
             free = room.free_bytes(self.root)
-            held = sum(_tree_bytes(self.path(s)) for s in checkpoint_steps(self.root))
-            held += _tree_bytes(os.path.join(self.root, ram_files.SPARE))
+            held = sum(room.tree_bytes(self.path(s)) for s in checkpoint_steps(self.root))
+            held += room.tree_bytes(os.path.join(self.root, ram_files.SPARE))
         except OSError as exc:
             return f"cannot use JITCKPT_MEMORY_DIR {self.session.cfg.memory_dir}: {exc}"
         needed = KEPT * node_bytes
@@ -395,7 +395,7 @@ class MemoryTier:
             if other not in whole:
                 remove_checkpoint(path)
             elif other != whole[-1]:  # kept past its commit for the peer's copy (`committed`)
-                self._retire(path, self._deferred is not False)
+                self._retire(path, self._deferred is True)
         self._deferred = None
         remove_checkpoint(self.path(step))
 
@@ -495,12 +495,3 @@ class MemoryTier:
                 if self.path(other) != resumed_dir:
                     remove_checkpoint(self.path(other))
         self._drop_spares()
-
-
-def _tree_bytes(path: str) -> int:
-    total = 0
-    for parent, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(parent, name)).st_size
-    return total

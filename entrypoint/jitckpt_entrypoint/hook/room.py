@@ -15,6 +15,7 @@ A checkpoint that does not fit on its volume is reported in one line (`no_space`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Optional
@@ -62,6 +63,16 @@ def free_bytes(path: str) -> int:
     except OSError:
         return 0
     return st.f_bavail * st.f_frsize
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the files under `path` (what is gone meanwhile counts 0)."""
+    total = 0
+    for parent, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(parent, name)).st_size
+    return total
 
 
 def volume_of(path: str) -> str:
