@@ -46,7 +46,13 @@ REPO = Path(__file__).resolve().parents[1]
 TOTAL = 100
 SAVE_STEPS = 20
 MODEL = ["--hidden", "128", "--layers", "4", "--vocab", "2048"]  # ~1.1M params, 13.5 MB checkpoints
-TRAIN_ARGS = ["--max-steps", str(TOTAL), "--save-steps", str(SAVE_STEPS), *MODEL]
+STEP_SLEEP = "0.05"
+"""Seconds added to each step: at this model's ~30 steps a second, the notice's save (1-2 s to
+S3) and NOTICE_LEAD would otherwise outlast the steps left, and pod-2 would finish before its
+SIGTERM."""
+TRAIN_ARGS = [
+    "--max-steps", str(TOTAL), "--save-steps", str(SAVE_STEPS), "--step-sleep", STEP_SLEEP, *MODEL
+]  # fmt: skip
 # The pods' sidecars serve /metrics on loopback only: this is a demo on someone's machine.
 POD_ENV = {"JITCKPT_METRICS_HOST": "127.0.0.1"}
 BUCKET = "jitckpt-demo"
@@ -63,8 +69,8 @@ class Demo:
         self.out = out
         self.seed = seed
         rng = random.Random(seed)
-        first = rng.randint(10, TOTAL // 2 - 5)
-        self.targets = (first, rng.randint(first + 15, TOTAL - 40))
+        first = rng.randint(10, TOTAL // 2 - 10)
+        self.targets = (first, rng.randint(first + 15, TOTAL - 45))
         """The steps after which pod-1 gets SIGTERM and pod-2 the cluster's notice (its SIGTERM
         follows NOTICE_LEAD s after the save asked for is in S3)."""
         self.started = time.monotonic()
