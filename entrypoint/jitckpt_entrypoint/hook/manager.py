@@ -77,6 +77,8 @@ class CheckpointManager:
         self.survivors = Survivors(session)
         """The last completed step, saved by the ranks left when peers are lost (survivors.py)."""
         self.resumed_dir: Optional[str] = None
+        self._in_ram = False
+        """`resumed_dir` is a snapshot in RAM (the sidecar's recovery label)."""
         """The directory the last `resume` chose (a snapshot's in RAM, or the volume's)."""
 
     # -- bookkeeping --
@@ -115,9 +117,7 @@ class CheckpointManager:
         into training."""
         start = self._resumed_step if began_at is None else began_at
         self._finished = step
-        resumed = self.resumed_dir
-        in_ram = resumed is not None and resumed != self.checkpoint_dir(self._resumed_step or 0)
-        self.records.step_finished(step, start, in_ram and start == self._resumed_step)
+        self.records.step_finished(step, start, self._in_ram and start == self._resumed_step)
         self.saver.poll_write_out()
 
     def training_ended(self) -> None:
@@ -152,6 +152,7 @@ class CheckpointManager:
         gone = [s for s in map(step_of, removed) if s is not None]
         self.saver.resumed(step if on_volume else None, gone)
         self.resumed_dir = path
+        self._in_ram = path is not None and not on_volume
         if step is not None:
             self._resumed_step = step
         return step
