@@ -27,7 +27,7 @@ one snapshot over the network (this model's is under a MB: milliseconds), plus t
 the trainers, which no tier changes.
 
     .venv/bin/python bench/bench_peer_replica.py [--trials 3] [--snapshot-interval 5steps]
-        [--save-steps 50] [--seed 1]
+        [--save-steps 50] [--seed 1] [--strategy fsdp2-sharded]
 
 The kill steps are drawn from a fixed seed between 5 and 25 steps past the first periodic save.
 """
@@ -134,8 +134,12 @@ def main() -> None:
     parser.add_argument("--snapshot-interval", default="5steps")
     parser.add_argument("--save-steps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--strategy", default="ddp", help="the training script's: ddp or fsdp2-sharded (full-shard)"
+    )
     opts = parser.parse_args()
     ARGS[:] = ["--max-steps", "100000", "--save-steps", str(opts.save_steps), "--step-sleep", "0.2"]
+    ARGS.extend(["--strategy", opts.strategy])
     first = opts.save_steps + 5  # past the first periodic save, before the second
     kills = random.Random(opts.seed).sample(range(first, first + 20), opts.trials)
     server = MotoServer().start()

@@ -2,8 +2,8 @@
 
 Cheap on purpose: it only registers post-import hooks. Nothing happens in a process that never
 imports transformers' Trainer (the Trainer patch), torchrun's launcher (the agent patch) or DCP
-(where a save under JITCKPT_DIR puts its bytes: hook/dcp_reads.py); a SIGTERM handler is
-installed only once training starts.
+(where a save under JITCKPT_DIR or JITCKPT_MEMORY_DIR puts its bytes: hook/dcp_reads.py); a
+SIGTERM handler is installed only once training starts.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from harness.netns import netns
-from harness.pod import final_weights
+from harness.pod import final_weights, weights
 from harness.procs import descendants, free_port
 from harness.training import (
     TRAIN_HF,
@@ -257,28 +257,42 @@ def memory_dirs() -> Iterator[list[Path]]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+SHARDED = ("--strategy", "fsdp2-sharded")
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp-full-shard"])
 def test_nodes_restarted_in_place_resume_from_their_own_snapshots_in_ram(
-    spawn, base_env, tmp_path, memory_dirs
+    spawn, base_env, tmp_path, memory_dirs, fsdp
 ):
-    """The RAM tier with several nodes: each node's memory volume holds a whole snapshot (its
-    local rank 0 writes the shared files too), so no node needs another's files to resume. Node
-    1 killed at step 14 (node 0 saves as a survivor), then both containers restarted in place
-    (their volumes and memory volumes kept): both resume from the newest snapshot they both
-    hold, bitwise equal to an uninterrupted run."""
+    """The RAM tier with several nodes: each node's memory volume holds a whole snapshot, so
+    no node needs another's files to resume. DDP: each node's local rank 0 writes the shared
+    files too. FSDP full-shard: a node holds its own ranks' shards, and node 0's DCP metadata
+    and replicated items are spread to it (hook/dcp_reads.py `spread`). Node 1 killed at step
+    14 (DDP: node 0 saves as a survivor), then both containers restarted in place (their
+    volumes and memory volumes kept): both resume from the newest snapshot they both hold,
+    bitwise equal to an uninterrupted run."""
     dirs = node_dirs(tmp_path, "ram", 2)
     snap = {"JITCKPT_SNAPSHOT_INTERVAL": "3steps"}
-    args = (*ARGS, "--step-sleep", "0.2")
+    strategy = SHARDED if fsdp else ()
+    args = (*ARGS, *strategy, "--step-sleep", "0.2")
     first = job(spawn, base_env, dirs, *args, env=snap, memory=memory_dirs)
     wait_for_step(first[0], 14)
     first[1].kill_tree()
     first[0].wait(timeout=60)
     assert hook_lines(first[0], "snapshots to RAM every 3 steps"), first[0].output()
-    assert hook_lines(first[0], "several nodes the training processes write"), first[0].output()
+    assert hook_lines(first[0], "the training processes"), first[0].output()
+    own = "pytorch_model_fsdp_0/.metadata" if fsdp else "model.safetensors"
     for memory in memory_dirs:  # node 1's too: every file its rank loads
         snapshots = sorted((memory / "checkpoints").glob("checkpoint-*"))
-        assert any((s / "model.safetensors").exists() for s in snapshots), snapshots
-
-    straight = uninterrupted(spawn, base_env, tmp_path, (2, 1))
+        assert any((s / own).exists() for s in snapshots), snapshots
+    if fsdp:  # node 1 holds its own shards, not node 0's
+        assert not any((s / "pytorch_model_fsdp_0" / "__0_0.distcp").exists() for s in snapshots)
+        straight_dirs = node_dirs(tmp_path, "straight-fsdp", 2)
+        for proc in job(spawn, base_env, straight_dirs, *ARGS, *strategy):
+            assert proc.wait(timeout=300) == 0, proc.output()
+        straight = joined_weights(straight_dirs)
+    else:
+        straight = uninterrupted(spawn, base_env, tmp_path, (2, 1))
     second = job(spawn, base_env, dirs, *args, env=snap, memory=memory_dirs)
     for proc in second:
         assert proc.wait(timeout=300) == 0, proc.output()
@@ -290,4 +304,19 @@ def test_nodes_restarted_in_place_resume_from_their_own_snapshots_in_ram(
     for rank, proc in enumerate(second):
         begun = proc.expect(rf"^begin rank={rank} pid=\d+ step=(\d+)$").group(1)
         assert int(begun) == step, proc.output()
-    assert same(final_weights(dirs[0], STEPS), straight)
+    assert same(joined_weights(dirs), straight)
+
+
+def joined_weights(dirs: list[Path]) -> dict[str, torch.Tensor]:
+    """The final weights of a job whose nodes hold their own FSDP shards (or all of them)."""
+    ckpts = [d / "checkpoints" / f"checkpoint-{STEPS}" for d in dirs]
+    if (ckpts[0] / "model.safetensors").exists():
+        return weights(ckpts[0])
+    with tempfile.TemporaryDirectory() as tmp:
+        joined = Path(tmp) / "pytorch_model_fsdp_0"
+        shutil.copytree(ckpts[0] / joined.name, joined)
+        for ckpt in ckpts[1:]:
+            for shard in (ckpt / joined.name).glob("*.distcp"):
+                if not (joined / shard.name).exists():
+                    shutil.copy(shard, joined / shard.name)
+        return weights(Path(tmp))

@@ -95,11 +95,14 @@ def tree(path: Path) -> dict[str, bytes]:
 
 def test_a_lost_node_replaced_resumes_from_the_snapshot_its_peer_kept_in_ram(pods, tmp_path):
     """The peer replica (sidecar/peer.py): each node's sidecar keeps the other's newest
-    snapshot in RAM. Node 0's trainer container dies (restarted in place, its memory volume
-    kept) and node 1 is lost whole: no survivor saves, nothing is in S3. Node 1's replacement
-    pod (new volumes, the same address) gets its snapshot from node 0's sidecar, byte for byte
-    what node 1 held, and both nodes resume from it in RAM."""
-    args = ["--max-steps", "40", "--save-steps", "1000", "--step-sleep", "0.1"]
+    snapshot in RAM. An FSDP full-shard job (each node's snapshot: its own ranks' shards and
+    what they read, hook/dcp_reads.py `spread`). Node 0's trainer container dies (restarted in
+    place, its memory volume kept) and node 1 is lost whole: no survivor saves (no rank holds
+    node 1's shards), nothing is in S3. Node 1's replacement pod (new volumes, the same
+    address) gets its snapshot from node 0's sidecar, byte for byte what node 1 held, its
+    shards too, and both nodes resume from it in RAM."""
+    args = ["--strategy", "fsdp2-sharded", "--max-steps", "40", "--save-steps", "1000"]
+    args += ["--step-sleep", "0.1"]
     memory = [tmp_path / f"memory-{n}" for n in (0, 1, 2)]
     for path in memory:
         path.mkdir()
@@ -127,6 +130,8 @@ def test_a_lost_node_replaced_resumes_from_the_snapshot_its_peer_kept_in_ram(pod
     assert kept % 3 == 0, kept
     assert kept in validity.committed_steps(str(memory[0] / "checkpoints"), 0), node0.output()
     lost = tree(memory[1] / "checkpoints" / f"checkpoint-{kept}")
+    assert "pytorch_model_fsdp_0/__2_0.distcp" in lost, sorted(lost)  # rank 2's shards
+    assert "pytorch_model_fsdp_0/__0_0.distcp" not in lost, sorted(lost)
 
     port = free_port()
     replacement = pods(

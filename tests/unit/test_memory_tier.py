@@ -70,11 +70,12 @@ def snapshot(
     holdings: Optional[dict[int, list[str]]] = None,
     lineage: str = "",
     path: str = "",
+    reads: Optional[dict[int, tuple[tuple[str, ...], tuple[str, ...]]]] = None,
 ) -> str:
     """A committed snapshot of `step` in the memory directory (`path`: a checkpoint directory
     elsewhere), of the run's lineage (or `lineage`). `holdings`: of a job of two nodes of one
     rank, as node 1 holds it: every node's manifest (the files each node wrote), node 1's
-    files only."""
+    files only; `reads`: the manifests' DCP read maps (commit_node's)."""
     session = manager.session
     path = path or manager.tier.path(step)
     node, nodes = (0, 1) if holdings is None else (1, 2)
@@ -83,6 +84,7 @@ def snapshot(
     else:
         os.makedirs(path)
         for name in holdings[1]:
+            Path(path, name).parent.mkdir(parents=True, exist_ok=True)
             Path(path, name).write_bytes(b"x" * 10)
         files, world_size = {n: dict.fromkeys(names, 10) for n, names in holdings.items()}, 2
     commit.commit_node(
@@ -100,6 +102,7 @@ def snapshot(
         save_id=m.new_save_id(),
         lineage=lineage or session.lineage or m.new_lineage(),
         record=False,
+        reads=reads,
     )
     return path
 
@@ -160,6 +163,73 @@ def test_nodes_restarted_in_place_ask_the_sidecar_for_nothing_a_newer_snapshot_c
     assert asked == []
     resume.fetch_missing(manager.session)  # no snapshot in RAM: node 1 asks for the rest
     assert asked == [20]
+
+
+def test_an_fsdp_nodes_snapshot_is_whole_with_its_own_shards_and_what_it_reads(tmp_path):
+    """FSDP full-shard on two nodes: node 1 holds its own shards, the shared files and what
+    it reads of node 0's (hook/dcp_reads.py `spread`: `.metadata`, the replicated items), not
+    node 0's shards. Without the read map, or without a file its map says it reads, it is
+    not whole."""
+    manager = manager_for(tmp_path)
+    manager.session.topo = Topology(rank=1, world_size=2, node=1, nodes=2)
+    shared = ["trainer_state.json", "scheduler.pt", "model/.metadata"]
+    node0 = [*shared, "rng_state_0.pth", "model/__0_0.distcp", "model/__0_1.distcp"]
+    node1 = [*shared, "rng_state_1.pth", "model/__1_0.distcp", "model/__0_1.distcp"]
+    maps = {0: (("model",), ()), 1: (("model",), ("model/__0_1.distcp",))}
+    whole = snapshot(manager, 12, holdings={0: node0, 1: node1}, reads=maps)
+    assert validity.whole_here(whole, 1) is not None
+    unmapped = snapshot(manager, 15, holdings={0: node0, 1: node1})
+    assert validity.whole_here(unmapped, 1) is None  # every node reads every shard
+    short = [p for p in node1 if p != "model/__0_1.distcp"]
+    lacking = snapshot(manager, 18, holdings={0: node0, 1: short}, reads=maps)
+    assert validity.whole_here(lacking, 1) is None
+
+
+def test_spread_sends_node_0s_replicated_items_and_refuses_shards_of_another_node(
+    tmp_path, monkeypatch
+):
+    """dcp_reads `_to_spread` (rank 0): `.metadata` to every other node, node 0's file of
+    replicated items to the nodes whose ranks read it. A node that would need shards another
+    node wrote (or node 0's), no read map, or more than SPREAD_MAX: the reason instead (the
+    snapshot is abandoned and snapshots turn off)."""
+    from jitckpt_entrypoint.hook import dcp_reads
+
+    directory = tmp_path / "model"
+    directory.mkdir()
+    for name in (".metadata", "__0_1.distcp", "__1_0.distcp"):
+        (directory / name).write_bytes(name.encode())
+    per_rank = [
+        frozenset({"__0_0.distcp", "__0_1.distcp"}),
+        frozenset({"__1_0.distcp", "__0_1.distcp"}),
+        frozenset({"__2_0.distcp", "__0_1.distcp"}),  # node 1
+        frozenset({"__3_0.distcp"}),
+        frozenset({"__4_0.distcp", "__0_1.distcp"}),  # node 2
+        frozenset({"__5_0.distcp"}),
+    ]
+    key = str(directory)
+
+    def spread(maps: list[frozenset[str]]) -> object:
+        dcp_reads._maps[key] = maps
+        dcp_reads._sharded[key] = frozenset(f"__{r}_0.distcp" for r in range(6))
+        try:
+            return dcp_reads._to_spread([key], local_world_size=2)
+        finally:
+            dcp_reads._maps.pop(key)
+            dcp_reads._sharded.pop(key)
+
+    assert spread(per_rank) == [
+        (0, ".metadata", b".metadata", (1, 2)),
+        (0, "__0_1.distcp", b"__0_1.distcp", (1, 2)),
+    ]
+    shards = [*per_rank[:2], per_rank[2] | {"__1_0.distcp"}, *per_rank[3:]]
+    assert "node 1's ranks read __1_0.distcp" in str(spread(shards))
+    other = [*per_rank[:4], per_rank[4] | {"__2_0.distcp"}, per_rank[5]]
+    assert "node 2's ranks read __2_0.distcp" in str(spread(other))
+    node0 = [per_rank[0] | {"__3_0.distcp"}, *per_rank[1:]]
+    assert "node 0's ranks read __3_0.distcp" in str(spread(node0))
+    assert "no read map" in str(dcp_reads._to_spread([str(tmp_path / "x")], local_world_size=2))
+    monkeypatch.setattr(dcp_reads, "SPREAD_MAX", 12)
+    assert "over" in str(spread(per_rank))  # 9 bytes of .metadata, then 12 more
 
 
 def test_each_node_resumes_from_its_own_whole_snapshot_which_is_never_written_out(tmp_path):

@@ -70,6 +70,8 @@ class DeferredSaves:
         """(live state dict, its staged copy or None, dcp.save's other arguments), in order."""
         self._patches = contextlib.ExitStack()
         self._original: Any = None
+        self.directories: list[str] = []
+        """Where the deferred saves write (their FileSystemWriter's path), in order."""
 
     @property
     def staged(self) -> bool:
@@ -115,6 +117,8 @@ class DeferredSaves:
                     )
                 staged = None
         self._saves.append((state_dict, staged, kwargs))
+        writer_path = getattr(writer, "path", None) or kwargs.get("checkpoint_id")
+        self.directories.append(str(writer_path))
 
     def write(self, group: Any, check: Any = None) -> None:
         """Background (collective on `group`): DCP's own save of each staged copy, in order;

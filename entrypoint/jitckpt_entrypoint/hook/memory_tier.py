@@ -28,11 +28,13 @@ Several nodes (each pod has its own memory volume): the Trainer's snapshot is wh
 node (trainer_checkpoint.py `whole_node`: each node's local rank 0 writes the shared files, as
 process 0 does), so a node resumes from RAM with its own files alone (validity.whole_here). It
 is not a node's part of a save: the RAM writer does not write periodic saves out. A plain
-loop's snapshots are refused there (its DCP shards are per rank: PART), and FSDP's.
+loop's snapshots are refused there (its DCP shards are per rank: PART), and FSDP's full state.
 
-FSDP with a sharded state (one node): a snapshot is the Trainer's own save with its DCP saves
-staged (trainer.py `_snapshot_staged`, saver.py `save_snapshot_staged`); its periodic saves are
-not the RAM writer's (`written_out`).
+FSDP with a sharded state: a snapshot is the Trainer's own save with its DCP saves staged
+(trainer.py `_snapshot_staged`, saver.py `save_snapshot_staged`); its periodic saves are not
+the RAM writer's (`written_out`). With several nodes a node holds its own ranks' shards, the
+shared files (`save_on_each_node`) and the DCP files its ranks read that node 0 wrote
+(dcp_reads.py `spread`): whole there by the read map its manifest records.
 
 The peer replica (sidecar/peer.py: each node's sidecar keeps another node's newest snapshot;
 a replacement pod's restores its own from it): a lost node's copy must be of a save every

@@ -23,9 +23,11 @@ This module is an adapter: what happens to a checkpoint is decided in manager.py
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import weakref
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any, Callable, Optional
 
@@ -36,6 +38,7 @@ from jitckpt_entrypoint.hook import resume
 from jitckpt_entrypoint.hook.manager import CheckpointManager, current
 from jitckpt_entrypoint.hook.saves import SaveParts, SaveRequest, Staged
 from jitckpt_entrypoint.hook.session import Session
+from jitckpt_entrypoint.hook.topology import Topology
 from jitckpt_entrypoint.protocol.layout import step_of
 
 _logged_overrides = False
@@ -194,9 +197,13 @@ def _not_whole_nodes(manager: CheckpointManager, trainer: Any) -> Optional[str]:
     from jitckpt_entrypoint.hook.survivors import persistent_buffers
 
     if getattr(trainer, "is_fsdp_enabled", False):
+        from jitckpt_entrypoint.hook import fsdp_checkpoint
+
+        if fsdp_checkpoint.sharded(trainer):
+            return None  # each node's snapshot: its own shards and what it reads (_spread)
         return (
-            "FSDP's sharded state: with several nodes a node holds only its own ranks' shards "
-            "(not yet)"
+            "FSDP's full state dict is gathered on process 0 alone: with several nodes a "
+            "node's snapshot would not hold the model"
         )
     try:
         buffers = persistent_buffers(trainer)
@@ -225,40 +232,81 @@ def _snapshot_parts(trainer: Any, whole_node: bool) -> tuple[SaveParts, Optional
 
 
 def _snapshot_staged(
-    trainer: Any, root: str
+    trainer: Any, root: str, topo: Topology
 ) -> tuple[Callable[[Callable[[], object]], Staged], Callable[[], object]]:
     """A snapshot in RAM of an FSDP Trainer (sharded state): (stage, own), HF's own save of
     this step into `root` (its `_get_output_dir` points there meanwhile) with its DCP saves
     staged (fsdp_checkpoint.DeferredSaves) and written there by the background writer; HF's
-    rotation held (memory_tier.py keeps its own)."""
+    rotation held (memory_tier.py keeps its own). With several nodes each node's snapshot
+    holds what its ranks load: its local rank 0 writes the Trainer's shared files
+    (`save_on_each_node`, HF's own way), and the DCP files it reads that node 0 wrote are
+    spread to it (dcp_reads.spread)."""
+    several = topo.nodes > 1
 
     def own() -> None:
-        state = trainer.state
+        state, args = trainer.state, trainer.args
         best = state.best_model_checkpoint  # HF's save may point it at a snapshot's directory
         vars(trainer)[_SNAPSHOT_INTO] = root
         try:
             if trainer._get_output_dir(None) != root:
                 raise OSError(f"{type(trainer).__name__} overrides _get_output_dir")
-            # The Trainer's own save, not a subclass's (TRL's write a model card there): what
-            # HF's resume reads, as the fast path's snapshots write.
-            type(trainer)._jitckpt_original_save(trainer, trainer.model_wrapped, None)
+            with _on_each_node(args, several):
+                # The Trainer's own save, not a subclass's (TRL's write a model card there):
+                # what HF's resume reads, as the fast path's snapshots write.
+                type(trainer)._jitckpt_original_save(trainer, trainer.model_wrapped, None)
         finally:
             vars(trainer).pop(_SNAPSHOT_INTO, None)
             state.best_model_checkpoint = best
 
-    return functools.partial(_stage, trainer, lambda: None), own
+    spread = functools.partial(_spread, topo) if several else None
+    return functools.partial(_stage, trainer, lambda: None, spread=spread), own
+
+
+@contextlib.contextmanager
+def _on_each_node(args: Any, several: bool) -> Iterator[None]:
+    """HF's `save_on_each_node` inside `with` (several nodes: each node's local rank 0 writes
+    the shared files); OSError (the snapshot is off, not training) when the arguments refuse
+    it."""
+    if not several or args.save_on_each_node:
+        yield
+        return
+    try:
+        args.save_on_each_node = True
+    except Exception as exc:  # a frozen TrainingArguments: no snapshot
+        raise OSError(f"{type(args).__name__} refuses save_on_each_node ({exc!r:.80})") from exc
+    try:
+        yield
+    finally:
+        args.save_on_each_node = False
+
+
+def _spread(topo: Topology, directories: list[str], group: Any) -> None:
+    from jitckpt_entrypoint.hook import dcp_reads
+
+    dcp_reads.spread(directories, group, topo)
 
 
 def _stage(
-    trainer: Any, after_commit: Callable[[], None], write_own: Callable[[], object]
+    trainer: Any,
+    after_commit: Callable[[], None],
+    write_own: Callable[[], object],
+    spread: Optional[Callable[[list[str], Any], None]] = None,
 ) -> Staged:
     """The Trainer's own save `write_own` with its DCP saves staged (FSDP's sharded state:
-    fsdp_checkpoint.DeferredSaves), HF's rotation held; `after_commit` runs after the commit."""
+    fsdp_checkpoint.DeferredSaves), HF's rotation held; `after_commit` runs after the commit;
+    `spread(directories, group)` after the writes (a snapshot of several nodes)."""
     from jitckpt_entrypoint.hook.fsdp_checkpoint import DeferredSaves
 
     with DeferredSaves(trainer) as deferred:
         write_own()
-    return Staged(deferred.staged, deferred.write, deferred.write_now, after_commit)
+    if spread is None:
+        return Staged(deferred.staged, deferred.write, deferred.write_now, after_commit)
+
+    def write(group: Any, check: Callable[[], None]) -> None:
+        deferred.write(group, check)
+        spread(deferred.directories, group)
+
+    return Staged(deferred.staged, write, deferred.write_now, after_commit)
 
 
 def _end_training(manager: CheckpointManager, trainer: Any) -> None:
@@ -481,7 +529,7 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
             whole = manager.session.topo.nodes > 1
             staged = None
             if getattr(trainer, "is_fsdp_enabled", False):
-                staged = _snapshot_staged(trainer, manager.tier.root)
+                staged = _snapshot_staged(trainer, manager.tier.root, manager.session.topo)
             manager.snapshot(
                 step,
                 lambda: _snapshot_parts(trainer, whole),

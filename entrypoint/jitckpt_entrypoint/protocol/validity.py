@@ -145,16 +145,17 @@ def loadable(
 
 def whole_here(ckpt_dir: str, node: int) -> Optional[dict[int, m.Manifest]]:
     """The manifests when local `ckpt_dir` is committed and node `node`'s own files (its
-    manifest's, present) are every file of the save but other ranks' RNG states, else None:
-    what its ranks load at the save's size, from this node alone. A snapshot in RAM (one node:
-    every file; several: each node's local rank 0 writes the shared files, hook/
-    trainer_checkpoint.py `whole_node`), which no other node's files ever complete."""
+    manifest's, present) are every file of the save its ranks load at the save's size
+    (node_files) but other ranks' RNG states, else None: from this node alone. A snapshot in
+    RAM (one node: every file; several: each node's local rank 0 writes the shared files,
+    hook/trainer_checkpoint.py `whole_node`, and FSDP's node holds its own shards and the DCP
+    files it reads, hook/dcp_reads.py `spread`), which no other node's files ever complete."""
     save = committed(ckpt_dir, node)
     if save is None:
         return None
     own = {e.path for e in save[node].files}
-    union = local_union(save)
-    return save if all(p in own or RNG_FILE.fullmatch(p) for p in union) else None
+    needed = node_files(save, node, local_union(save))
+    return save if all(p in own or RNG_FILE.fullmatch(p) for p in needed) else None
 
 
 RNG_FILE = re.compile(r"rng_state_\d+\.pth")
