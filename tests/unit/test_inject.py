@@ -554,3 +554,51 @@ def test_memory_adds_a_memory_backed_volume_for_snapshots_and_raises_the_memory_
     assert "jitckpt-memory" not in [v["name"] for v in plain["volumes"]]
     assert "JITCKPT_MEMORY_DIR" not in env_of(containers(plain)["train"])
     assert "JITCKPT_MEMORY_DIR" not in env_of(containers(plain)["jitckpt-sidecar"])
+
+
+PEERS = "http://train-{node}.train:9402"
+
+
+def test_peers_set_up_the_peer_replica_in_the_sidecar_with_its_token_from_a_secret():
+    """--peers with --memory and --peer-secret: the sidecar gets JITCKPT_PEERS and the token
+    from the Secret's key `token` (never a value in the YAML), writes the memory volume (the
+    peer's snapshot, its own restored from it) and has the volume's size on top of its memory
+    limit; a node count missing from the trainer's env is a warning. Without --memory or the
+    Secret: one line, as the sidecar would say at start."""
+    text = JOB.replace(
+        '        args: [--lr, "1e-4"]\n',
+        '        args: [--lr, "1e-4"]\n        env:\n        - {name: PET_NNODES, value: "2"}\n',
+    )
+    args = ("memory", "24Gi", "peers", PEERS, "peer_secret", "jitckpt-peer")
+    out = injected(text, *args)
+    assert assert_valid(out) >= 1
+    pod = docs(out)[0]["spec"]["template"]["spec"]
+    sidecar = containers(pod)["jitckpt-sidecar"]
+    by_name = {v["name"]: v for v in sidecar["env"]}
+    assert by_name["JITCKPT_PEERS"]["value"] == PEERS
+    token = {"secretKeyRef": {"name": "jitckpt-peer", "key": "token"}}
+    assert by_name["JITCKPT_PEER_TOKEN"] == {"name": "JITCKPT_PEER_TOKEN", "valueFrom": token}
+    assert {"name": "jitckpt-memory", "mountPath": "/mnt/jitckpt-memory"} in sidecar["volumeMounts"]
+    assert sidecar["resources"]["limits"]["memory"] == "25Gi"
+    assert sidecar["resources"]["requests"]["memory"] == "256Mi"
+    said = notes(text, *args)
+    assert "the peer replica: jitckpt-sidecar's memory limit is 25Gi" in said
+    assert "needs the node count" not in said
+    assert "needs the node count" in notes(JOB, *args)
+    assert injected(out, *args) == out  # a second run changes nothing
+    with pytest.raises(InjectError, match="already injected with other --peers"):
+        injected(out, "memory", "24Gi")
+    with pytest.raises(SettingError, match="needs --memory"):
+        options("peers", PEERS, "peer_secret", "jitckpt-peer")
+    with pytest.raises(SettingError, match="needs --peer-secret"):
+        options("memory", "24Gi", "peers", PEERS)
+    with pytest.raises(SettingError, match=r"--peer-secret=.* needs --peers"):
+        options("memory", "24Gi", "peer_secret", "jitckpt-peer")
+    with pytest.raises(SettingError, match="peers"):
+        options("memory", "24Gi", "peers", "train-0:9402", "peer_secret", "jitckpt-peer")
+
+    # The sidecar starts with what inject wrote (the Secret's value and the pod's node rank).
+    env = {v["name"]: v.get("value", "") for v in sidecar["env"] if "value" in v}
+    env.update(JITCKPT_PEER_TOKEN="t", JITCKPT_NODE_RANK="1", JITCKPT_NNODES="2")
+    cfg = sidecar_config.Config.from_env(env)
+    assert (cfg.peers, cfg.memory_dir) == (PEERS, "/mnt/jitckpt-memory")

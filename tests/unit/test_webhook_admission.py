@@ -25,6 +25,7 @@ from harness.admission import (
 from jitckpt_sidecar.inject import Options, inject_text
 from jitckpt_sidecar.inject.rewrite import Report, inject_pod
 from jitckpt_sidecar.webhook import admission
+from jitckpt_sidecar.webhook import cli as webhook_cli
 
 IMAGE = "registry.example.com/platform/jitckpt-sidecar:0.1.0"
 POLICY = admission.Policy({"image": IMAGE}, "s3://ckpt-bucket/jit")
@@ -174,6 +175,23 @@ def test_annotations_set_injects_options() -> None:
     assert side["image"] == IMAGE  # the platform's image: a pod cannot pick another
     volume = next(v for v in spec["volumes"] if v["name"] == "jitckpt")
     assert volume["emptyDir"]["sizeLimit"] == "200Gi"
+
+
+def test_peer_annotations_set_up_the_peer_replica_and_need_the_memory_and_the_secret() -> None:
+    """jitckpt.io/peers and jitckpt.io/peer-secret (a job's own: no webhook-wide defaults)."""
+    peers = {"jitckpt.io/peers": "http://llama-{node}.llama:9402"}
+    full = {**peers, "jitckpt.io/memory": "8Gi", "jitckpt.io/peer-secret": "llama-peer"}
+    decision, _, result = run(job_pod("llama", annotations=full))
+    assert decision.outcome == "injected", decision
+    side = next(c for c in result["spec"]["initContainers"] if c["name"] == "jitckpt-sidecar")
+    assert env(side)["JITCKPT_PEERS"] == "http://llama-{node}.llama:9402"
+    assert any(v["name"] == "JITCKPT_PEER_TOKEN" and "valueFrom" in v for v in side["env"])
+    decision, _, _ = run(job_pod("llama", annotations={**peers, "jitckpt.io/memory": "8Gi"}))
+    assert decision.outcome == "not_injected"
+    assert "jitckpt.io/peers='http://llama-{node}.llama:9402' needs jitckpt.io/peer-secret" in (
+        decision.reason
+    )
+    assert not {"--peers", "--peer-secret"} & {o.flag for o in webhook_cli.DEFAULTS}
 
 
 def test_the_container_annotation_picks_the_trainer() -> None:

@@ -19,6 +19,7 @@ from jitckpt_entrypoint.settings import (
     QUANTITY_TEXT,
     TEXT,
     Option,
+    SettingError,
     default_of,
     one_of,
     parse_quantity,
@@ -83,6 +84,22 @@ OPTIONS = (
         check=rule(lambda v: parse_quantity(v) > 0, "a positive quantity, e.g. 24Gi"),
         flag_only=True,
         metavar="SIZE",
+    ),
+    Option(
+        "peers",
+        OPTIONAL_TEXT,
+        "the peer replica: every node's sidecar URL (JITCKPT_PEERS: one with {node}, its node "
+        "rank, or one per node); needs --memory and --peer-secret",
+        check=sidecar.OPTION_BY_FIELD["peers"].check,
+        flag_only=True,
+        metavar="URLS",
+    ),
+    Option(
+        "peer_secret",
+        OPTIONAL_TEXT,
+        "Secret whose key `token` the job's sidecars present to each other (JITCKPT_PEER_TOKEN)",
+        flag_only=True,
+        metavar="NAME",
     ),
     Option(
         "grace_seconds",
@@ -151,6 +168,10 @@ class Options:
     """sizeLimit of the shared emptyDir, and JITCKPT_STORAGE_CAPACITY."""
     memory: Optional[str] = None
     """sizeLimit of a memory-backed emptyDir for snapshots in RAM; None: no RAM tier."""
+    peers: Optional[str] = None
+    """JITCKPT_PEERS for the sidecar (the peer replica); None: none."""
+    peer_secret: Optional[str] = None
+    """The Secret whose key `token` is JITCKPT_PEER_TOKEN."""
     grace_seconds: int = DEFAULT_GRACE_SECONDS
     """terminationGracePeriodSeconds for pods that have none; a pod's own value is kept."""
     exit_code: int = default_of(trainer.Config, "exit_code")
@@ -166,6 +187,18 @@ class Options:
 
     def __post_init__(self) -> None:
         validate(self, OPTIONS)
+        if self.peers and not (self.memory and self.peer_secret):
+            lacks = (
+                "--memory (the snapshots it replicates)"
+                if not self.memory
+                else ("--peer-secret (a Secret with the key `token`, shared by the job's sidecars)")
+            )
+            raise SettingError("--peers=", f"{self.peers!r} needs {lacks}", "peers")
+        if self.peer_secret and not self.peers:
+            raise SettingError(
+                "--peer-secret=", f"{self.peer_secret!r} needs --peers (the peer replica)",
+                "peer_secret",
+            )  # fmt: skip
 
     @property
     def native(self) -> bool:

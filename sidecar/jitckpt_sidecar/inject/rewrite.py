@@ -161,10 +161,11 @@ def _memory_note(container: Obj, size: str, where: str, report: Report) -> None:
     snapshots help."""
     name = container.get("name")
     report.notes.append(
-        f"note: {where}: snapshots in RAM are taken on single-node jobs and used when the "
-        "trainer restarts in the same pod (torchrun --max-restarts, restartPolicy OnFailure, "
-        "the pod's own restart); a new pod starts without them, but for the newest, which the "
-        "sidecar writes out when the trainer's container was killed whole"
+        f"note: {where}: snapshots in RAM are used when the trainer restarts in the same pod "
+        "(torchrun --max-restarts, restartPolicy OnFailure, the pod's own restart); a new pod "
+        "starts without them (with --peers, a replacement pod gets its own from its peer's "
+        "sidecar), but for the newest of a single-node job, which the sidecar writes out when "
+        "the trainer's container was killed whole"
     )
     raised = t.raise_memory_limit(container, size)
     if raised is None:
@@ -180,12 +181,26 @@ def _memory_note(container: Obj, size: str, where: str, report: Report) -> None:
 
 
 def _same_memory(spec: Obj, opts: Options, where: str) -> None:
-    """An injected pod asked for again: with the memory volume exactly when --memory is given."""
+    """An injected pod asked for again: with the memory volume exactly when --memory is given,
+    and the same --peers."""
     memory = t.MEMORY_VOLUME in _names(spec.get("volumes"))
     if bool(opts.memory) != memory:
         raise InjectError(
             f"{where}: already injected {'with' if memory else 'without'} --memory; start from "
             "the original YAML to change it"
+        )
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    peers = [
+        var.get("value")
+        for c in containers
+        if isinstance(c, dict) and c.get("name") == t.SIDECAR
+        for var in c.get("env") or []
+        if isinstance(var, dict) and var.get("name") == "JITCKPT_PEERS"
+    ]
+    if (peers[0] if peers else None) != opts.peers:
+        raise InjectError(
+            f"{where}: already injected with other --peers; start from the original YAML to "
+            "change them"
         )
 
 
@@ -253,13 +268,35 @@ def inject_pod(
     init = spec.setdefault("initContainers", [])
     init.append(t.install_container(opts, first))
     if opts.native:
-        init.append(t.sidecar_container(opts, first, grace))
+        sidecar = t.sidecar_container(opts, first, grace)
+        init.append(sidecar)
     else:
         init.append(t.restore_container(opts, first, grace))
         restart = restart_policy or spec.get("restartPolicy") or "Always"
-        spec["containers"].append(t.sidecar_container(opts, first, grace, restart))
+        sidecar = t.sidecar_container(opts, first, grace, restart)
+        spec["containers"].append(sidecar)
     spec.setdefault("volumes", []).extend(t.volumes(opts))
+    _peer_notes(sidecar, opts, where, report)
     return "injected", names
+
+
+def _peer_notes(sidecar: Obj, opts: Options, where: str, report: Report) -> None:
+    """The peer replica: the sidecar's memory limit, and what it needs that inject cannot see."""
+    if not opts.peers:
+        return
+    report.notes.append(
+        f"note: {where}: the peer replica: {t.SIDECAR}'s memory limit is "
+        f"{sidecar['resources']['limits']['memory']} (its own {t.SIDECAR_MEMORY} and the "
+        f"{opts.memory} memory volume: the peer's snapshot it keeps there, and its own restored "
+        "from it, count against it); size --memory for about four snapshots of a node; the "
+        f"Secret {opts.peer_secret!r} needs the key {t.PEER_TOKEN_KEY!r}"
+    )
+    names = {var["name"] for var in sidecar["env"]}
+    if "JITCKPT_NNODES" not in names:
+        report.notes.append(
+            f"warning: {where}: the peer replica needs the node count: set PET_NNODES in the "
+            "training container's env (the sidecar reads it as JITCKPT_NNODES), or it exits 2"
+        )
 
 
 def inject_job_spec(job: Obj, opts: Options, where: str, report: Report) -> tuple[str, list[str]]:

@@ -29,6 +29,11 @@ METRICS_PORT_NAME = "jitckpt-metrics"
 LAUNCHER = f"{BUNDLE_DIR}/jitckpt-entrypoint"
 TRAINJOB_PATCH_MANAGER = "jitckpt.io/inject"
 TRAINER_API = "trainer.kubeflow.org"
+SIDECAR_MEMORY = "1Gi"
+"""The sidecar's own memory limit; with the peer replica the memory volume's size on top (the
+peer's snapshot it keeps there, and its own restored from it, count against it)."""
+PEER_TOKEN_KEY = "token"  # noqa: S105 - the Secret's key, not a token
+"""The key of --peer-secret's Secret that holds the token."""
 
 
 def _var(option: str, value: object) -> Obj:
@@ -148,7 +153,7 @@ def _s3_container(
     container.update(probes)
     container["resources"] = {
         "requests": {"cpu": "250m", "memory": "256Mi"},
-        "limits": {"memory": "1Gi"},
+        "limits": {"memory": SIDECAR_MEMORY},
     }
     container["securityContext"] = security_context(trainer_container)
     container["volumeMounts"] = [{"name": DATA_VOLUME, "mountPath": DATA_DIR}]
@@ -182,10 +187,24 @@ def sidecar_container(
     container = _s3_container(opts, trainer_container, grace, head, probes, **env)
     if opts.memory:  # a snapshot a trainer container killed whole left there: ram_rescue.py
         container["env"].append(_var("memory_dir", MEMORY_DIR))
-        container["volumeMounts"].append(
-            {"name": MEMORY_VOLUME, "mountPath": MEMORY_DIR, "readOnly": True}
-        )
+        mount: Obj = {"name": MEMORY_VOLUME, "mountPath": MEMORY_DIR, "readOnly": True}
+        if opts.peers:  # it writes its peer's snapshot there, and restores its own from it
+            del mount["readOnly"]
+            container["env"].extend(peer_env(opts))
+            container["resources"]["limits"]["memory"] = format_quantity(
+                parse_quantity(SIDECAR_MEMORY) + parse_quantity(opts.memory)
+            )
+        container["volumeMounts"].append(mount)
     return container
+
+
+def peer_env(opts: Options) -> list[Obj]:
+    """The peer replica's settings: the URLs, and the token from its Secret."""
+    token = {"secretKeyRef": {"name": opts.peer_secret, "key": PEER_TOKEN_KEY}}
+    return [
+        _var("peers", opts.peers),
+        {"name": sidecar.OPTION_BY_FIELD["peer_token"].env, "valueFrom": token},
+    ]
 
 
 def restore_container(opts: Options, trainer_container: Obj, grace: int) -> Obj:

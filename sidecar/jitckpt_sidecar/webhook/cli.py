@@ -22,11 +22,11 @@ from jitckpt_sidecar.webhook import admission
 from jitckpt_sidecar.webhook.server import WebhookServer
 
 PROG = "jitckpt-sidecar webhook"
-DEFAULTS = tuple(
-    o for o in INJECT_OPTIONS if o.field not in ("storage_uri", "containers", "trainjob_runtime")
-)
+PER_JOB = ("storage_uri", "containers", "trainjob_runtime", "peers", "peer_secret")
+DEFAULTS = tuple(o for o in INJECT_OPTIONS if o.field not in PER_JOB)
 """inject's flags, as the defaults of every pod (the pod's annotations win, but for the image);
-a TrainJob's pods come to the webhook as pods, so its runtime flag has no use here."""
+a TrainJob's pods come to the webhook as pods, so its runtime flag has no use here, and the
+peer replica's URLs and Secret are a job's own (annotations only)."""
 
 
 @dataclasses.dataclass(frozen=True)
