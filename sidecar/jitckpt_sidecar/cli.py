@@ -260,6 +260,7 @@ def restore_main(argv: list[str]) -> int:
 
 def _restore(cfg: Config, logger: logging.Logger) -> int:
     # Not jitckpt_sidecar.service: its metrics and HTTP server imports cost the restore ~40 ms.
+    from jitckpt_sidecar import peer
     from jitckpt_sidecar.readiness import Readiness, process_start
     from jitckpt_sidecar.remote import Remote
     from jitckpt_sidecar.restore import Restorer
@@ -268,10 +269,19 @@ def _restore(cfg: Config, logger: logging.Logger) -> int:
     _forget_earlier_trainer(layout, logger)
     client = _connect(cfg, logger, notes=False).client
     stop: list[str] = []
+    replica = peer.configured(cfg, logger)
+
+    def stopped(signum: int, _frame: object) -> None:
+        stop.append(signal.Signals(signum).name)
+        if replica is not None:
+            replica.cancel()
+
     for signo in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signo, lambda signum, _frame: stop.append(signal.Signals(signum).name))
+        signal.signal(signo, stopped)
     readiness = Readiness(layout.status)
     readiness.reset()
+    if replica is not None:  # own RAM, then the peer's copy, before the volume and S3
+        replica.restore_own()
     restorer = Restorer(client, Remote(client, cfg.uri), cfg, layout, logger)
     result = restorer.run(cancel=lambda: stop[0] if stop else None)
     readiness.set(result.source, result.step, result.seconds, result.bytes)

@@ -74,6 +74,18 @@ STARTED = "sidecar-started"
 
 
 @dataclasses.dataclass(frozen=True)
+class Restored:
+    """`<memory>/replica/restored.json`: the snapshot `restore_own` brought at the pod's start
+    (the restore init container's, read by the sidecar after it: the recovery's label)."""
+
+    step: int
+    bytes: int
+
+
+RESTORED = status.StatusFile("restored.json", Restored)
+
+
+@dataclasses.dataclass(frozen=True)
 class Held:
     """A snapshot one sidecar holds: of node `node`, as its index names it."""
 
@@ -178,6 +190,7 @@ class PeerReplica:
         """The node whose snapshot this one keeps."""
         self.holder = (node + 1) % self.nodes
         """The node that keeps this one's."""
+        self._replica_dir = os.path.join(memory_dir, REPLICA)
         self.own = os.path.join(memory_dir, "checkpoints")
         self.replica = os.path.join(memory_dir, REPLICA, "checkpoints")
         self._incoming = os.path.join(memory_dir, REPLICA, INCOMING)
@@ -383,7 +396,15 @@ class PeerReplica:
             self.holder,
             _rate(index.bytes, time.monotonic() - started),
         )
+        with contextlib.suppress(OSError):  # for the recovery's label (a later sidecar's too)
+            RESTORED.write(self._replica_dir, Restored(index.step, index.bytes))
         return index.step, index.bytes
+
+    def restored_at_start(self) -> Optional[tuple[int, int]]:
+        """(step, bytes) of the snapshot restore_own restored in this pod (the restore init
+        container's, or this sidecar's), or None."""
+        record = RESTORED.read(self._replica_dir)
+        return None if record is None else (record.step, record.bytes)
 
     def _first_on_volume(self) -> bool:
         """Whether no sidecar ran on this memory volume before (a marker there says one did)."""
@@ -518,6 +539,22 @@ def _reason(exc: BaseException) -> str:
 def _rate(nbytes: int, seconds: float) -> str:
     rate = nbytes / 1e6 / max(seconds, 1e-6)
     return f"{nbytes / 1e6:.1f} MB in {seconds:.2f} s ({rate:.0f} MB/s)"
+
+
+def configured(cfg: Any, logger: logging.Logger) -> Optional[PeerReplica]:
+    """The peer replica `cfg` (the sidecar's Config) sets up, or None: not set, or the memory
+    volume not writable here (one warning)."""
+    if not cfg.peers or cfg.node_rank is None or cfg.nnodes is None:
+        return None
+    if not os.access(cfg.memory_dir, os.W_OK):
+        logger.warning(
+            "peer replica off: JITCKPT_MEMORY_DIR %s is not writable here; mount the memory "
+            "volume read-write in the sidecar",
+            cfg.memory_dir,
+        )
+        return None
+    urls = peer_urls(cfg.peers, cfg.nnodes)
+    return PeerReplica(cfg.memory_dir, cfg.node_rank, urls, cfg.peer_token, logger)
 
 
 def peer_urls(template: str, nodes: int) -> tuple[str, ...]:

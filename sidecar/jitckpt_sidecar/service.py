@@ -32,14 +32,14 @@ from prometheus_client import CollectorRegistry
 
 from jitckpt_entrypoint.protocol import durable, status, validity
 from jitckpt_entrypoint.protocol.layout import FINAL_NAME, Layout, checkpoint_name, checkpoint_steps
-from jitckpt_sidecar import drain, memory, s3, sizing, staging, transfers
+from jitckpt_sidecar import drain, memory, peer, s3, sizing, staging, transfers
 from jitckpt_sidecar.backlog import Backlog
 from jitckpt_sidecar.config import Config
 from jitckpt_sidecar.fetch import Fetcher
 from jitckpt_sidecar.final import FinalModel, FinalUploader
 from jitckpt_sidecar.metrics import Metrics, PeerCollector
 from jitckpt_sidecar.notice import NoticeWatcher
-from jitckpt_sidecar.peer import PeerReplica, peer_urls
+from jitckpt_sidecar.peer import PeerReplica
 from jitckpt_sidecar.pressure import Pruner, Storage
 from jitckpt_sidecar.ram_rescue import RamRescue, told_by_lock
 from jitckpt_sidecar.readiness import Readiness, process_start
@@ -147,24 +147,12 @@ class Service:
         )
         self.watcher = Watcher(layout, self.wake, logger)
         self.rescue = RamRescue(cfg.memory_dir, layout, logger, self.wake)
-        self.peer: Optional[PeerReplica] = None
-        if cfg.peers and not os.access(cfg.memory_dir, os.W_OK):
-            logger.warning(
-                "peer replica off: JITCKPT_MEMORY_DIR %s is not writable here; mount the memory "
-                "volume read-write in the sidecar",
-                cfg.memory_dir,
-            )
-        elif cfg.peers and cfg.node_rank is not None and cfg.nnodes is not None:
-            self.peer = PeerReplica(
-                cfg.memory_dir,
-                cfg.node_rank,
-                peer_urls(cfg.peers, cfg.nnodes),
-                cfg.peer_token,
-                logger,
-            )
+        self.peer: Optional[PeerReplica] = peer.configured(cfg, logger)
+        if self.peer is not None:
             server.peer = self.peer.app
             registry.register(PeerCollector(self._peer_metric))
-        elif cfg.memory_dir:  # an earlier sidecar's of this pod: the trainer must not wait on it
+        elif cfg.memory_dir and os.access(cfg.memory_dir, os.W_OK):
+            # an earlier sidecar's of this pod: the trainer must not wait on it
             status.PEER_KEPT.remove(cfg.memory_dir)
         self.notice = NoticeWatcher(
             layout.status, cfg, on_notice=self.metrics.notice.seen, log=logger
@@ -203,7 +191,8 @@ class Service:
         self.readiness.reset()
         self.server.serve(ready=lambda: self.readiness.ready, healthy=self._healthy)
         if self.peer is not None:  # own RAM, then the peer's copy, before the volume and S3
-            self.feed.from_peer = self.peer.restore_own()
+            # (the restore init container's, in the sidecar-as-container mode: its record)
+            self.feed.from_peer = self.peer.restore_own() or self.peer.restored_at_start()
         result = self.restore()
         if result is None:
             return 1

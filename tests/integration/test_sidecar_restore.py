@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 from pathlib import Path
@@ -312,3 +313,62 @@ def test_a_sharded_checkpoint_is_restored_in_part_and_the_rest_fetched_when_the_
     log_line(proc, r"the trainer needs more of checkpoint-10 than this node holds")
     proc.send(signal.SIGTERM)
     proc.wait(30)
+
+
+@pytest.mark.s3_stores("moto")
+def test_the_restore_init_container_gets_a_replacement_nodes_snapshot_from_its_peer(
+    spawn, base_env, s3_bucket, tmp_path
+):
+    """The sidecar-as-container mode: `jitckpt-sidecar restore` (the init container, before the
+    trainer starts) of node 1's replacement pod asks node 0's sidecar for node 1's snapshot
+    (own RAM, the peer's copy, the volume, S3), byte for byte, and leaves the record the
+    sidecar after it reads (the recovery's label)."""
+    from prometheus_client import CollectorRegistry
+
+    from jitckpt_sidecar.peer import RESTORED, PeerReplica
+    from jitckpt_sidecar.server import MetricsServer
+
+    log = logging.getLogger("test.peer")
+
+    token = "restore-peer-token"  # noqa: S105 - a test's
+    kept = tmp_path / "memory0" / "replica" / "checkpoints" / "checkpoint-6"
+    files = {"model.safetensors": data(1 << 20, 6), "rng_state_1.pth": data(100, 7)}
+    kept.mkdir(parents=True)
+    for name, content in files.items():
+        (kept / name).write_bytes(content)
+    for node in (0, 1):  # every node's manifest, as the hook's commit leaves them
+        entries = tuple(m.FileEntry(n, len(c)) for n, c in files.items() if node == 1) or (
+            m.FileEntry("rng_state_0.pth", 100),
+        )
+        man = m.new_manifest(6, "periodic", node=node, nodes=2, world_size=2, files=entries,
+                             save_id="save-6")  # fmt: skip
+        m.write_manifest(str(kept), man, durable=False)
+    server = MetricsServer(host="127.0.0.1", port=0, registry=CollectorRegistry(), logger=log)
+    urls = f"http://127.0.0.1:{server.port},http://127.0.0.1:9"
+    node0 = PeerReplica(str(tmp_path / "memory0"), 0, tuple(urls.split(",")), token, log)
+    server.peer = node0.app
+    server.serve(ready=lambda: True, healthy=lambda: True)
+    memory = tmp_path / "memory1"
+    memory.mkdir()
+    env = {
+        **base_env,
+        "JITCKPT_DIR": str(tmp_path / "node1"),
+        "JITCKPT_MEMORY_DIR": str(memory),
+        "JITCKPT_PEERS": urls,
+        "JITCKPT_PEER_TOKEN": token,
+        "JITCKPT_NODE_RANK": "1",
+        "JITCKPT_NNODES": "2",
+    }
+    try:
+        proc = spawn([*SIDECAR, "restore"], env=s3_bucket.env(env))
+        assert proc.wait(60) == 0, proc.output()
+    finally:
+        server.stop()
+    log_line(proc, r"peer replica: restored checkpoint-6 \(a snapshot in RAM\) from node 0")
+    restored = memory / "checkpoints" / "checkpoint-6"
+    assert {p.name: p.read_bytes() for p in restored.iterdir() if p.name in files} == files
+    assert validity.whole_here(str(restored), 1) is not None
+    record = RESTORED.read(str(memory / "replica"))
+    assert record is not None
+    assert record.step == 6
+    assert token not in proc.output()

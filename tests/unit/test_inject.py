@@ -597,6 +597,16 @@ def test_peers_set_up_the_peer_replica_in_the_sidecar_with_its_token_from_a_secr
     with pytest.raises(SettingError, match="peers"):
         options("memory", "24Gi", "peers", "train-0:9402", "peer_secret", "jitckpt-peer")
 
+    # Sidecar-as-container mode: the restore init container asks the peer before the trainer.
+    plain = docs(injected(text, *args, "sidecar_mode", "container"))[0]["spec"]["template"]
+    restore = containers(plain["spec"])["jitckpt-restore"]
+    assert {v["name"] for v in restore["env"]} >= {"JITCKPT_PEERS", "JITCKPT_PEER_TOKEN"}
+    assert {"name": "jitckpt-memory", "mountPath": "/mnt/jitckpt-memory"} in restore["volumeMounts"]
+    assert restore["resources"]["limits"]["memory"] == "25Gi"
+    no_peers = docs(injected(text, "memory", "24Gi", "sidecar_mode", "container"))[0]
+    restore = containers(no_peers["spec"]["template"]["spec"])["jitckpt-restore"]
+    assert "jitckpt-memory" not in [v["name"] for v in restore["volumeMounts"]]
+
     # The sidecar starts with what inject wrote (the Secret's value and the pod's node rank).
     env = {v["name"]: v.get("value", "") for v in sidecar["env"] if "value" in v}
     env.update(JITCKPT_PEER_TOKEN="t", JITCKPT_NODE_RANK="1", JITCKPT_NNODES="2")

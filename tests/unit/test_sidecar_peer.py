@@ -89,6 +89,8 @@ def test_a_replacement_node_restores_its_snapshot_from_the_peer_that_keeps_it(ri
     os.rename(tmp_path / "memory1", tmp_path / "memory1-gone")  # a new pod: its RAM is empty
     (tmp_path / "memory1").mkdir()
     assert node1.restore_own() == (6, sum(map(len, original.values())))
+    later = PeerReplica(str(tmp_path / "memory1"), 1, node1.peers, TOKEN, log)  # the next one
+    assert later.restored_at_start() == (6, sum(map(len, original.values())))
     assert tree(tmp_path / "memory1" / "checkpoints" / "checkpoint-6") == original
     found = newest(str(tmp_path / "memory1" / "checkpoints"), 1, 2)
     assert found is not None

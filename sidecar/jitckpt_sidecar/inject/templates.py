@@ -186,16 +186,23 @@ def sidecar_container(
     env = {} if opts.native else {"exit_with_trainer": True, "restart_policy": restart_policy}
     container = _s3_container(opts, trainer_container, grace, head, probes, **env)
     if opts.memory:  # a snapshot a trainer container killed whole left there: ram_rescue.py
-        container["env"].append(_var("memory_dir", MEMORY_DIR))
-        mount: Obj = {"name": MEMORY_VOLUME, "mountPath": MEMORY_DIR, "readOnly": True}
-        if opts.peers:  # it writes its peer's snapshot there, and restores its own from it
-            del mount["readOnly"]
-            container["env"].extend(peer_env(opts))
-            container["resources"]["limits"]["memory"] = format_quantity(
-                parse_quantity(SIDECAR_MEMORY) + parse_quantity(opts.memory)
-            )
-        container["volumeMounts"].append(mount)
+        _memory_volume(container, opts)
     return container
+
+
+def _memory_volume(container: Obj, opts: Options) -> None:
+    """The memory volume in a container of the sidecar image: read-only, or with the peer
+    replica read-write (the peer's snapshot kept there, this node's own restored from it),
+    with its settings and the volume's size on top of the memory limit."""
+    container["env"].append(_var("memory_dir", MEMORY_DIR))
+    mount: Obj = {"name": MEMORY_VOLUME, "mountPath": MEMORY_DIR, "readOnly": True}
+    if opts.peers and opts.memory:
+        del mount["readOnly"]
+        container["env"].extend(peer_env(opts))
+        container["resources"]["limits"]["memory"] = format_quantity(
+            parse_quantity(SIDECAR_MEMORY) + parse_quantity(opts.memory)
+        )
+    container["volumeMounts"].append(mount)
 
 
 def peer_env(opts: Options) -> list[Obj]:
@@ -209,7 +216,10 @@ def peer_env(opts: Options) -> list[Obj]:
 
 def restore_container(opts: Options, trainer_container: Obj, grace: int) -> Obj:
     head = {"name": RESTORE, "image": opts.image, "command": ["jitckpt-sidecar", "restore"]}
-    return _s3_container(opts, trainer_container, grace, head, {})
+    container = _s3_container(opts, trainer_container, grace, head, {})
+    if opts.peers:  # a replacement pod's snapshot from its peer, before the trainer starts
+        _memory_volume(container, opts)
+    return container
 
 
 def volumes(opts: Options) -> list[Obj]:
