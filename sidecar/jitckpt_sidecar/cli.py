@@ -281,7 +281,7 @@ def _restore(cfg: Config, logger: logging.Logger) -> int:
     readiness = Readiness(layout.status)
     readiness.reset()
     if replica is not None:  # own RAM, then the peer's copy, before the volume and S3
-        replica.restore_own()
+        replica.restore_own(before_trainer=True)
     restorer = Restorer(client, Remote(client, cfg.uri), cfg, layout, logger)
     result = restorer.run(cancel=lambda: stop[0] if stop else None)
     readiness.set(result.source, result.step, result.seconds, result.bytes)

@@ -366,12 +366,15 @@ class PeerReplica:
 
     # -- restoring this node's own --
 
-    def restore_own(self) -> Optional[tuple[int, int]]:
+    def restore_own(self, *, before_trainer: bool = False) -> Optional[tuple[int, int]]:
         """The first sidecar on this memory volume (a new pod: the volume goes with it), the
         volume without snapshots: this node's newest from the node that keeps it, among its
-        own snapshots; (step, bytes), or None. Never raises; SIGTERM (`cancel`) stops it."""
+        own snapshots; (step, bytes), or None. `before_trainer`: the restore init container,
+        which no trainer can run beside: it asks again when re-run (its copy or its restore
+        failed), and no sidecar after it does. Never raises; SIGTERM (`cancel`) stops it."""
         try:
-            if not self._first_on_volume() or checkpoint_steps(self.own):
+            first = self._first_on_volume()
+            if not (first or before_trainer) or checkpoint_steps(self.own):
                 return None  # restarted in place: the trainer's own snapshots, whatever they are
             answer = self._ask(self.holder, self.node)
             index = answer.held

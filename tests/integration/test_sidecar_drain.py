@@ -16,6 +16,7 @@ from harness.checkpoints import (
     hf_files,
     log_line,
     metrics_port,
+    ready,
     scrape,
     sidecar_env,
     write_trainer,
@@ -255,3 +256,27 @@ def test_exit_with_trainer_under_on_failure_stays_for_the_restart_and_leaves_aft
     write_trainer(root, run="run-2", exited=True, exit_code=0)
     assert proc.wait(60) == 0, proc.output()
     assert committed_in_s3(s3_bucket) == [30]
+
+
+@pytest.mark.s3_stores("moto")
+@pytest.mark.skipif(os.geteuid() != 0, reason="a read-only bind mount needs root")
+def test_a_sidecar_with_the_memory_volume_read_only_starts_reads_it_and_drains(
+    spawn, base_env, s3_bucket, tmp_path
+):
+    """inject's sidecar without --peers mounts the memory volume read-only (it only reads what
+    a trainer killed whole left there): it starts, is ready and drains, writing nothing there
+    (a regression: it once removed the peer record at start, and unlink on a read-only mount
+    is EROFS even for a file that is not there, which ended every such sidecar)."""
+    root, memory = tmp_path / "node", tmp_path / "memory"
+    commit([root], 10, [hf_files(10)])
+    commit([memory], 12, [hf_files(12)], staged=False)
+    before = sorted(str(p.relative_to(memory)) for p in memory.rglob("*"))
+    env = env_for(base_env, s3_bucket, root, JITCKPT_MEMORY_DIR=str(memory))
+    script = 'mount --bind -o ro "$1" "$1" && shift && exec "$@"'
+    proc = spawn(["unshare", "--mount", "sh", "-c", script, "ro", str(memory), *SIDECAR], env=env)
+    metrics_port(proc)
+    wait_for(lambda: ready(root), 30, "the sidecar's readiness")
+    wait_for(lambda: committed_in_s3(s3_bucket) == [10], timeout=60, what="checkpoint-10 in S3")
+    proc.send(signal.SIGTERM)
+    assert proc.wait(60) == 0, proc.output()
+    assert sorted(str(p.relative_to(memory)) for p in memory.rglob("*")) == before

@@ -322,7 +322,8 @@ def test_the_restore_init_container_gets_a_replacement_nodes_snapshot_from_its_p
     """The sidecar-as-container mode: `jitckpt-sidecar restore` (the init container, before the
     trainer starts) of node 1's replacement pod asks node 0's sidecar for node 1's snapshot
     (own RAM, the peer's copy, the volume, S3), byte for byte, and leaves the record the
-    sidecar after it reads (the recovery's label)."""
+    sidecar after it reads (the recovery's label). Re-run after a failed copy (the peer was
+    down), it asks again."""
     from prometheus_client import CollectorRegistry
 
     from jitckpt_sidecar.peer import RESTORED, PeerReplica
@@ -360,7 +361,12 @@ def test_the_restore_init_container_gets_a_replacement_nodes_snapshot_from_its_p
         "JITCKPT_NNODES": "2",
     }
     try:
-        proc = spawn([*SIDECAR, "restore"], env=s3_bucket.env(env))
+        down = {**env, "JITCKPT_PEERS": "http://127.0.0.1:9,http://127.0.0.1:9"}  # refused
+        proc = spawn([*SIDECAR, "restore"], env=s3_bucket.env(down))
+        assert proc.wait(60) == 0, proc.output()
+        log_line(proc, r"peer replica: cannot restore this node's snapshot from node 0")
+        assert not (memory / "checkpoints").exists() or not os.listdir(memory / "checkpoints")
+        proc = spawn([*SIDECAR, "restore"], env=s3_bucket.env(env))  # the init container again
         assert proc.wait(60) == 0, proc.output()
     finally:
         server.stop()

@@ -568,7 +568,7 @@ def test_peers_set_up_the_peer_replica_in_the_sidecar_with_its_token_from_a_secr
     text = JOB.replace(
         '        args: [--lr, "1e-4"]\n',
         '        args: [--lr, "1e-4"]\n        env:\n        - {name: PET_NNODES, value: "2"}\n',
-    )
+    ).replace("spec:\n  template:", "spec:\n  completionMode: Indexed\n  template:")
     args = ("memory", "24Gi", "peers", PEERS, "peer_secret", "jitckpt-peer")
     out = injected(text, *args)
     assert assert_valid(out) >= 1
@@ -584,10 +584,25 @@ def test_peers_set_up_the_peer_replica_in_the_sidecar_with_its_token_from_a_secr
     said = notes(text, *args)
     assert "the peer replica: jitckpt-sidecar's memory limit is 25Gi" in said
     assert "needs the node count" not in said
-    assert "needs the node count" in notes(JOB, *args)
+    indexed = JOB.replace("spec:\n  template:", "spec:\n  completionMode: Indexed\n  template:")
+    assert "needs the node count" in notes(indexed, *args)
     assert injected(out, *args) == out  # a second run changes nothing
-    with pytest.raises(InjectError, match="already injected with other --peers"):
+    with pytest.raises(InjectError, match="already injected with --peers 'http"):
         injected(out, "memory", "24Gi")
+    with pytest.raises(InjectError, match="--peer-secret 'jitckpt-peer'"):
+        injected(out, "memory", "24Gi", "peers", PEERS, "peer_secret", "other")
+    with pytest.raises(InjectError, match="already injected with no --peers"):
+        injected(injected(text, "memory", "24Gi"), *args)
+    # No node rank for each pod: a plain Job, a PyTorchJob's templates (the webhook's job).
+    with pytest.raises(InjectError, match="needs each pod's node rank"):
+        injected(JOB, *args)
+    with pytest.raises(InjectError, match="use the webhook"):
+        injected(PYTORCHJOB, *args)
+    ranked = JOB.replace(
+        '        args: [--lr, "1e-4"]\n',
+        '        args: [--lr, "1e-4"]\n        env:\n        - {name: PET_NODE_RANK, value: "0"}\n',
+    )
+    assert "JITCKPT_PEERS" in injected(ranked, *args)
     with pytest.raises(SettingError, match="needs --memory"):
         options("peers", PEERS, "peer_secret", "jitckpt-peer")
     with pytest.raises(SettingError, match="needs --peer-secret"):

@@ -181,17 +181,34 @@ def test_peer_annotations_set_up_the_peer_replica_and_need_the_memory_and_the_se
     """jitckpt.io/peers and jitckpt.io/peer-secret (a job's own: no webhook-wide defaults)."""
     peers = {"jitckpt.io/peers": "http://llama-{node}.llama:9402"}
     full = {**peers, "jitckpt.io/memory": "8Gi", "jitckpt.io/peer-secret": "llama-peer"}
-    decision, _, result = run(job_pod("llama", annotations=full))
+    decision, _, result = run(job_pod("llama", indexed=True, annotations=full))
     assert decision.outcome == "injected", decision
     side = next(c for c in result["spec"]["initContainers"] if c["name"] == "jitckpt-sidecar")
     assert env(side)["JITCKPT_PEERS"] == "http://llama-{node}.llama:9402"
     assert any(v["name"] == "JITCKPT_PEER_TOKEN" and "valueFrom" in v for v in side["env"])
-    decision, _, _ = run(job_pod("llama", annotations={**peers, "jitckpt.io/memory": "8Gi"}))
+    decision, _, _ = run(job_pod("llama", annotations=full))  # no node rank: not an Indexed Job
+    assert decision.outcome == "not_injected"
+    assert "needs each pod's node rank" in decision.reason, decision
+    lacking = {**peers, "jitckpt.io/memory": "8Gi"}
+    decision, _, _ = run(job_pod("llama", indexed=True, annotations=lacking))
     assert decision.outcome == "not_injected"
     assert "jitckpt.io/peers='http://llama-{node}.llama:9402' needs jitckpt.io/peer-secret" in (
         decision.reason
     )
     assert not {"--peers", "--peer-secret"} & {o.flag for o in webhook_cli.DEFAULTS}
+    rank = [{"name": "PET_NODE_RANK", "value": "1"}]  # the Training Operator's, on each pod
+    operators = job_pod(
+        "llama",
+        labels={"training.kubeflow.org/job-name": "llama"},
+        containers=[container("pytorch", TORCHRUN, env=rank)],
+        annotations=full,
+    )
+    decision, _, _ = run(operators)  # master-0, worker-0, ...: no one {node} names them
+    assert "one URL per node" in decision.reason, decision
+    urls = "http://llama-master-0.llama:9402,http://llama-worker-0.llama:9402"
+    operators["metadata"]["annotations"]["jitckpt.io/peers"] = urls
+    decision, _, _ = run(operators)
+    assert decision.outcome == "injected", decision
 
 
 def test_the_container_annotation_picks_the_trainer() -> None:

@@ -80,7 +80,7 @@ OPTIONS = (
         "memory",
         dataclasses.replace(QUANTITY_TEXT, optional=True),
         "a memory-backed emptyDir of this size for snapshots in RAM (JITCKPT_MEMORY_DIR); "
-        "about two snapshots of a node's model and optimizer state",
+        "about two snapshots of a node's model and optimizer state (four with --peers)",
         check=rule(lambda v: parse_quantity(v) > 0, "a positive quantity, e.g. 24Gi"),
         flag_only=True,
         metavar="SIZE",

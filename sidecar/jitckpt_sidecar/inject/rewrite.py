@@ -197,10 +197,20 @@ def _same_memory(spec: Obj, opts: Options, where: str) -> None:
         for var in c.get("env") or []
         if isinstance(var, dict) and var.get("name") == "JITCKPT_PEERS"
     ]
-    if (peers[0] if peers else None) != opts.peers:
+    secrets = [
+        var["valueFrom"]["secretKeyRef"].get("name")
+        for c in containers
+        if isinstance(c, dict) and c.get("name") == t.SIDECAR
+        for var in c.get("env") or []
+        if isinstance(var, dict) and var.get("name") == "JITCKPT_PEER_TOKEN"
+        and isinstance(var.get("valueFrom"), dict) and "secretKeyRef" in var["valueFrom"]
+    ]  # fmt: skip
+    had = (peers[0] if peers else None, secrets[0] if secrets else None)
+    if had != (opts.peers, opts.peer_secret):
+        before = f"--peers {had[0]!r} --peer-secret {had[1]!r}" if had[0] else "no --peers"
         raise InjectError(
-            f"{where}: already injected with other --peers; start from the original YAML to "
-            "change them"
+            f"{where}: already injected with {before}; start from the original YAML to change "
+            "the peer replica"
         )
 
 
@@ -219,11 +229,18 @@ def _injected_state(spec: Obj) -> tuple[bool, bool]:
 
 
 def inject_pod(
-    spec: Obj, opts: Options, where: str, report: Report, restart_policy: str = ""
+    spec: Obj,
+    opts: Options,
+    where: str,
+    report: Report,
+    restart_policy: str = "",
+    *,
+    indexed: bool = False,
 ) -> tuple[str, list[str]]:
     """Rewrite one pod spec in place; return ('injected' | 'unchanged', trainer names).
     `restart_policy`: the pods' restartPolicy when a controller sets it (else the spec's own,
-    Kubernetes' default Always when unset)."""
+    Kubernetes' default Always when unset); `indexed`: the pods of an Indexed Job, each told
+    its node rank by the Job controller (JOB_COMPLETION_INDEX)."""
     if not isinstance(spec, dict):
         raise InjectError(f"{where}: the pod spec is not a mapping")
     trainers = _trainers(spec, opts, where)
@@ -276,22 +293,30 @@ def inject_pod(
         sidecar = t.sidecar_container(opts, first, grace, restart)
         spec["containers"].append(sidecar)
     spec.setdefault("volumes", []).extend(t.volumes(opts))
-    _peer_notes(sidecar, opts, where, report)
+    _peer_notes(sidecar, opts, where, report, indexed)
     return "injected", names
 
 
-def _peer_notes(sidecar: Obj, opts: Options, where: str, report: Report) -> None:
-    """The peer replica: the sidecar's memory limit, and what it needs that inject cannot see."""
+def _peer_notes(sidecar: Obj, opts: Options, where: str, report: Report, indexed: bool) -> None:
+    """The peer replica: the node rank and count it needs (InjectError without a rank: its
+    sidecar would exit 2 in every pod), the sidecar's memory limit."""
     if not opts.peers:
         return
+    names = {var["name"] for var in sidecar["env"]}
+    if not (indexed or names & {"JITCKPT_NODE_RANK", "JOB_COMPLETION_INDEX"}):
+        raise InjectError(
+            f"{where}: --peers needs each pod's node rank: set PET_NODE_RANK in the training "
+            "container's env, or run it as an Indexed Job (completionMode: Indexed; in a JobSet, "
+            "one replica per replicatedJob)"
+        )
     report.notes.append(
         f"note: {where}: the peer replica: {t.SIDECAR}'s memory limit is "
         f"{sidecar['resources']['limits']['memory']} (its own {t.SIDECAR_MEMORY} and the "
         f"{opts.memory} memory volume: the peer's snapshot it keeps there, and its own restored "
-        "from it, count against it); size --memory for about four snapshots of a node; the "
+        "from it, count against it; so does the restore init container's in the "
+        "sidecar-as-container mode); size --memory for about four snapshots of a node; the "
         f"Secret {opts.peer_secret!r} needs the key {t.PEER_TOKEN_KEY!r}"
     )
-    names = {var["name"] for var in sidecar["env"]}
     if "JITCKPT_NNODES" not in names:
         report.notes.append(
             f"warning: {where}: the peer replica needs the node count: set PET_NNODES in the "
@@ -299,13 +324,17 @@ def _peer_notes(sidecar: Obj, opts: Options, where: str, report: Report) -> None
         )
 
 
-def inject_job_spec(job: Obj, opts: Options, where: str, report: Report) -> tuple[str, list[str]]:
-    """A Job's spec: the pod template, then the podFailurePolicy."""
+def inject_job_spec(
+    job: Obj, opts: Options, where: str, report: Report, *, one_of_many: bool = False
+) -> tuple[str, list[str]]:
+    """A Job's spec: the pod template, then the podFailurePolicy. `one_of_many`: a JobSet's
+    replicatedJob of several replicas (each counts its completion index from 0)."""
     template = job.get("template") if isinstance(job, dict) else None
     if not isinstance(template, dict) or not isinstance(template.get("spec"), dict):
         raise InjectError(f"{where}: no pod template (spec.template.spec)")
     pod = template["spec"]
-    result, trainers = inject_pod(pod, opts, where, report)
+    indexed = job.get("completionMode") == "Indexed" and not one_of_many
+    result, trainers = inject_pod(pod, opts, where, report, indexed=indexed)
     if pod.get("restartPolicy") != "Never":
         if result == "injected":
             report.notes.append(
@@ -442,6 +471,13 @@ def inject_pytorchjob(doc: Obj, opts: Options, where: str, report: Report) -> tu
     replicas = spec.get("pytorchReplicaSpecs") if isinstance(spec, dict) else None
     if not isinstance(replicas, dict) or not replicas:
         raise InjectError(f"{where}: no spec.pytorchReplicaSpecs")
+    if opts.peers:
+        raise InjectError(
+            f"{where}: --peers cannot be written into a PyTorchJob's templates (the operator "
+            "sets each pod's node rank, and its pods are <name>-master-0, <name>-worker-<rank-1>"
+            "): use the webhook with the annotations jitckpt.io/peers (one URL per node, "
+            "comma-separated) and jitckpt.io/peer-secret"
+        )
     if isinstance(spec.get("elasticPolicy"), dict):  # type: ignore[union-attr]
         report.notes.append(
             f"note: {where}: elasticPolicy (a dynamic rendezvous): every node restores whole "
@@ -485,7 +521,8 @@ def inject_jobset(doc: Obj, opts: Options, where: str, report: Report) -> tuple[
         if opts.containers and not set(_names(pod.get("containers"))) & set(opts.containers):
             continue  # e.g. a launcher or a data job next to the workers: left as it is
         where_rj = f"{where} replicatedJob {name!r}"
-        result, names = inject_job_spec(template["spec"], opts, where_rj, report)
+        many = rj.get("replicas", 1) != 1
+        result, names = inject_job_spec(template["spec"], opts, where_rj, report, one_of_many=many)
         results.append(result)
         trainers.extend(n for n in names if n not in trainers)
     if not results:

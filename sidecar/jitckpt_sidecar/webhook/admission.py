@@ -140,8 +140,15 @@ def decide(request: Mapping[str, Any], policy: Policy) -> Decision:
         _check_owner(meta)
         uri = _storage_uri(request, meta, labels, annotations, policy)
         opts, grace = _options(annotations, uri, policy.defaults)
-        if not opts.containers and _from_pytorchjob(labels, pod):
-            opts = dataclasses.replace(opts, containers=(PYTORCHJOB_CONTAINER,))
+        if _from_pytorchjob(labels, pod):
+            if opts.peers and "{node}" in opts.peers:
+                raise InjectError(
+                    f"{where}: a PyTorchJob's pods are <name>-master-0 and "
+                    "<name>-worker-<rank-1>: give jitckpt.io/peers one URL per node, "
+                    "comma-separated, not one with {node}"
+                )
+            if not opts.containers:
+                opts = dataclasses.replace(opts, containers=(PYTORCHJOB_CONTAINER,))
         patched = copy.deepcopy(pod)
         spec = patched.get("spec")
         if isinstance(spec, dict) and (
