@@ -435,9 +435,9 @@ PEER_TOKEN = "monitoring-peer-token"  # noqa: S105 - a test's
 def test_no_peer_replica_fires_until_the_peer_serves_snapshots_and_the_panel_shows_them(
     pods: Callable[..., Pod], s3_bucket: Bucket, tmp_path: Path
 ) -> None:
-    """Node 0's sidecar with the peer replica (JITCKPT_PEERS) and no node 1 yet: it keeps no
-    copy (age +Inf) and JitckptNoPeerReplica fires. Node 1's sidecar comes, with a snapshot in
-    RAM every 2 s (its trainer's, written here as the hook commits them): node 0 keeps each one,
+    """Node 0's sidecar with the peer replica (JITCKPT_PEERS), node 1's with no snapshot yet:
+    node 0 keeps no copy (age +Inf) and JitckptNoPeerReplica fires. Then node 1's trainer takes
+    a snapshot in RAM every 2 s (written here as the hook commits them): node 0 keeps each one,
     the alert ends, and the dashboard's peer panel has data."""
     rules = rule_file(tmp_path / "rules.yaml", speedup=SPEEDUP, replace=PEER_FAST)
     prom = Prometheus(tmp_path / "prometheus", rules).start()
@@ -463,9 +463,11 @@ def test_no_peer_replica_fires_until_the_peer_serves_snapshots_and_the_panel_sho
         peers = ",".join(f"http://127.0.0.1:{p.metrics_port}" for p in members)
         for pod in members:
             pod.env["JITCKPT_PEERS"] = peers
-        node0, node1 = members
-        node0.start_sidecar()
-        node0.wait_ready()
+        node0 = members[0]
+        for pod in members:
+            pod.start_sidecar()
+        for pod in members:
+            pod.wait_ready()
         write_trainer(node0.jdir)  # a trainer runs (its status file, as the entrypoint's)
         prom.targets(
             {p.metrics_port: {"namespace": NS, "pod": f"peer-{n}"} for n, p in enumerate(members)}
@@ -481,10 +483,7 @@ def test_no_peer_replica_fires_until_the_peer_serves_snapshots_and_the_panel_sho
 
         writer = threading.Thread(target=snapshots, daemon=True)
         writer.start()
-        node1.start_sidecar()
-        node1.wait_ready()
         copies: Metric = ("jitckpt_peer_replica_bytes", ())
-        # its keeper backs off to 10 s while node 1 is down
         wait_for(lambda: (value(node0.metrics_port, copies) or 0) > 0, 60, "node 0's copy")
         kept = time.time()
         wait_for(
