@@ -196,6 +196,10 @@ def test_peer_annotations_set_up_the_peer_replica_and_need_the_memory_and_the_se
         decision.reason
     )
     assert not {"--peers", "--peer-secret"} & {o.flag for o in webhook_cli.DEFAULTS}
+    jobset = job_pod("llama", indexed=True, annotations=full,
+                     labels={"jobset.sigs.k8s.io/replicatedjob-replicas": "2"})  # fmt: skip
+    decision, _, _ = run(jobset)  # each Job's completion index starts at 0
+    assert "needs PET_NODE_RANK" in decision.reason, decision
     rank = [{"name": "PET_NODE_RANK", "value": "1"}]  # the Training Operator's, on each pod
     operators = job_pod(
         "llama",

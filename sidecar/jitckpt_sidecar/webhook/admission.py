@@ -149,6 +149,12 @@ def decide(request: Mapping[str, Any], policy: Policy) -> Decision:
                 )
             if not opts.containers:
                 opts = dataclasses.replace(opts, containers=(PYTORCHJOB_CONTAINER,))
+        if opts.peers and _jobset_index_repeats(labels, pod):
+            raise InjectError(
+                f"{where}: a JobSet replicatedJob of several replicas: each Job counts its "
+                "completion index from 0, so jitckpt.io/peers needs PET_NODE_RANK in the "
+                "training container's env (from jobset.sigs.k8s.io/job-index and the index)"
+            )
         patched = copy.deepcopy(pod)
         spec = patched.get("spec")
         if isinstance(spec, dict) and (
@@ -211,6 +217,24 @@ def _is_pod_create(request: Mapping[str, Any]) -> bool:
         and kind.get("kind") == "Pod"
         and not request.get("subResource")
     )
+
+
+JOBSET_REPLICAS = "jobset.sigs.k8s.io/replicatedjob-replicas"
+
+
+def _jobset_index_repeats(labels: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
+    """A pod of a JobSet replicatedJob of several Jobs, none of whose containers sets its node
+    rank: JOB_COMPLETION_INDEX (the sidecar's fallback) repeats across the Jobs."""
+    if str(labels.get(JOBSET_REPLICAS, "1")) == "1":
+        return False
+    names = {
+        var.get("name")
+        for c in _field(pod, "spec").get("containers") or []
+        if isinstance(c, dict)
+        for var in c.get("env") or []
+        if isinstance(var, dict)
+    }
+    return not names & {"PET_NODE_RANK", "JITCKPT_NODE_RANK"}
 
 
 def _from_pytorchjob(labels: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
