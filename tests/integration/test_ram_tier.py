@@ -108,7 +108,9 @@ def test_workers_torchrun_restarts_after_a_sigkill_resume_from_ram(
     proc = spawn(entrypoint(command), env=env)
     assert proc.wait(timeout=300) == 0, proc.output()
     assert marker.exists()
-    assert resumed_from_ram(proc) == 24
+    # The newest snapshot committed before the kill: 24, or 21 when the background writer had
+    # not committed 24 two steps later (a loaded machine); exact either way.
+    assert resumed_from_ram(proc) in (21, 24)
     assert same(final_weights(jdir, STEPS), straight)
 
 
@@ -249,7 +251,9 @@ def test_an_fsdp_trainers_workers_restarted_by_torchrun_resume_from_ram(
     assert proc.wait(timeout=300) == 0, proc.output()
     assert marker.exists()
     assert hook_lines(proc, "snapshots to RAM every 3 steps"), proc.output()
-    assert resumed_from_ram(proc) == 6
+    # The newest snapshot committed before the kill: 6, or 3 when the background writer's
+    # DCP saves of 6 were not committed two steps later (seen once on a loaded machine).
+    assert resumed_from_ram(proc) in (3, 6)
     a, b = final_weights(straight_dir, steps), final_weights(jdir, steps)
     assert a, "no weights"
     assert same(a, b)
