@@ -102,15 +102,14 @@ def test_workers_torchrun_restarts_after_a_sigkill_resume_from_ram(
 ):
     env = {**base_env, "JITCKPT_MEMORY_DIR": str(memory_dir), "JITCKPT_SNAPSHOT_INTERVAL": "3steps"}
     marker = tmp_path / "killed"
-    args = [*ARGS, "--kill-at", "26", "--crash-marker", str(marker)]
+    newest = memory_dir / "checkpoints" / "checkpoint-24"  # committed before the kill
+    args = [*ARGS, "--kill-at", "26", "--crash-marker", str(marker), "--crash-after", str(newest)]
     command = torchrun(TRAIN_HF, *args)
     command.insert(command.index("--nproc-per-node=2") + 1, "--max-restarts=1")
     proc = spawn(entrypoint(command), env=env)
     assert proc.wait(timeout=300) == 0, proc.output()
     assert marker.exists()
-    # The newest snapshot committed before the kill: 24, or 21 when the background writer had
-    # not committed 24 two steps later (a loaded machine); exact either way.
-    assert resumed_from_ram(proc) in (21, 24)
+    assert resumed_from_ram(proc) == 24
     assert same(final_weights(jdir, STEPS), straight)
 
 
@@ -245,15 +244,15 @@ def test_an_fsdp_trainers_workers_restarted_by_torchrun_resume_from_ram(
 
     env = {**base_env, "JITCKPT_MEMORY_DIR": str(memory_dir), "JITCKPT_SNAPSHOT_INTERVAL": "3steps"}
     marker = tmp_path / "killed"
-    command = torchrun(TRAIN_HF, *args, "--kill-at", "8", "--crash-marker", str(marker))
+    newest = memory_dir / "checkpoints" / "checkpoint-6"  # committed before the kill
+    kill = ["--kill-at", "8", "--crash-marker", str(marker), "--crash-after", str(newest)]
+    command = torchrun(TRAIN_HF, *args, *kill)
     command.insert(command.index("--nproc-per-node=2") + 1, "--max-restarts=1")
     proc = spawn(entrypoint(command), env=env)
     assert proc.wait(timeout=300) == 0, proc.output()
     assert marker.exists()
     assert hook_lines(proc, "snapshots to RAM every 3 steps"), proc.output()
-    # The newest snapshot committed before the kill: 6, or 3 when the background writer's
-    # DCP saves of 6 were not committed two steps later (seen once on a loaded machine).
-    assert resumed_from_ram(proc) in (3, 6)
+    assert resumed_from_ram(proc) == 6
     a, b = final_weights(straight_dir, steps), final_weights(jdir, steps)
     assert a, "no weights"
     assert same(a, b)

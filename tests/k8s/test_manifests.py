@@ -229,6 +229,32 @@ def test_settings_that_must_agree_do(path, doc, job, pod):
     assert pod["restartPolicy"] == "Never"
 
 
+@pytest.mark.parametrize(("path", "doc", "job", "pod"), POD_CASES, ids=POD_IDS)
+def test_a_memory_volume_is_the_same_on_both_sides_and_counted_in_the_trainers_memory(
+    path, doc, job, pod
+):
+    """The RAM tier where a manifest has it: one JITCKPT_MEMORY_DIR for the trainer and the
+    sidecar, the volume `medium: Memory`, read-only in the sidecar without the peer replica,
+    and the trainer's memory request and limit above the volume's size (its pages count
+    there)."""
+    volume = next((v for v in pod["volumes"] if v["name"] == "jitckpt-memory"), None)
+    if volume is None:
+        assert all("JITCKPT_MEMORY_DIR" not in env_of(c) for c in pod["containers"])
+        return
+    assert volume["emptyDir"]["medium"] == "Memory"
+    size = quantity(volume["emptyDir"]["sizeLimit"])
+    sidecar = containers(pod)["jitckpt-sidecar"]
+    path_ = env_of(sidecar)["JITCKPT_MEMORY_DIR"]
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "jitckpt-memory")
+    assert mount["mountPath"] == path_
+    assert mount.get("readOnly") is ("JITCKPT_PEERS" not in env_of(sidecar) or None)
+    for trainer in trainers(pod):
+        assert env_of(trainer)["JITCKPT_MEMORY_DIR"] == path_
+        assert {"name": "jitckpt-memory", "mountPath": path_} in trainer["volumeMounts"]
+        for kind in ("requests", "limits"):
+            assert quantity(trainer["resources"][kind]["memory"]) > size, kind
+
+
 def action(doc: dict[str, Any]) -> str:
     """A Job ignores a preemption and a JIT exit; a JobSet's Job fails on them, and the JobSet
     restarts every Job without counting it (test_a_jobset_restarts_on_preemption...)."""

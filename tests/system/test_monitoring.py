@@ -502,7 +502,7 @@ def test_no_peer_replica_fires_until_the_peer_serves_snapshots_and_the_panel_sho
 
         finite = wait_for(shown, 30, "the peer panel's data")
         assert min(finite[next(e for e in finite if "age" in e)]) < 10, finite
-        print(f"no peer replica: fired {fired - absent:.1f} s after node 0 started alone")
+        print(f"no peer replica: fired {fired - absent:.1f} s after node 0 started with no copy")
     finally:
         stop.set()
         prom.stop()

@@ -598,6 +598,20 @@ def test_peers_set_up_the_peer_replica_in_the_sidecar_with_its_token_from_a_secr
         injected(JOB, *args)
     with pytest.raises(InjectError, match="use the webhook"):
         injected(PYTORCHJOB, *args)
+    # A JobSet of several Jobs: each counts its completion index from 0 (not a node rank).
+    indexed_set = JOBSET.replace("        parallelism: 1\n", "        completionMode: Indexed\n")
+    with pytest.raises(InjectError, match="needs each pod's node rank"):
+        injected(indexed_set, *args)
+    index_as_rank = indexed_set.replace(
+        "              command: [torchrun, /app/train.py]\n",
+        "              command: [torchrun, /app/train.py]\n"
+        "              env:\n"
+        "              - name: PET_NODE_RANK\n"
+        '                valueFrom: {fieldRef: {fieldPath: "metadata.annotations'
+        "['batch.kubernetes.io/job-completion-index']\"}}\n",
+    )
+    with pytest.raises(InjectError, match="needs each pod's node rank"):
+        injected(index_as_rank, *args)
     ranked = JOB.replace(
         '        args: [--lr, "1e-4"]\n',
         '        args: [--lr, "1e-4"]\n        env:\n        - {name: PET_NODE_RANK, value: "0"}\n',

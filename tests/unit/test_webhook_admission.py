@@ -200,6 +200,29 @@ def test_peer_annotations_set_up_the_peer_replica_and_need_the_memory_and_the_se
                      labels={"jobset.sigs.k8s.io/replicatedjob-replicas": "2"})  # fmt: skip
     decision, _, _ = run(jobset)  # each Job's completion index starts at 0
     assert "needs PET_NODE_RANK" in decision.reason, decision
+    global_only = {"jobset.sigs.k8s.io/replicatedjob-replicas": "1",
+                   "jobset.sigs.k8s.io/global-replicas": "2"}  # fmt: skip
+    decision, _, _ = run(job_pod("llama", indexed=True, annotations=full, labels=global_only))
+    assert "needs PET_NODE_RANK" in decision.reason, decision  # two replicatedJobs of one Job
+    index = {
+        "fieldRef": {"fieldPath": "metadata.labels['batch.kubernetes.io/job-completion-index']"}
+    }
+    by_index = [{"name": "PET_NODE_RANK", "valueFrom": index}]
+    sidekick = [{"name": "PET_NODE_RANK", "value": "3"}]
+    for containers in (
+        [container("trainer", TORCHRUN, env=by_index)],  # the index again
+        [container("trainer", TORCHRUN), container("proxy", ["envoy"], env=sidekick)],
+    ):
+        other = {**full, "jitckpt.io/container": "trainer"}
+        pod_ = job_pod("llama", indexed=True, annotations=other, containers=containers,
+                       labels={"jobset.sigs.k8s.io/replicatedjob-replicas": "2"})  # fmt: skip
+        decision, _, _ = run(pod_)
+        assert decision.outcome == "not_injected", decision
+        assert "PET_NODE_RANK" in decision.reason, decision
+    own = [container("trainer", TORCHRUN, env=[{"name": "PET_NODE_RANK", "value": "3"}])]
+    two = {"jobset.sigs.k8s.io/replicatedjob-replicas": "2"}
+    decision, _, _ = run(job_pod("llama", annotations=full, containers=own, labels=two))
+    assert decision.outcome == "injected", decision
     rank = [{"name": "PET_NODE_RANK", "value": "1"}]  # the Training Operator's, on each pod
     operators = job_pod(
         "llama",

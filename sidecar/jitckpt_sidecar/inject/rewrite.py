@@ -236,11 +236,13 @@ def inject_pod(
     restart_policy: str = "",
     *,
     indexed: bool = False,
+    index_repeats: bool = False,
 ) -> tuple[str, list[str]]:
     """Rewrite one pod spec in place; return ('injected' | 'unchanged', trainer names).
     `restart_policy`: the pods' restartPolicy when a controller sets it (else the spec's own,
     Kubernetes' default Always when unset); `indexed`: the pods of an Indexed Job, each told
-    its node rank by the Job controller (JOB_COMPLETION_INDEX)."""
+    its node rank by the Job controller (JOB_COMPLETION_INDEX); `index_repeats`: a JobSet's
+    pods of several Jobs, whose completion indexes repeat (not a node rank)."""
     if not isinstance(spec, dict):
         raise InjectError(f"{where}: the pod spec is not a mapping")
     trainers = _trainers(spec, opts, where)
@@ -293,21 +295,37 @@ def inject_pod(
         sidecar = t.sidecar_container(opts, first, grace, restart)
         spec["containers"].append(sidecar)
     spec.setdefault("volumes", []).extend(t.volumes(opts))
-    _peer_notes(sidecar, opts, where, report, indexed)
+    _peer_notes(sidecar, opts, where, report, indexed=indexed, index_repeats=index_repeats)
     return "injected", names
 
 
-def _peer_notes(sidecar: Obj, opts: Options, where: str, report: Report, indexed: bool) -> None:
+def rank_source(sidecar: Obj) -> str:
+    """Where `sidecar` (inject's) gets its node rank: "rank" (the trainer's PET_NODE_RANK),
+    "index" (a Job's completion index: JOB_COMPLETION_INDEX, or a PET_NODE_RANK taken from
+    it), or "" (none it can see)."""
+    env = {var.get("name"): var for var in sidecar.get("env") or [] if isinstance(var, dict)}
+    rank = env.get("JITCKPT_NODE_RANK")
+    if rank is not None:
+        path = ((rank.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath", "")
+        return "index" if "job-completion-index" in path else "rank"
+    return "index" if "JOB_COMPLETION_INDEX" in env else ""
+
+
+def _peer_notes(
+    sidecar: Obj, opts: Options, where: str, report: Report, *, indexed: bool, index_repeats: bool
+) -> None:
     """The peer replica: the node rank and count it needs (InjectError without a rank: its
-    sidecar would exit 2 in every pod), the sidecar's memory limit."""
+    sidecar would exit 2 in every pod, or nodes of different Jobs would share a rank), the
+    sidecar's memory limit."""
     if not opts.peers:
         return
     names = {var["name"] for var in sidecar["env"]}
-    if not (indexed or names & {"JITCKPT_NODE_RANK", "JOB_COMPLETION_INDEX"}):
+    source = rank_source(sidecar) or ("index" if indexed else "")
+    if not source or (source == "index" and index_repeats):
         raise InjectError(
             f"{where}: --peers needs each pod's node rank: set PET_NODE_RANK in the training "
-            "container's env, or run it as an Indexed Job (completionMode: Indexed; in a JobSet, "
-            "one replica per replicatedJob)"
+            "container's env (in a JobSet of several Jobs: the node's rank in the whole set), "
+            "or run it as an Indexed Job (completionMode: Indexed)"
         )
     report.notes.append(
         f"note: {where}: the peer replica: {t.SIDECAR}'s memory limit is "
@@ -327,14 +345,16 @@ def _peer_notes(sidecar: Obj, opts: Options, where: str, report: Report, indexed
 def inject_job_spec(
     job: Obj, opts: Options, where: str, report: Report, *, one_of_many: bool = False
 ) -> tuple[str, list[str]]:
-    """A Job's spec: the pod template, then the podFailurePolicy. `one_of_many`: a JobSet's
-    replicatedJob of several replicas (each counts its completion index from 0)."""
+    """A Job's spec: the pod template, then the podFailurePolicy. `one_of_many`: a Job of a
+    JobSet of several Jobs (each counts its completion index from 0)."""
     template = job.get("template") if isinstance(job, dict) else None
     if not isinstance(template, dict) or not isinstance(template.get("spec"), dict):
         raise InjectError(f"{where}: no pod template (spec.template.spec)")
     pod = template["spec"]
     indexed = job.get("completionMode") == "Indexed" and not one_of_many
-    result, trainers = inject_pod(pod, opts, where, report, indexed=indexed)
+    result, trainers = inject_pod(
+        pod, opts, where, report, indexed=indexed, index_repeats=one_of_many
+    )
     if pod.get("restartPolicy") != "Never":
         if result == "injected":
             report.notes.append(
@@ -512,6 +532,7 @@ def inject_jobset(doc: Obj, opts: Options, where: str, report: Report) -> tuple[
         raise InjectError(f"{where}: no spec.replicatedJobs")
     results: list[str] = []
     trainers: list[str] = []
+    jobs_in_set = sum(rj.get("replicas", 1) if isinstance(rj, dict) else 1 for rj in jobs)
     for rj in jobs:
         name = rj.get("name", "?") if isinstance(rj, dict) else "?"
         template = rj.get("template") if isinstance(rj, dict) else None
@@ -521,7 +542,7 @@ def inject_jobset(doc: Obj, opts: Options, where: str, report: Report) -> tuple[
         if opts.containers and not set(_names(pod.get("containers"))) & set(opts.containers):
             continue  # e.g. a launcher or a data job next to the workers: left as it is
         where_rj = f"{where} replicatedJob {name!r}"
-        many = rj.get("replicas", 1) != 1
+        many = jobs_in_set != 1  # each Job counts its completion index from 0
         result, names = inject_job_spec(template["spec"], opts, where_rj, report, one_of_many=many)
         results.append(result)
         trainers.extend(n for n in names if n not in trainers)

@@ -23,7 +23,8 @@ from jitckpt_entrypoint.settings import Option, SettingError
 from jitckpt_sidecar import __version__
 from jitckpt_sidecar.errors import InjectError
 from jitckpt_sidecar.inject.options import OPTIONS, Options
-from jitckpt_sidecar.inject.rewrite import PYTORCHJOB_CONTAINER, Report, inject_pod
+from jitckpt_sidecar.inject.rewrite import PYTORCHJOB_CONTAINER, Report, inject_pod, rank_source
+from jitckpt_sidecar.inject.templates import SIDECAR as SIDECAR_NAME
 
 API_VERSION = "admission.k8s.io/v1"
 LABEL = "jitckpt.io/inject"
@@ -149,12 +150,7 @@ def decide(request: Mapping[str, Any], policy: Policy) -> Decision:
                 )
             if not opts.containers:
                 opts = dataclasses.replace(opts, containers=(PYTORCHJOB_CONTAINER,))
-        if opts.peers and _jobset_index_repeats(labels, pod):
-            raise InjectError(
-                f"{where}: a JobSet replicatedJob of several replicas: each Job counts its "
-                "completion index from 0, so jitckpt.io/peers needs PET_NODE_RANK in the "
-                "training container's env (from jobset.sigs.k8s.io/job-index and the index)"
-            )
+
         patched = copy.deepcopy(pod)
         spec = patched.get("spec")
         if isinstance(spec, dict) and (
@@ -163,6 +159,13 @@ def decide(request: Mapping[str, Any], policy: Policy) -> Decision:
             spec["terminationGracePeriodSeconds"] = opts.grace_seconds
         report = Report()
         result, _ = inject_pod(spec, opts, where, report)  # type: ignore[arg-type]
+        if opts.peers and _jobset_index_repeats(labels, spec):
+            raise InjectError(
+                f"{where}: a pod of a JobSet of several Jobs: each Job counts its completion "
+                "index from 0, so jitckpt.io/peers needs PET_NODE_RANK in the training "
+                "container's env set to the node's rank in the whole JobSet (e.g. from the "
+                "jobset.sigs.k8s.io/job-global-index label when each Job has one pod)"
+            )
     except JitckptError as exc:
         line = str(exc).removeprefix(f"{where}: ")
         for option in ANNOTATED:  # inject's advice names its flags; a pod has annotations
@@ -219,22 +222,21 @@ def _is_pod_create(request: Mapping[str, Any]) -> bool:
     )
 
 
-JOBSET_REPLICAS = "jobset.sigs.k8s.io/replicatedjob-replicas"
+JOBSET_REPLICAS = (
+    "jobset.sigs.k8s.io/replicatedjob-replicas",
+    "jobset.sigs.k8s.io/global-replicas",
+)
+"""JobSet's labels on its pods: the Jobs of the pod's replicatedJob, and of the whole JobSet."""
 
 
-def _jobset_index_repeats(labels: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
-    """A pod of a JobSet replicatedJob of several Jobs, none of whose containers sets its node
-    rank: JOB_COMPLETION_INDEX (the sidecar's fallback) repeats across the Jobs."""
-    if str(labels.get(JOBSET_REPLICAS, "1")) == "1":
+def _jobset_index_repeats(labels: Mapping[str, Any], spec: Any) -> bool:
+    """A pod of a JobSet of several Jobs whose sidecar (inject_pod's, in the patched `spec`)
+    gets a Job's completion index for its node rank, which repeats across the Jobs."""
+    if all(str(labels.get(label, "1")) == "1" for label in JOBSET_REPLICAS):
         return False
-    names = {
-        var.get("name")
-        for c in _field(pod, "spec").get("containers") or []
-        if isinstance(c, dict)
-        for var in c.get("env") or []
-        if isinstance(var, dict)
-    }
-    return not names & {"PET_NODE_RANK", "JITCKPT_NODE_RANK"}
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    sidecar = next((c for c in containers if c.get("name") == SIDECAR_NAME), None)
+    return sidecar is None or rank_source(sidecar) != "rank"
 
 
 def _from_pytorchjob(labels: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:

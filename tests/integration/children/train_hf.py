@@ -6,8 +6,8 @@ optimizer step so tests can act at a given step. Test-only knobs (never in user 
 jitckpt commits them, until --release-file exists; --wait-after-train waits the same way after
 train() returns; --slow-save S makes every save (periodic or JIT) take S seconds longer;
 --crash-at N makes rank 1 raise after step N, --kill-at N SIGKILL itself there (once each,
-with --crash-marker); --slow-write S holds each optimizer.pt written by jitckpt's background
-writer S seconds.
+with --crash-marker; --crash-after DIR first waits, up to 60 s, until DIR holds a committed
+save); --slow-write S holds each optimizer.pt written by jitckpt's background writer S seconds.
 --save-model ends like TRL's scripts: trainer.save_model() into --output-dir (model, config,
 tokenizer with --trainer sft) and a metrics JSON.
 --strategy picks DDP (default), FSDP or DeepSpeed ZeRO (both through the test-only
@@ -110,10 +110,14 @@ def strategy_args(strategy: str) -> dict[str, Any]:
 
 class Progress(TrainerCallback):
     def __init__(
-        self, hold_at: int, release: str, step_sleep: float = 0.0, crash: tuple[int, str] = (0, "")
+        self,
+        hold_at: int,
+        release: str,
+        step_sleep: float = 0.0,
+        crash: tuple[int, str, str] = (0, "", ""),
     ) -> None:
         self.hold_at, self.release, self.step_sleep = hold_at, release, step_sleep
-        self.crash_at, self.crash_marker = crash
+        self.crash_at, self.crash_marker, self.crash_after = crash
 
     def on_step_begin(self, args, state, control, **kwargs):
         time.sleep(self.step_sleep)  # --step-sleep: a longer step, as a bigger model's
@@ -126,6 +130,14 @@ class Progress(TrainerCallback):
         crash = self.crash_at and state.global_step == abs(self.crash_at)
         crash = crash and os.environ.get("RANK") == "1"
         if crash and not os.path.exists(self.crash_marker):  # once: the restart goes on
+            if self.crash_after:  # a snapshot's background write: committed, not racing it
+                from jitckpt_entrypoint.protocol import validity
+
+                deadline = time.monotonic() + 60
+                while validity.committed(self.crash_after) is None:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{self.crash_after} not committed in 60 s")
+                    time.sleep(0.05)
             open(self.crash_marker, "w").close()
             if self.crash_at < 0:  # an OOM kill, a segfault: no Python left to unwind
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -264,6 +276,7 @@ def main() -> None:
     parser.add_argument("--crash-at", type=int, default=0, help="rank 1 raises after this step")
     parser.add_argument("--kill-at", type=int, default=0, help="rank 1 SIGKILLs itself there")
     parser.add_argument("--crash-marker", default="", help="created at the crash: crash once")
+    parser.add_argument("--crash-after", default="", help="a save to wait for before the crash")
     parser.add_argument("--slow-save", type=float, default=0.0, help="seconds added to saves")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds added to steps")
     parser.add_argument(
@@ -282,7 +295,7 @@ def main() -> None:
             opts.hold_save_at,
             opts.release_file,
             opts.step_sleep,
-            (-opts.kill_at if opts.kill_at else opts.crash_at, opts.crash_marker),
+            (-opts.kill_at if opts.kill_at else opts.crash_at, opts.crash_marker, opts.crash_after),
         )
     ]
     if opts.early_stopping:
