@@ -584,6 +584,12 @@ def test_peers_set_up_the_peer_replica_in_the_sidecar_with_its_token_from_a_secr
     said = notes(text, *args)
     assert "the peer replica: jitckpt-sidecar's memory limit is 25Gi" in said
     assert "needs the node count" not in said
+    assert "helps when the other nodes' trainers restart in place" in said  # Never, no restarts
+    restarting = text.replace(
+        'command: [torchrun, --nproc-per-node, "2"',
+        'command: [torchrun, --max-restarts=3, --nproc-per-node, "2"',
+    )
+    assert "restart in place" not in notes(restarting, *args)
     indexed = JOB.replace("spec:\n  template:", "spec:\n  completionMode: Indexed\n  template:")
     assert "needs the node count" in notes(indexed, *args)
     assert injected(out, *args) == out  # a second run changes nothing

@@ -295,8 +295,26 @@ def inject_pod(
         sidecar = t.sidecar_container(opts, first, grace, restart)
         spec["containers"].append(sidecar)
     spec.setdefault("volumes", []).extend(t.volumes(opts))
-    _peer_notes(sidecar, opts, where, report, indexed=indexed, index_repeats=index_repeats)
+    in_place = _restarts_in_place(spec, trainers, restart_policy)
+    _peer_notes(
+        sidecar,
+        opts,
+        where,
+        report,
+        indexed=indexed,
+        index_repeats=index_repeats,
+        in_place=in_place,
+    )
     return "injected", names
+
+
+def _restarts_in_place(spec: Obj, trainers: list[Obj], restart_policy: str) -> bool:
+    """Whether a trainer that fails comes back in the same pod: the pod's restartPolicy, or
+    torchrun's --max-restarts in the trainer's command."""
+    if (restart_policy or spec.get("restartPolicy") or "Always") != "Never":
+        return True
+    words = [str(w) for c in trainers for w in [*(c.get("command") or []), *(c.get("args") or [])]]
+    return any("max-restarts" in w or "max_restarts" in w for w in words)
 
 
 def rank_source(sidecar: Obj) -> str:
@@ -312,7 +330,14 @@ def rank_source(sidecar: Obj) -> str:
 
 
 def _peer_notes(
-    sidecar: Obj, opts: Options, where: str, report: Report, *, indexed: bool, index_repeats: bool
+    sidecar: Obj,
+    opts: Options,
+    where: str,
+    report: Report,
+    *,
+    indexed: bool,
+    index_repeats: bool,
+    in_place: bool,
 ) -> None:
     """The peer replica: the node rank and count it needs (InjectError without a rank: its
     sidecar would exit 2 in every pod, or nodes of different Jobs would share a rank), the
@@ -335,6 +360,13 @@ def _peer_notes(
         "sidecar-as-container mode); size --memory for about four snapshots of a node; the "
         f"Secret {opts.peer_secret!r} needs the key {t.PEER_TOKEN_KEY!r}"
     )
+    if not in_place:
+        report.notes.append(
+            f"note: {where}: the peer replica helps when the other nodes' trainers restart in "
+            "place after a node is lost (torchrun --max-restarts, or restartPolicy OnFailure); "
+            "with restartPolicy Never and no --max-restarts every pod is replaced, its memory "
+            "volume with it, and the job goes back to the volume or S3"
+        )
     if "JITCKPT_NNODES" not in names:
         report.notes.append(
             f"warning: {where}: the peer replica needs the node count: set PET_NNODES in the "
