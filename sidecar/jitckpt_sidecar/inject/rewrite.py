@@ -189,23 +189,10 @@ def _same_memory(spec: Obj, opts: Options, where: str) -> None:
             f"{where}: already injected {'with' if memory else 'without'} --memory; start from "
             "the original YAML to change it"
         )
-    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
-    peers = [
-        var.get("value")
-        for c in containers
-        if isinstance(c, dict) and c.get("name") == t.SIDECAR
-        for var in c.get("env") or []
-        if isinstance(var, dict) and var.get("name") == "JITCKPT_PEERS"
-    ]
-    secrets = [
-        var["valueFrom"]["secretKeyRef"].get("name")
-        for c in containers
-        if isinstance(c, dict) and c.get("name") == t.SIDECAR
-        for var in c.get("env") or []
-        if isinstance(var, dict) and var.get("name") == "JITCKPT_PEER_TOKEN"
-        and isinstance(var.get("valueFrom"), dict) and "secretKeyRef" in var["valueFrom"]
-    ]  # fmt: skip
-    had = (peers[0] if peers else None, secrets[0] if secrets else None)
+    env = env_by_name(sidecar_of(spec))
+    token = (env.get("JITCKPT_PEER_TOKEN") or {}).get("valueFrom") or {}
+    peers = (env.get("JITCKPT_PEERS") or {}).get("value")
+    had = (peers, (token.get("secretKeyRef") or {}).get("name"))
     if had != (opts.peers, opts.peer_secret):
         before = f"--peers {had[0]!r} --peer-secret {had[1]!r}" if had[0] else "no --peers"
         raise InjectError(
@@ -317,11 +304,22 @@ def _restarts_in_place(spec: Obj, trainers: list[Obj], restart_policy: str) -> b
     return any("max-restarts" in w or "max_restarts" in w for w in words)
 
 
+def sidecar_of(spec: Obj) -> Obj:
+    """The injected sidecar container of a pod spec ({} when there is none)."""
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    return next((c for c in containers if isinstance(c, dict) and c.get("name") == t.SIDECAR), {})
+
+
+def env_by_name(container: Obj) -> dict[str, Obj]:
+    env = container.get("env") or []
+    return {str(var.get("name")): var for var in env if isinstance(var, dict)}
+
+
 def rank_source(sidecar: Obj) -> str:
     """Where `sidecar` (inject's) gets its node rank: "rank" (the trainer's PET_NODE_RANK),
     "index" (a Job's completion index: JOB_COMPLETION_INDEX, or a PET_NODE_RANK taken from
     it), or "" (none it can see)."""
-    env = {var.get("name"): var for var in sidecar.get("env") or [] if isinstance(var, dict)}
+    env = env_by_name(sidecar)
     rank = env.get("JITCKPT_NODE_RANK")
     if rank is not None:
         path = ((rank.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath", "")

@@ -23,8 +23,13 @@ from jitckpt_entrypoint.settings import Option, SettingError
 from jitckpt_sidecar import __version__
 from jitckpt_sidecar.errors import InjectError
 from jitckpt_sidecar.inject.options import OPTIONS, Options
-from jitckpt_sidecar.inject.rewrite import PYTORCHJOB_CONTAINER, Report, inject_pod, rank_source
-from jitckpt_sidecar.inject.templates import SIDECAR as SIDECAR_NAME
+from jitckpt_sidecar.inject.rewrite import (
+    PYTORCHJOB_CONTAINER,
+    Report,
+    inject_pod,
+    rank_source,
+    sidecar_of,
+)
 
 API_VERSION = "admission.k8s.io/v1"
 LABEL = "jitckpt.io/inject"
@@ -234,9 +239,7 @@ def _jobset_index_repeats(labels: Mapping[str, Any], spec: Any) -> bool:
     gets a Job's completion index for its node rank, which repeats across the Jobs."""
     if all(str(labels.get(label, "1")) == "1" for label in JOBSET_REPLICAS):
         return False
-    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
-    sidecar = next((c for c in containers if c.get("name") == SIDECAR_NAME), None)
-    return sidecar is None or rank_source(sidecar) != "rank"
+    return rank_source(sidecar_of(spec)) != "rank"
 
 
 def _from_pytorchjob(labels: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
