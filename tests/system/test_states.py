@@ -128,7 +128,7 @@ def train(state: str, out: Path) -> list[str]:
 
 def finish(*procs: Proc) -> list[int]:
     """Wait for processes started side by side; their exit codes, in order."""
-    return [proc.wait(timeout=240) for proc in procs]
+    return [proc.wait(timeout=600) for proc in procs]
 
 
 def path_taken(proc: Proc) -> tuple[bool, str]:
@@ -300,7 +300,7 @@ def test_state_trains_checkpoints_and_resumes_as_without_jitckpt(
         if int(path.name.split("-")[1]) > SAVE_AT:
             shutil.rmtree(path)
     resumed = spawn(entrypoint(train(state, resumed_out)), env=env)
-    assert resumed.wait(timeout=240) == 0, resumed.output()
+    assert resumed.wait(timeout=600) == 0, resumed.output()
     assert min(steps_seen(resumed)) == SAVE_AT + 1, resumed.output()
     wrong = weights_diff(final_weights(plain_out), final_weights(resumed_out))
     matrix[state] += " | resume " + ("exact" if not wrong else "NOT EXACT")
