@@ -192,7 +192,8 @@ def trainers(pod: dict[str, Any]) -> list[dict[str, Any]]:
 @pytest.mark.parametrize(("path", "doc", "job", "pod"), POD_CASES, ids=POD_IDS)
 def test_settings_that_must_agree_do(path, doc, job, pod):
     """Grace period = JITCKPT_GRACE_SECONDS, sizeLimit = JITCKPT_STORAGE_CAPACITY, the same
-    storage URI and JITCKPT_DIR on both sides, the ignored exit code = JITCKPT_EXIT_CODE."""
+    storage URI and JITCKPT_DIR on both sides, the ignored exit code = JITCKPT_EXIT_CODE (a Job
+    whose trainers restart in place, restartPolicy OnFailure, may have no podFailurePolicy)."""
     sidecar = containers(pod)["jitckpt-sidecar"]
     side_env = env_of(sidecar)
     grace = pod["terminationGracePeriodSeconds"]
@@ -212,6 +213,9 @@ def test_settings_that_must_agree_do(path, doc, job, pod):
         if doc["kind"] == "PyTorchJob":  # the operator retries exit codes >= 128 (the JIT's)
             assert job["restartPolicy"] == "ExitCode"
             assert int(env.get("JITCKPT_EXIT_CODE", "143")) >= 128
+            return
+        if pod["restartPolicy"] == "OnFailure":
+            assert "podFailurePolicy" not in job
             return
         rules = job["podFailurePolicy"]["rules"]
         assert {
@@ -364,12 +368,16 @@ def test_kueue_queue_name_label_is_on_every_job():
             assert doc["metadata"]["labels"]["kueue.x-k8s.io/queue-name"], rel(path)
 
 
-@pytest.mark.parametrize("directory", ["multi-node", "pvc"])
-def test_multi_node_rendezvous_matches_the_headless_service(directory):
-    """Pods find node 0 as <job>-0.<service>: subdomain = Service, PET_NNODES = completions."""
+def service_and_job(directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
     docs = {d["kind"]: d for d in load_all(K8S / directory / "service.yaml")}
     docs |= {d["kind"]: d for d in load_all(K8S / directory / "job.yaml")}
-    svc, job = docs["Service"], docs["Job"]
+    return docs["Service"], docs["Job"]
+
+
+@pytest.mark.parametrize("directory", ["multi-node", "pvc", "peer-replica"])
+def test_multi_node_rendezvous_matches_the_headless_service(directory):
+    """Pods find node 0 as <job>-0.<service>: subdomain = Service, PET_NNODES = completions."""
+    svc, job = service_and_job(directory)
     pod = job["spec"]["template"]["spec"]
     env = env_of(pod["containers"][0])
     assert svc["spec"]["clusterIP"] == "None"
@@ -380,6 +388,34 @@ def test_multi_node_rendezvous_matches_the_headless_service(directory):
     assert env["PET_MASTER_ADDR"] == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
     assert env["PET_MASTER_PORT"] == str(svc["spec"]["ports"][0]["port"])
     assert "job-completion-index" in env["PET_NODE_RANK"]["fieldRef"]["fieldPath"]
+
+
+def test_the_peer_replica_finds_every_node_and_the_trainers_restart_in_place():
+    """peer-replica/: JITCKPT_PEERS names every pod's sidecar through the headless Service
+    (<job>-<node>.<service>, the sidecar's port, which the Service lists), the token comes
+    from the key `token` of the Secret whose example is beside it, the sidecar knows its node
+    and the node count, and the trainers restart in their pods (the memory volume stays)."""
+    svc, job = service_and_job("peer-replica")
+    pod = job["spec"]["template"]["spec"]
+    sidecar = containers(pod)["jitckpt-sidecar"]
+    env = env_of(sidecar)
+    port = next(p for p in sidecar["ports"] if p["name"] == "jitckpt-metrics")["containerPort"]
+    nodes = job["spec"]["completions"]
+    assert env["JITCKPT_NNODES"] == str(nodes) == env_of(trainers(pod)[0])["PET_NNODES"]
+    assert "job-completion-index" in env["JITCKPT_NODE_RANK"]["fieldRef"]["fieldPath"]
+    for node in range(nodes):
+        assert env["JITCKPT_PEERS"].format(node=node) == (
+            f"http://{job['metadata']['name']}-{node}.{svc['metadata']['name']}:{port}"
+        )
+    assert port in [p["targetPort"] for p in svc["spec"]["ports"]]
+    assert svc["spec"]["publishNotReadyAddresses"] is True  # asked before a trainer is ready
+    (secret,) = load_all(K8S / "peer-replica" / "peer-token.example.yaml")
+    ref = env["JITCKPT_PEER_TOKEN"]["secretKeyRef"]
+    assert ref == {"name": secret["metadata"]["name"], "key": "token"}
+    assert set(secret["stringData"]) == {"token"}
+    assert pod["restartPolicy"] == "OnFailure"
+    (kustomization,) = load_all(K8S / "peer-replica" / "kustomization.yaml")
+    assert sorted(kustomization["resources"]) == ["job.yaml", "service.yaml"]  # no placeholder
 
 
 def test_pvc_mode_shares_one_readwritemany_claim_as_jitckpt_dir():
@@ -423,6 +459,11 @@ def test_pvc_mode_shares_one_readwritemany_claim_as_jitckpt_dir():
         ("pytorchjob/pytorchjob.yaml", "pytorchjob/pytorchjob.orig.yaml",
          ["--image", "jitckpt-sidecar:0.1.0", "--storage-uri",
           "s3://my-bucket/jitckpt/llama-finetune-ddp", "--secret", "aws-connection-jitckpt"]),
+        ("peer-replica/job.yaml", "peer-replica/job.orig.yaml",
+         ["--image", "jitckpt-sidecar:0.1.0", "--storage-uri", "s3://my-bucket/jitckpt/llama-ddp",
+          "--secret", "aws-connection-jitckpt", "--memory", "48Gi",
+          "--peers", "http://llama-ddp-{node}.llama-ddp:9402",
+          "--peer-secret", "jitckpt-peer-token"]),
     ],
 )  # fmt: skip
 def test_generated_examples_are_injects_current_output(generated, original, args, capsys):
