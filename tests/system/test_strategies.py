@@ -6,7 +6,8 @@ SHARDED; the Trainer's own save: ZeRO-3): an uninterrupted run; a run SIGTERMed 
 commits a JIT checkpoint and uploads it; a fresh pod (empty volume) that restores it from S3,
 resumes at that step and ends with the losses and weights of the uninterrupted run. For every
 strategy but FSDP2 SHARDED (whose is the retention test), a two-node job (one pod per node, own
-volume and sidecar) drained on one node: both nodes stop at one step, both parts reach S3,
+volume and sidecar; HSDP: FSDP2 sharded within a node, one replica per node, accelerate's
+ParallelismConfig) drained on one node: both nodes stop at one step, both parts reach S3,
 fresh pods resume there (ZeRO-2 first on one node, which refuses it in one line). FSDP1
 SHARDED's async saves are bitwise its sync ones (its resume is not exact under plain HF either).
 
@@ -33,7 +34,7 @@ from jitckpt_entrypoint.protocol import status
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-STRATEGIES = ["fsdp2-sharded", "fsdp2-full", "fsdp1-sharded", "zero2", "zero3"]
+STRATEGIES = ["fsdp2-sharded", "fsdp2-full", "fsdp1-sharded", "hsdp", "zero2", "zero3"]
 ONE_PER_SAVE_PATH = ["fsdp2-sharded", "zero3"]
 """The exact-resume test once per save path (hook/fsdp_checkpoint.py's deferred saves for any
 sharded FSDP state; the Trainer's own for DeepSpeed and FSDP FULL): the other strategies' JIT
@@ -47,6 +48,7 @@ LAYOUT = {
     "fsdp2-sharded": "pytorch_model_fsdp_0/__1_0.distcp",
     "fsdp2-full": "pytorch_model_fsdp.bin",
     "fsdp1-sharded": "pytorch_model_fsdp_0/__1_0.distcp",
+    "hsdp": "pytorch_model_fsdp_0/__1_0.distcp",
     "zero2": "global_step{step}/zero_pp_rank_1_mp_rank_00_optim_states.pt",
     "zero3": "global_step{step}/zero_pp_rank_1_mp_rank_00_model_states.pt",
 }
@@ -55,6 +57,7 @@ NODE1_FILE = {
     "fsdp2-sharded": "pytorch_model_fsdp_0/__3_0.distcp",
     "fsdp2-full": "rng_state_3.pth",  # the model and optimizer are consolidated on rank 0
     "fsdp1-sharded": "pytorch_model_fsdp_0/__3_0.distcp",
+    "hsdp": "pytorch_model_fsdp_0/__3_0.distcp",  # DCP spreads the replicas' shards over both
     "zero2": "global_step{step}/zero_pp_rank_3_mp_rank_00_optim_states.pt",
     "zero3": "global_step{step}/zero_pp_rank_3_mp_rank_00_model_states.pt",
 }
@@ -207,6 +210,10 @@ def test_draining_one_of_two_nodes_stops_both_at_one_step_and_fresh_pods_resume(
     else:
         again = job(pods, args(strategy, step + 2), strategy_env(strategy))
         finish_resumed_job(again, step)
+        if strategy == "hsdp":
+            assert again[0].trainer is not None
+            mesh = "mesh {'dp_replicate': 2, 'dp_shard_cp': 2} (Replicate(), Shard(dim=0))"
+            assert mesh in again[0].trainer.stdout, again[0].output()
         if strategy == "fsdp1-sharded":  # node 1 restored its own shards and the shared files
             assert again[1].sidecar is not None
             line = next(

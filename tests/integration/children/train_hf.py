@@ -61,7 +61,7 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.data[i], "labels": self.data[i]}
 
 
-STRATEGIES = ("ddp", "fsdp2-sharded", "fsdp2-full", "fsdp1-sharded", "zero2", "zero3")
+STRATEGIES = ("ddp", "fsdp2-sharded", "fsdp2-full", "fsdp1-sharded", "hsdp", "zero2", "zero3")
 """FSDP1 FULL_STATE_DICT is left out: torch's FSDP1 state-dict hook segfaults on CPU."""
 
 
@@ -73,6 +73,12 @@ def strategy_args(strategy: str) -> dict[str, Any]:
     import accelerate_on_cpu
 
     accelerate_on_cpu.install()
+    if strategy == "hsdp":  # FSDP2 sharded within a node, one replica per node (2-D mesh)
+        from accelerate.parallelism_config import ParallelismConfig
+
+        local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+        mesh = ParallelismConfig(dp_replicate_size=world // local, dp_shard_size=local)
+        return {**strategy_args("fsdp2-sharded"), "parallelism_config": mesh}
     if strategy.startswith("fsdp"):
         version, state_dict = strategy.removeprefix("fsdp").split("-")
         return {
@@ -314,6 +320,10 @@ def main() -> None:
     trainer.slow_save = opts.slow_save
     result = trainer.train(resume_from_checkpoint=opts.resume_from)
     say(f"done step={result.global_step} rank={os.environ.get('RANK', '0')}")
+    if opts.strategy == "hsdp":  # the proof: replicated across nodes, sharded within one
+        weight = next(trainer.model_wrapped.parameters())
+        shape = dict(zip(weight.device_mesh.mesh_dim_names, weight.device_mesh.shape))
+        say(f"mesh {shape} {weight.placements}")
     if opts.load_best or opts.best_metric:
         say(f"best {os.path.basename(str(trainer.state.best_model_checkpoint))}")
     if opts.save_model:
