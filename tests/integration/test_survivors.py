@@ -223,6 +223,45 @@ def test_a_lost_node_costs_at_most_one_step(
     assert state["total_flos"] == pytest.approx(_uninterrupted_flos[(nodes, nproc)], rel=1e-9)
 
 
+def test_hsdp_the_ranks_of_the_node_left_save_its_replica_together(spawn, base_env, tmp_path):
+    """HSDP (FSDP2 sharded within a node, one replica per node): node 1 SIGKILLed at step 8.
+    Node 0's two ranks each write their shards with no collective; its local rank 0 merges
+    them into the Trainer's DCP directories and commits the last step both completed, their
+    two ranks its writers. A new job (node 1's pod fresh: a copy of node 0's save, as the
+    restore from S3 gives it) resumes there, bitwise equal to an uninterrupted run."""
+    hsdp = (*ARGS, "--strategy", "hsdp")
+    dirs = node_dirs(tmp_path, "hsdp", 2)
+    procs = job(spawn, base_env, dirs, *hsdp, "--step-sleep", "0.2", nproc=2)
+    killed = lose(procs, 1, None)
+    assert procs[0].wait(timeout=60) == JIT_EXIT, procs[0].output()
+    record = jit_record(dirs[0])
+    assert record is not None, procs[0].output()
+    assert record["committed_at"] - killed < 10, record
+    step = record["step"]
+    man = manifest(dirs[0], step, 0)
+    assert (man["nodes"], man["world_size"], man["kind"]) == (1, 4, "jit"), man
+    assert man["writers"] == [0, 1], man
+    assert step == steps_seen(procs[0], 0)[-1] == steps_seen(procs[0], 1)[-1], procs[0].output()
+    names = {f["path"] for f in man["files"]}
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert {f"{part}/.metadata", f"{part}/__0_0.distcp", f"{part}/__1_0.distcp"} <= names
+    assert {f"rng_state_{r}.pth" for r in range(4)} <= names
+    assert hook_lines(procs[0], "ranks 0-1 save"), procs[0].output()
+    print("\n".join(x for x in procs[0].stderr if "jitckpt" in x))
+
+    straight_dirs = node_dirs(tmp_path, "hsdp-straight", 2)
+    for proc in job(spawn, base_env, straight_dirs, *hsdp, nproc=2):
+        assert proc.wait(timeout=300) == 0, proc.output()
+    ckpt = f"checkpoint-{step}"
+    shutil.rmtree(dirs[1] / "checkpoints" / ckpt, ignore_errors=True)
+    shutil.copytree(dirs[0] / "checkpoints" / ckpt, dirs[1] / "checkpoints" / ckpt)
+    resumed = job(spawn, base_env, dirs, *hsdp, nproc=2)
+    for proc in resumed:
+        assert proc.wait(timeout=300) == 0, proc.output()
+    assert int(resumed[0].expect(r"^begin rank=0 pid=\d+ step=(\d+)$").group(1)) == step
+    assert same(joined_weights(dirs), joined_weights(straight_dirs))
+
+
 def test_a_peer_stopped_longer_than_the_peer_timeout_is_waited_for(spawn, base_env, tmp_path):
     """Node 1 stopped (SIGSTOP) for 2.5x JITCKPT_PEER_TIMEOUT, then continued: its kernel
     acknowledged all along, so node 0 waits as without jitckpt (no survivors' save, no closed

@@ -12,11 +12,12 @@ import time
 import types
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from jitckpt_entrypoint import cli, supervisor
 from jitckpt_entrypoint.config import Config
-from jitckpt_entrypoint.hook import survivors, trainer_checkpoint
+from jitckpt_entrypoint.hook import replica_group, survivors, trainer_checkpoint
 from jitckpt_entrypoint.hook.peer_timeout import PeerTimeout
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.hook.survivors import Survivors, lost_peer
@@ -379,3 +380,58 @@ def test_which_rank_writes_the_shared_files_and_saves_the_model_beside_process_z
     ckpt = TrainerCheckpoint(trainer, alone=mode == "alone", whole_node=mode == "whole_node")
     assert ckpt.should_save is shared
     assert ckpt._beside_process_zero is beside
+
+
+def _dcp_alone(path, state_dict):
+    import torch.distributed.checkpoint as dcp
+
+    with replica_group.dcp_alone():
+        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(path)))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_parts_of_a_replica_merge_into_one_dcp_save_and_a_hole_is_never_merged(tmp_path):
+    """replica_group.merge: each part's data file named after its rank, one .metadata that DCP
+    loads; items both parts hold once; a tensor the parts do not cover whole is a ValueError."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    weights = {"a": torch.arange(6.0).reshape(2, 3), "step": torch.tensor(7.0)}
+    _dcp_alone(tmp_path / "rank0", {"model": dict(weights)})
+    _dcp_alone(tmp_path / "rank1", {"model": dict(weights)})
+    replica_group.merge(
+        {0: str(tmp_path / "rank0"), 1: str(tmp_path / "rank1")}, str(tmp_path / "m")
+    )
+    assert sorted(os.listdir(tmp_path / "m")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in weights.items()}}
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(tmp_path / "m")), no_dist=True)
+    assert all(torch.equal(loaded["model"][k], v) for k, v in weights.items())
+
+    _dcp_alone(tmp_path / "holed", {"model": dict(weights)})
+    path = tmp_path / "holed" / ".metadata"
+    metadata = dcp.FileSystemReader(str(tmp_path / "holed")).read_metadata()
+    chunk = metadata.state_dict_metadata["model.a"].chunks[0]
+    chunk.sizes = torch.Size([1, 3])  # half of it: the other half on a node that is gone
+    path.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ValueError, match=r"model\.a: the parts hold 3 of its 6 elements"):
+        replica_group.merge({0: str(tmp_path / "holed")}, str(tmp_path / "m2"))
+
+
+def test_only_fsdp2_sharded_in_each_node_and_replicated_across_nodes_is_a_replica_per_node():
+    plugin = types.SimpleNamespace(
+        state_dict_type="StateDictType.SHARDED_STATE_DICT", fsdp_version=2
+    )
+    trainer = types.SimpleNamespace(
+        is_fsdp_enabled=True,
+        accelerator=types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin)),
+        model=torch.nn.Linear(2, 2),
+    )
+    assert (
+        replica_group.replica_per_node(trainer, 0, 0, 2)
+        == "a parameter FSDP does not shard: not HSDP"
+    )
+    plugin.fsdp_version = 1
+    assert "FSDP1" in (replica_group.replica_per_node(trainer, 0, 0, 2) or "")
+    plugin.state_dict_type = "StateDictType.FULL_STATE_DICT"
+    assert "FULL_STATE_DICT" in (replica_group.replica_per_node(trainer, 0, 0, 2) or "")

@@ -17,18 +17,21 @@ rank (the dead ranks' RNG files are copies of this rank's: DDP ranks seed and dr
 committed as a one-node save of the job's world size (a resume at any node count loads it
 whole), kind jit, its manifest naming the rank that wrote it; then the rank exits with
 JITCKPT_EXIT_CODE. One rank per node saves (a lock in status/); the node's other ranks exit
-alike once it has (a marker per torchrun attempt in the run's status directory). A machine gone
+alike once it has (a marker per torchrun attempt in the run's status directory). Under HSDP
+with one replica per node (replica_group.py) a node's ranks hold the replica together: each
+writes its own shards, and the node's local rank 0 merges them and commits the save, its
+writers every rank of the node. A machine gone
 without closing its connections fails the collective only after the process group's timeout,
 unless JITCKPT_PEER_TIMEOUT (opt-in) has its silent connections shut down sooner
 (peer_timeout.py, started here when such a save can be made).
 
 What this does not cover goes on as without it, with one line why (the error goes up into
-training): one node, no whole replica on a rank (FSDP, DeepSpeed, a Trainer that keeps its own
-save), a model on an accelerator (its collectives run behind the host: `_accelerator`), a rank
-inside an optimizer update or before its step's evaluation is done, a rank of this very node
-gone (a worker crash: torchrun's restart and the RAM tier handle it; `_crashed` leaves
-a marker for its node-mates, as a killed process leaves a zombie), a save in flight that does
-not stop, or a failed write.
+training): one node, no whole replica on a rank or a node (FSDP but HSDP with a replica per
+node, DeepSpeed, a Trainer that keeps its own save), a model on an accelerator (its
+collectives run behind the host: `_accelerator`), a rank inside an optimizer update or before
+its step's evaluation is done, a rank of this very node gone (a worker crash: torchrun's
+restart and the RAM tier handle it; `_crashed` leaves a marker for its node-mates, as a killed
+process leaves a zombie), a save in flight that does not stop, or a failed write.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import re
 import time
 from typing import Any, Optional
 
+from jitckpt_entrypoint.hook import peer_timeout, replica_group
 from jitckpt_entrypoint.hook.peer_timeout import PeerTimeout
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol import atomic, registry, validity
@@ -74,7 +78,16 @@ LOCK = "survivors.lock"
 CRASHED = "crashed-{restart}-{who}"
 """A marker in the run's status directory: that rank of torchrun's `restart` raised."""
 SAVED = "survivors-{restart}-{who}"
-"""A marker in the run's status directory: the step that node's survivors' save committed."""
+"""A marker in the run's status directory: the step that node's survivors' save committed
+(HSDP: -1 when its local rank 0 refused it)."""
+PART = "survivors-part-{restart}-{who}"
+"""HSDP: a marker in the run's status directory: the step whose shards that rank wrote in its
+part directory, or `refused: <why>`."""
+PARTS = "survivors-parts-{restart}-{who}"
+"""HSDP: the directory in the run's status directory where node `who`'s ranks write their
+parts (on the volume: the merge moves their files into the checkpoint)."""
+GROUP_WAIT = 30.0
+"""HSDP: seconds a node's ranks wait for each other's parts and for the merge."""
 
 
 def lost_peer(exc: BaseException) -> bool:
@@ -100,6 +113,9 @@ class Survivors:
         self.session = session
         self._why_not: Optional[str] = "training has not started"
         """Why no survivors' save can be made in this training (decided when it starts)."""
+        self._group = False
+        """HSDP with one replica per node: the node's ranks save their shards together
+        (replica_group.py), not one rank alone."""
         self._step: Optional[int] = None
         """The step the state is exactly, or None (inside a step's update or evaluation)."""
         self._in_step = False
@@ -121,7 +137,7 @@ class Survivors:
         """Training (re)starts at `step`: nothing newer than it to save yet. Decides whether a
         survivors' save can be made at all; when not, nothing is kept per step. Never raises."""
         self._step, self._in_step, self._began_at = None, False, step
-        self._kept, self._buffer_copies = {}, {}
+        self._kept, self._buffer_copies, self._group = {}, {}, False
         try:
             self._why_not = self._unsupported(trainer)
             self._buffers = [] if self._why_not else persistent_buffers(trainer)
@@ -168,7 +184,7 @@ class Survivors:
         """Training ended: the connections are no longer watched."""
         self._timeout.stopped()
 
-    def _unsupported(self, trainer: Any) -> Optional[str]:
+    def _unsupported(self, trainer: Any) -> Optional[str]:  # noqa: PLR0911 - a reason each
         from jitckpt_entrypoint.hook import trainer_checkpoint
 
         session = self.session
@@ -177,7 +193,15 @@ class Survivors:
         if session.topo.nodes < 2:
             return "one node: a lost rank is a worker crash (torchrun's restart handles it)"
         if getattr(trainer, "is_fsdp_enabled", False):
-            return "FSDP shards the state: no rank holds a whole replica"
+            topo = session.topo
+            why = replica_group.replica_per_node(
+                trainer, topo.rank, topo.local_rank, topo.local_world_size
+            )
+            if why is not None:
+                return why
+            if not session.run_id:
+                return "HSDP: the node's ranks agree through the entrypoint's run directory"
+            self._group = True
         device = _accelerator(trainer)
         if device is not None:
             return (
@@ -273,6 +297,9 @@ class Survivors:
                 self._crashed()
                 return
             why = self._refusal(trainer, manager)
+            if self._group:
+                self._save_group(trainer, exc, manager, why, lost_at)
+                return
             if why is not None:
                 self._wait_for_mates(why)  # exits when a node-mate saved
                 self.session.log.error(
@@ -399,6 +426,142 @@ class Survivors:
                 manager.records.jit(step, seconds, peer_lost_at=lost_at, any_rank=True)
         session.exit(session.cfg.exit_code)
 
+    def _save_group(
+        self, trainer: Any, exc: BaseException, manager: Any, why: Optional[str], lost_at: float
+    ) -> None:
+        """HSDP: every rank of this node writes its part of the last step; the node's local
+        rank 0 merges and commits them (replica_group.py), or refuses for all. Exits when
+        the node's save is committed; returns when it is not (the error goes on up)."""
+        session, topo = self.session, self.session.topo
+        # A node-mate may wait in a collective on this rank, which left it: its wait ends now.
+        peer_timeout.shut_down_to(_node_mates())
+        parts = self._marker(PARTS, topo.node) or ""
+        step = self._step if why is None else None
+        if step is not None and validity.committed(session.layout.checkpoint_dir(step)):
+            why, step = None, None  # a save of every rank: kept (local rank 0 says so)
+            if topo.local_rank == 0:
+                session.log.warning(
+                    "a peer is lost (%s): %s is committed, the last step completed",
+                    _short(exc),
+                    checkpoint_name(self._step or 0),
+                )
+                self._mark(SAVED, topo.node, self._step)
+                manager.records.jit(self._step, 0.0, peer_lost_at=lost_at, any_rank=True)
+        elif step is not None:
+            started = time.time()
+            try:
+                part = os.path.join(parts, replica_group.PART.format(rank=topo.rank))
+                self._put_back(trainer)
+                names = replica_group.write_part(trainer, part)
+                trainer._save_rng_state(part)
+                self._mark(PART, topo.rank, step)
+                if topo.local_rank == 0:
+                    why = self._merge_and_commit(trainer, exc, step, parts, names)
+                    if why is None:
+                        seconds = time.time() - started
+                        manager.records.jit(step, seconds, peer_lost_at=lost_at, any_rank=True)
+            except Exception as inner:  # noqa: BLE001 - the training error is the one to report
+                why = f"rank {topo.rank}'s part failed: {inner!r:.200}"
+        if why is not None:
+            with contextlib.suppress(OSError):
+                self._mark(PART, topo.rank, f"refused: {why}")
+            if topo.local_rank == 0:
+                with contextlib.suppress(OSError):
+                    self._mark(SAVED, topo.node, -1)
+                replica_group.remove(parts)
+            session.log.error("a peer is lost (%s); no survivors' save: %s", _short(exc), why)
+        deadline = time.monotonic() + GROUP_WAIT
+        while time.monotonic() < deadline and self._saved(topo.node) is None:
+            time.sleep(0.05)
+        if (self._saved(topo.node) or -1) >= 0:
+            session.exit(session.cfg.exit_code)
+
+    def _merge_and_commit(
+        self, trainer: Any, exc: BaseException, step: int, parts: str, names: list[str]
+    ) -> Optional[str]:
+        """Local rank 0, its own part written: wait for the node's other parts, merge them
+        into the checkpoint and commit it; why not, or None once committed."""
+        from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
+
+        session, topo, layout = self.session, self.session.topo, self.session.layout
+        started = time.time()
+        ranks = list(range(topo.rank, topo.rank + topo.local_world_size))  # local rank 0's node
+        deadline = time.monotonic() + GROUP_WAIT
+        done: dict[int, str] = {}
+        while len(done) < len(ranks) and time.monotonic() < deadline:
+            done.update((r, t) for r in ranks if (t := self._read(PART, r)) is not None)
+            if any(t != str(step) for t in done.values()):
+                break
+            time.sleep(0.05)
+        wrong = [f"rank {r}: {done.get(r, 'no part')}" for r in ranks if done.get(r) != str(step)]
+        if wrong:
+            return f"this node's ranks are not all at step {step} ({'; '.join(wrong)})"
+        session.log.warning(
+            "a peer is lost (%s): ranks %d-%d save %s, the last step they completed",
+            _short(exc),
+            ranks[0],
+            ranks[-1],
+            checkpoint_name(step),
+        )
+        ckpt_dir = layout.checkpoint_dir(step)
+        if os.path.lexists(ckpt_dir):  # uncommitted, or not whole here
+            remove_checkpoint(ckpt_dir)
+        try:
+            TrainerCheckpoint(trainer, alone=True).write_small(ckpt_dir)
+            own = {r: os.path.join(parts, replica_group.PART.format(rank=r)) for r in ranks}
+            for rank, part in own.items():  # each rank's own RNG file, not a copy of this one's
+                os.replace(
+                    os.path.join(part, f"rng_state_{rank}.pth"),
+                    os.path.join(ckpt_dir, f"rng_state_{rank}.pth"),
+                )
+            for name in names:
+                merged = {r: os.path.join(part, name) for r, part in own.items()}
+                replica_group.merge(merged, os.path.join(ckpt_dir, name))
+        except (OSError, ValueError) as err:
+            remove_checkpoint(ckpt_dir)
+            return f"the parts do not make one save ({err})"
+        lineage = session.lineage if session.lineage is not None else m.new_lineage()
+        commit_node(
+            layout,
+            ckpt_dir,
+            {0: m.list_files(ckpt_dir)},
+            node=0,
+            nodes=1,
+            world_size=topo.world_size,
+            step=step,
+            kind="jit",
+            started_at=started,
+            run_id=session.run_id,
+            stage_for_upload=bool(session.cfg.storage_uri),
+            save_id=m.new_save_id(),
+            lineage=lineage,
+            writers=tuple(ranks),
+        )
+        replica_group.remove(parts)
+        self._mark(SAVED, topo.node, step)
+        return None
+
+    def _mark(self, template: str, who: int, value: object) -> None:
+        path = self._marker(template, who)
+        if path is not None:
+            atomic.write_bytes(path, str(value).encode(), durable=False)
+
+    def _read(self, template: str, who: int) -> Optional[str]:
+        try:
+            with open(self._marker(template, who) or "", encoding="utf-8") as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
+    def _saved(self, node: int) -> Optional[int]:
+        """The step node `node`'s survivors' save committed, -1 when refused, None while
+        undecided."""
+        text = self._read(SAVED, node)
+        try:
+            return None if text is None else int(text)
+        except ValueError:
+            return None
+
     def _save(self, trainer: Any, step: int) -> float:
         """Write and commit `step` from this rank alone; its seconds."""
         from jitckpt_entrypoint.hook.saver import _sync_devices
@@ -501,9 +664,15 @@ def _local_peer_gone(local_world_size: int) -> bool:
     fail, a moment before it is a zombie."""
     if local_world_size <= 1:
         return False
-    parent, alive = os.getppid(), 0
+    return len(_node_mates()) + 1 < local_world_size
+
+
+def _node_mates() -> list[int]:
+    """The live processes of this process's parent (torchrun's workers on this node) but
+    this one, none exiting."""
+    parent, own, out = os.getppid(), os.getpid(), []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or int(entry) == own:
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:
@@ -512,8 +681,8 @@ def _local_peer_gone(local_world_size: int) -> bool:
             continue
         exiting = int(fields[6]) & PF_EXITING
         if int(fields[1]) == parent and fields[0] not in (b"Z", b"X") and not exiting:
-            alive += 1
-    return alive < local_world_size
+            out.append(int(entry))
+    return out
 
 
 @contextlib.contextmanager

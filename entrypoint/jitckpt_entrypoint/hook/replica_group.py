@@ -1,0 +1,165 @@
+"""The survivors' save of an HSDP job: a node left holds one whole replica, in shards.
+
+Under HSDP (FSDP2 on a 2-D mesh, accelerate's ParallelismConfig with dp_replicate and
+dp_shard) with one replica per node, each node's ranks together hold the whole model and
+optimizer state, each rank its shards. When a node is lost, the ranks of a node left write
+the last step they all completed with no collective (survivors.py decides when):
+
+- `replica_per_node` says whether the Trainer is such a job;
+- each rank runs the Trainer's own FSDP save (`_save_optimizer_and_scheduler`, whose
+  accelerate calls build exactly the state dicts of a checkpoint) with DCP's `save` writing
+  this rank's state dict alone (`no_dist`: its own shards and the replicated items, no plan
+  gathered) into a part directory of its own (`write_part`);
+- the node's local rank 0 merges the parts into the Trainer's DCP directories (`merge`): each
+  rank's data file renamed after its rank, one `.metadata` that lists every rank's chunks. It
+  checks that the chunks of every tensor cover it whole, once each: a replica split over
+  nodes, or a part missing, is never committed.
+
+The merged directories hold what the Trainer's collective save of that step holds, chunk for
+chunk, so HF's resume (accelerate's `load_fsdp_model`) reads them at any world size DCP can
+reshard to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import pickle
+import shutil
+import warnings
+from collections.abc import Iterator
+from typing import Any, Optional
+
+PART = "rank{rank}"
+"""A rank's part directory, under the node's parts directory."""
+
+
+def replica_per_node(
+    trainer: Any, rank: int, local_rank: int, local_world_size: int
+) -> Optional[str]:
+    """None when the Trainer is FSDP2 sharded within each node and replicated across nodes
+    (the ranks of this rank's replica are exactly its node's); else why no node holds a whole
+    replica."""
+    from jitckpt_entrypoint.hook import fsdp_checkpoint
+
+    if not fsdp_checkpoint.sharded(trainer):
+        return "FSDP FULL_STATE_DICT: no rank holds a whole replica"
+    plugin = trainer.accelerator.state.fsdp_plugin
+    if getattr(plugin, "fsdp_version", 1) != 2:
+        return "FSDP1 shards the state over every rank: no node holds a whole replica"
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    first = rank - local_rank
+    node_ranks = list(range(first, first + local_world_size))
+    meshes = set()
+    for param in trainer.model.parameters():
+        if not isinstance(param, DTensor):
+            return "a parameter FSDP does not shard: not HSDP"
+        mesh, placements = param.device_mesh, param.placements
+        if mesh.ndim != 2 or not (
+            isinstance(placements[0], Replicate) and isinstance(placements[1], Shard)
+        ):
+            return "FSDP shards the state over every rank: no node holds a whole replica"
+        meshes.add(id(mesh))
+        if len(meshes) == 1:
+            coordinate = mesh.get_coordinate()
+            group = sorted(int(r) for r in mesh.mesh[coordinate[0]].flatten().tolist())
+            if group != node_ranks:
+                return "HSDP's replica groups are not the job's nodes: no node holds a replica"
+    return None if meshes else "no parameters"
+
+
+@contextlib.contextmanager
+def dcp_alone() -> Iterator[None]:
+    """Inside: `torch.distributed.checkpoint.save` writes this rank's state dict alone, with no
+    collective (its writer's directory must be this rank's own)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict_saver
+
+    def alone(state_dict: Any = None, **kwargs: Any) -> Any:
+        kwargs.pop("process_group", None)
+        kwargs["no_dist"] = True
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore")
+            return state_dict_saver.save(state_dict, **kwargs)
+
+    original = dcp.save
+    dcp.save = alone
+    try:
+        yield
+    finally:
+        dcp.save = original
+
+
+def write_part(trainer: Any, part: str) -> list[str]:
+    """This rank's shards (and the replicated items) of the Trainer's FSDP save, in `part`:
+    the DCP directories written there (relative names)."""
+    os.makedirs(part, exist_ok=True)
+    with dcp_alone(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer._save_optimizer_and_scheduler(part)
+    return sorted(
+        name for name in os.listdir(part) if os.path.isfile(os.path.join(part, name, ".metadata"))
+    )
+
+
+def merge(parts: dict[int, str], target: str) -> None:
+    """DCP directories `parts` (rank -> one rank's save alone) into one in `target`: each data
+    file moved and named after its rank, one `.metadata` of all chunks. Raises ValueError when
+    a tensor's chunks do not cover it exactly once."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    os.makedirs(target, exist_ok=True)
+    first: Optional[Metadata] = None
+    tensors: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for rank, part in sorted(parts.items()):
+        metadata = FileSystemReader(part).read_metadata()
+        first = first or metadata
+        renamed: dict[str, str] = {}
+        for index, info in (metadata.storage_data or {}).items():
+            name = renamed.setdefault(info.relative_path, _ranked(info.relative_path, rank))
+            storage.setdefault(index, _with_path(info, name))
+        for old, new in renamed.items():
+            os.replace(os.path.join(part, old), os.path.join(target, new))
+        for fqn, meta in metadata.state_dict_metadata.items():
+            have = tensors.setdefault(fqn, meta)
+            if have is not meta and isinstance(meta, TensorStorageMetadata):
+                offsets = {tuple(c.offsets) for c in have.chunks}
+                have.chunks.extend(c for c in meta.chunks if tuple(c.offsets) not in offsets)
+    if first is None:
+        raise ValueError("no parts to merge")
+    for fqn, meta in tensors.items():
+        if isinstance(meta, TensorStorageMetadata):
+            covered = sum(math.prod(c.sizes) for c in meta.chunks)
+            if covered != math.prod(meta.size):
+                whole = math.prod(meta.size)
+                raise ValueError(f"{fqn}: the parts hold {covered} of its {whole} elements")
+    merged = Metadata(
+        state_dict_metadata=tensors,
+        planner_data=first.planner_data,
+        storage_data=storage,
+        storage_meta=first.storage_meta,
+        **({"version": first.version} if hasattr(first, "version") else {}),
+    )
+    with open(os.path.join(target, ".metadata"), "wb") as f:
+        pickle.dump(merged, f)
+
+
+def _ranked(name: str, rank: int) -> str:
+    """A save alone's data file (`__0_<n>.distcp`) named as rank `rank` writes it."""
+    if not name.startswith("__0_"):
+        raise ValueError(f"unexpected DCP data file {name!r}")
+    return f"__{rank}_{name[len('__0_') :]}"
+
+
+def _with_path(info: Any, name: str) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(info, relative_path=name)
+
+
+def remove(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
