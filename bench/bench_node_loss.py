@@ -2,7 +2,8 @@
 survivors' save against periodic checkpoints alone (HF's own, and HF's enable_jit_checkpoint).
 
 A 2-node job on one machine: one `torchrun --nnodes 2 --nproc-per-node 1` per node (static
-rendezvous on loopback, gloo, CPU), each under jitckpt-entrypoint with its own JITCKPT_DIR,
+rendezvous on loopback, gloo, CPU; `--strategy hsdp`: 2 ranks per node, FSDP2 sharded within
+a node and replicated across nodes, whose survivors' save is written by both ranks of node 0), each under jitckpt-entrypoint with its own JITCKPT_DIR,
 training tests/integration/children/train_hf.py (a Llama built from a config, attention dropout,
 --step-sleep added to every step). Node 1's whole process tree is SIGKILLed at a seeded step
 (the same per trial for every variant). Measured on node 0 once it exited:
@@ -18,7 +19,7 @@ Variants (save_steps --save-steps for all):
 - jitckpt: the defaults (async periodic saves, the JIT save, the survivors' save).
 
     .venv/bin/python bench/bench_node_loss.py [--trials 3] [--save-steps 20] [--seed 1]
-        [--silent [--hang 60] [--peer-timeout 8]]
+        [--strategy ddp|hsdp] [--silent [--hang 60] [--peer-timeout 8]]
 
 --silent: node 1 is instead a machine gone without closing its connections (its tree stopped,
 its packets dropped, in a network namespace of the bench's own; root): node 0 waits in a
@@ -71,8 +72,9 @@ def run(variant: str, kill_at: int, opts: argparse.Namespace, root: Path) -> dic
         extra_env = {**extra_env, "JITCKPT_PEER_TIMEOUT": str(opts.peer_timeout)}
     args = [
         "--max-steps", "100000", "--save-steps", str(opts.save_steps), "--dropout", "0.1",
-        "--step-sleep", str(opts.step_sleep), *extra_args,
+        "--step-sleep", str(opts.step_sleep), "--strategy", opts.strategy, *extra_args,
     ]  # fmt: skip
+    nproc = 2 if opts.strategy == "hsdp" else 1
     port = free_port()
     dirs = [root / f"node{n}" for n in (0, 1)]
     procs = []
@@ -81,7 +83,7 @@ def run(variant: str, kill_at: int, opts: argparse.Namespace, root: Path) -> dic
         for n, d in enumerate(dirs):
             d.mkdir(parents=True)
             env = {**clean_env(d, checkout=True), **extra_env}
-            command = torchrun_node(TRAIN_HF, *args, node=n, nodes=2, port=port, nproc=1)
+            command = torchrun_node(TRAIN_HF, *args, node=n, nodes=2, port=port, nproc=nproc)
             procs.append(Proc([*(ns.prefix if ns else []), *entrypoint(command)], env=env))
         try:
             wait_step(procs[0], kill_at)
@@ -114,6 +116,7 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=20)
     parser.add_argument("--step-sleep", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--strategy", choices=("ddp", "hsdp"), default="ddp")
     parser.add_argument("--silent", action="store_true", help="node 1 silenced, not killed")
     parser.add_argument("--hang", type=float, default=60, help="--silent: seconds to wait")
     parser.add_argument("--peer-timeout", type=int, default=8, help="--silent: jitckpt's")
@@ -133,7 +136,8 @@ def main() -> None:
                     f"  trial {trial + 1} {variant}: kill after step {kill_at}: {json.dumps(result)}"
                 )
     how = f"silenced (hung: no exit within {opts.hang:.0f} s)" if opts.silent else "SIGKILLed"
-    print(f"\n2 nodes x 1 CPU rank, node 1 {how}; save_steps {opts.save_steps}; "
+    ranks = "2 CPU ranks (HSDP)" if opts.strategy == "hsdp" else "1 CPU rank"
+    print(f"\n2 nodes x {ranks}, node 1 {how}; save_steps {opts.save_steps}; "
           f"{opts.trials} trials (kill steps {kills}); medians")  # fmt: skip
     print(f"{'variant':<10} {'steps lost':>10} {'commit s after the loss':>24} {'exit codes':>12}")
     base = statistics.median(r["lost"] for r in results["periodic"])
