@@ -435,3 +435,27 @@ def test_only_fsdp2_sharded_in_each_node_and_replicated_across_nodes_is_a_replic
     assert "FSDP1" in (replica_group.replica_per_node(trainer, 0, 0, 2) or "")
     plugin.state_dict_type = "StateDictType.FULL_STATE_DICT"
     assert "FULL_STATE_DICT" in (replica_group.replica_per_node(trainer, 0, 0, 2) or "")
+
+
+def test_chunks_that_overlap_or_leave_a_hole_or_lie_outside_are_never_a_whole_tensor():
+    whole = [((0, 0), (1, 3)), ((1, 0), (1, 3))]
+    replica_group._covered_once("w", [2, 3], whole)  # rows 0 and 1: exactly once
+    cases = {
+        "two parts hold the same elements": [((0, 0), (2, 3)), ((1, 0), (1, 3))],
+        "hold 3 of its 6": [((0, 0), (1, 3))],
+        "outside the tensor": [((0, 0), (1, 3)), ((1, 1), (1, 3))],
+    }
+    for words, chunks in cases.items():
+        with pytest.raises(ValueError, match=words):
+            replica_group._covered_once("w", [2, 3], chunks)
+
+
+def test_a_trainer_that_overrides_its_save_is_not_saved_by_the_replica_group():
+    from transformers import Trainer
+
+    class OwnSave(Trainer):
+        def _save_checkpoint(self, model, trial):  # type: ignore[no-untyped-def]
+            return None
+
+    assert replica_group.overridden(object.__new__(Trainer)) is None
+    assert replica_group.overridden(object.__new__(OwnSave)) == "_save_checkpoint"

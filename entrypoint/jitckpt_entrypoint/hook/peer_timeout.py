@@ -258,14 +258,22 @@ def shut_down_to(pids: list[int]) -> int:
         with contextlib.suppress(OSError), open(name, encoding="ascii") as f:
             for line in f.readlines()[1:]:
                 fields = line.split()
-                if len(fields) > 9 and fields[9].isdigit():
-                    table[int(fields[9])] = (fields[1], fields[2])
+                if len(fields) > 9 and fields[9].isdigit() and fields[3] == "01":  # established
+                    table[int(fields[9])] = (_v4(fields[1]), _v4(fields[2]))
     ends = {table[inode][0] for inode in theirs if inode in table}
     count = 0
     for fd, inode in _sockets():
         if inode in table and table[inode][1] in ends and libc.shutdown(fd, socket.SHUT_RDWR) == 0:
             count += 1
     return count
+
+
+def _v4(address: str) -> str:
+    """/proc/net/tcp6's IPv4-mapped address (::ffff:a.b.c.d) as /proc/net/tcp writes it."""
+    host, _, port = address.partition(":")
+    if len(host) == 32 and host.startswith("0000000000000000FFFF0000"):
+        return f"{host[24:]}:{port}"
+    return address
 
 
 def _sockets() -> list[tuple[int, int]]:

@@ -33,6 +33,8 @@ from typing import Any, Optional
 
 PART = "rank{rank}"
 """A rank's part directory, under the node's parts directory."""
+MODEL_DIR, OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"
+"""The DCP directories of the Trainer's FSDP checkpoint (accelerate's names)."""
 
 
 def replica_per_node(
@@ -52,7 +54,7 @@ def replica_per_node(
 
     first = rank - local_rank
     node_ranks = list(range(first, first + local_world_size))
-    meshes = set()
+    meshes: set[int] = set()
     for param in trainer.model.parameters():
         if not isinstance(param, DTensor):
             return "a parameter FSDP does not shard: not HSDP"
@@ -61,13 +63,28 @@ def replica_per_node(
             isinstance(placements[0], Replicate) and isinstance(placements[1], Shard)
         ):
             return "FSDP shards the state over every rank: no node holds a whole replica"
-        meshes.add(id(mesh))
-        if len(meshes) == 1:
+        if id(mesh) not in meshes:
+            meshes.add(id(mesh))
             coordinate = mesh.get_coordinate()
-            group = sorted(int(r) for r in mesh.mesh[coordinate[0]].flatten().tolist())
-            if group != node_ranks:
+            group = [] if coordinate is None else mesh.mesh[coordinate[0]].flatten().tolist()
+            if sorted(int(r) for r in group) != node_ranks:
                 return "HSDP's replica groups are not the job's nodes: no node holds a replica"
     return None if meshes else "no parameters"
+
+
+SAVE_METHODS = ("_save_checkpoint", "save_model", "_save")
+"""Trainer methods a survivors' save under HSDP does not run (it runs the Trainer's FSDP save,
+`_save_optimizer_and_scheduler`, and the shared files): a subclass's own is refused."""
+
+
+def overridden(trainer: Any) -> Optional[str]:
+    """The first of SAVE_METHODS the Trainer's class overrides, or None."""
+    from transformers import Trainer
+
+    for name in SAVE_METHODS:
+        if getattr(type(trainer), name, None) is not getattr(Trainer, name, None):
+            return name
+    return None
 
 
 @contextlib.contextmanager
@@ -84,12 +101,23 @@ def dcp_alone() -> Iterator[None]:
             warnings.simplefilter("ignore")
             return state_dict_saver.save(state_dict, **kwargs)
 
+    from torch.distributed.checkpoint import default_planner
+
     original = dcp.save
     dcp.save = alone
+    # torch < 2.8 checks that one plan covers every tensor whole (a rank alone holds shards):
+    # merge() checks the parts together instead.
+    validate = getattr(default_planner, "_validate_global_plan", None)
+    # "valid" as this torch says it: no error messages (>= 2.8), or True
+    ok: Any = [] if "list" in str(getattr(validate, "__annotations__", {}).get("return")) else True
+    if validate is not None:
+        default_planner._validate_global_plan = lambda *_args, **_kwargs: ok
     try:
         yield
     finally:
         dcp.save = original
+        if validate is not None:
+            default_planner._validate_global_plan = validate
 
 
 def write_part(trainer: Any, part: str) -> list[str]:
@@ -133,10 +161,7 @@ def merge(parts: dict[int, str], target: str) -> None:
         raise ValueError("no parts to merge")
     for fqn, meta in tensors.items():
         if isinstance(meta, TensorStorageMetadata):
-            covered = sum(math.prod(c.sizes) for c in meta.chunks)
-            if covered != math.prod(meta.size):
-                whole = math.prod(meta.size)
-                raise ValueError(f"{fqn}: the parts hold {covered} of its {whole} elements")
+            _covered_once(fqn, list(meta.size), [(c.offsets, c.sizes) for c in meta.chunks])
     merged = Metadata(
         state_dict_metadata=tensors,
         planner_data=first.planner_data,
@@ -144,8 +169,25 @@ def merge(parts: dict[int, str], target: str) -> None:
         storage_meta=first.storage_meta,
         **({"version": first.version} if hasattr(first, "version") else {}),
     )
-    with open(os.path.join(target, ".metadata"), "wb") as f:
+    path = os.path.join(target, ".metadata")
+    with open(f"{path}.tmp", "wb") as f:
         pickle.dump(merged, f)
+    os.replace(f"{path}.tmp", path)
+
+
+def _covered_once(fqn: str, size: list[int], chunks: list[tuple[Any, Any]]) -> None:
+    """Raises ValueError unless `chunks` ((offsets, sizes)) lie inside `size` and cover it
+    exactly once (inside, no two overlapping, their volumes summing to the whole)."""
+    for offsets, sizes in chunks:
+        if any(o < 0 or o + n > d for o, n, d in zip(offsets, sizes, size)):
+            raise ValueError(f"{fqn}: a chunk lies outside the tensor")
+    for i, (a_off, a_size) in enumerate(chunks):
+        for b_off, b_size in chunks[i + 1 :]:
+            if all(a < b + bn and b < a + an for a, an, b, bn in zip(a_off, a_size, b_off, b_size)):
+                raise ValueError(f"{fqn}: two parts hold the same elements")
+    covered, whole = sum(math.prod(n) for _, n in chunks), math.prod(size)
+    if covered != whole:
+        raise ValueError(f"{fqn}: the parts hold {covered} of its {whole} elements")
 
 
 def _ranked(name: str, rank: int) -> str:

@@ -87,7 +87,10 @@ PARTS = "survivors-parts-{restart}-{who}"
 """HSDP: the directory in the run's status directory where node `who`'s ranks write their
 parts (on the volume: the merge moves their files into the checkpoint)."""
 GROUP_WAIT = 30.0
-"""HSDP: seconds a node's ranks wait for each other's parts and for the merge."""
+"""HSDP: seconds local rank 0 waits for its node-mates' parts once its own is written."""
+GROUP_LIMIT = 1800.0
+"""HSDP: seconds a node-mate waits at most for local rank 0's decision (while every rank of
+the node lives: a merge and commit of a large model's parts take a while)."""
 
 
 def lost_peer(exc: BaseException) -> bool:
@@ -143,6 +146,8 @@ class Survivors:
             self._buffers = [] if self._why_not else persistent_buffers(trainer)
         except Exception as exc:  # noqa: BLE001 - a Trainer we cannot inspect: no such save
             self._why_not = f"cannot inspect the Trainer ({exc!r:.80})"
+        if not self._why_not and self._buffers and self._group:
+            self._why_not = "HSDP and the model's persistent buffers (each rank's own)"
         if not self._why_not and self._buffers and self.session.topo.rank != 0:
             # DDP broadcasts rank 0's buffers before each forward; a forward then changes each
             # rank's own: the checkpoint holds rank 0's, which a writer of another rank lacks.
@@ -201,6 +206,9 @@ class Survivors:
                 return why
             if not session.run_id:
                 return "HSDP: the node's ranks agree through the entrypoint's run directory"
+            overridden = replica_group.overridden(trainer)
+            if overridden:
+                return f"{type(trainer).__name__} overrides {overridden}: its save is its own"
             self._group = True
         device = _accelerator(trainer)
         if device is not None:
@@ -433,29 +441,20 @@ class Survivors:
         rank 0 merges and commits them (replica_group.py), or refuses for all. Exits when
         the node's save is committed; returns when it is not (the error goes on up)."""
         session, topo = self.session, self.session.topo
+        lead = topo.local_rank == 0
         # A node-mate may wait in a collective on this rank, which left it: its wait ends now.
         peer_timeout.shut_down_to(_node_mates())
         parts = self._marker(PARTS, topo.node) or ""
+        part = os.path.join(parts, replica_group.PART.format(rank=topo.rank))
         step = self._step if why is None else None
-        if step is not None and validity.committed(session.layout.checkpoint_dir(step)):
-            why, step = None, None  # a save of every rank: kept (local rank 0 says so)
-            if topo.local_rank == 0:
-                session.log.warning(
-                    "a peer is lost (%s): %s is committed, the last step completed",
-                    _short(exc),
-                    checkpoint_name(self._step or 0),
-                )
-                self._mark(SAVED, topo.node, self._step)
-                manager.records.jit(self._step, 0.0, peer_lost_at=lost_at, any_rank=True)
-        elif step is not None:
+        if step is not None and self._saved(topo.node) is None:  # not decided without it
             started = time.time()
             try:
-                part = os.path.join(parts, replica_group.PART.format(rank=topo.rank))
                 self._put_back(trainer)
                 names = replica_group.write_part(trainer, part)
                 trainer._save_rng_state(part)
                 self._mark(PART, topo.rank, step)
-                if topo.local_rank == 0:
+                if lead:
                     why = self._merge_and_commit(trainer, exc, step, parts, names)
                     if why is None:
                         seconds = time.time() - started
@@ -465,15 +464,19 @@ class Survivors:
         if why is not None:
             with contextlib.suppress(OSError):
                 self._mark(PART, topo.rank, f"refused: {why}")
-            if topo.local_rank == 0:
+            if lead:
                 with contextlib.suppress(OSError):
                     self._mark(SAVED, topo.node, -1)
-                replica_group.remove(parts)
             session.log.error("a peer is lost (%s); no survivors' save: %s", _short(exc), why)
-        deadline = time.monotonic() + GROUP_WAIT
-        while time.monotonic() < deadline and self._saved(topo.node) is None:
+        # Local rank 0 decides (it waits GROUP_WAIT at most for the parts): wait while it lives.
+        deadline = time.monotonic() + GROUP_LIMIT
+        while not lead and self._saved(topo.node) is None and time.monotonic() < deadline:
+            if _local_peer_gone(topo.local_world_size):
+                break
             time.sleep(0.05)
-        if (self._saved(topo.node) or -1) >= 0:
+        saved = self._saved(topo.node)
+        replica_group.remove(parts if lead else part)
+        if saved is not None and saved >= 0:
             session.exit(session.cfg.exit_code)
 
     def _merge_and_commit(
@@ -481,10 +484,7 @@ class Survivors:
     ) -> Optional[str]:
         """Local rank 0, its own part written: wait for the node's other parts, merge them
         into the checkpoint and commit it; why not, or None once committed."""
-        from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
-
-        session, topo, layout = self.session, self.session.topo, self.session.layout
-        started = time.time()
+        session, topo = self.session, self.session.topo
         ranks = list(range(topo.rank, topo.rank + topo.local_world_size))  # local rank 0's node
         deadline = time.monotonic() + GROUP_WAIT
         done: dict[int, str] = {}
@@ -496,14 +496,45 @@ class Survivors:
         wrong = [f"rank {r}: {done.get(r, 'no part')}" for r in ranks if done.get(r) != str(step)]
         if wrong:
             return f"this node's ranks are not all at step {step} ({'; '.join(wrong)})"
-        session.log.warning(
-            "a peer is lost (%s): ranks %d-%d save %s, the last step they completed",
-            _short(exc),
-            ranks[0],
-            ranks[-1],
-            checkpoint_name(step),
-        )
+        expected = {replica_group.MODEL_DIR}
+        if not trainer.args.save_only_model:
+            expected.add(replica_group.OPTIMIZER_DIR)
+        if set(names) != expected:
+            return f"the Trainer's FSDP save wrote {names or 'no DCP directory'}, not {expected}"
+        # One save of this step at a time on this volume (PVC mode: every node's).
+        os.makedirs(session.layout.status, exist_ok=True)
+        with _locked(os.path.join(session.layout.status, LOCK)):
+            ckpt_dir = session.layout.checkpoint_dir(step)
+            if validity.committed(ckpt_dir) is not None:
+                session.log.warning(
+                    "a peer is lost (%s): %s is committed, the last step completed",
+                    _short(exc),
+                    checkpoint_name(step),
+                )
+            else:
+                session.log.warning(
+                    "a peer is lost (%s): ranks %d-%d save %s, the last step they completed",
+                    _short(exc),
+                    ranks[0],
+                    ranks[-1],
+                    checkpoint_name(step),
+                )
+                why = self._write_group(trainer, step, parts, names)
+                if why is not None:
+                    return why
+            self._mark(SAVED, topo.node, step)
+        return None
+
+    def _write_group(self, trainer: Any, step: int, parts: str, names: list[str]) -> Optional[str]:
+        """The shared files, each rank's RNG file and the merged DCP directories in the
+        checkpoint of `step`, committed as a one-node save of the job's world size; why not, or
+        None."""
+        from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
+
+        session, topo, layout = self.session, self.session.topo, self.session.layout
+        started = time.time()
         ckpt_dir = layout.checkpoint_dir(step)
+        ranks = list(range(topo.rank, topo.rank + topo.local_world_size))
         if os.path.lexists(ckpt_dir):  # uncommitted, or not whole here
             remove_checkpoint(ckpt_dir)
         try:
@@ -537,8 +568,6 @@ class Survivors:
             lineage=lineage,
             writers=tuple(ranks),
         )
-        replica_group.remove(parts)
-        self._mark(SAVED, topo.node, step)
         return None
 
     def _mark(self, template: str, who: int, value: object) -> None:
