@@ -409,17 +409,10 @@ class Survivors:
         session = self.session
         if step is None:  # not reached: _refusal said why
             return
-        os.makedirs(session.layout.status, exist_ok=True)
-        with _locked(os.path.join(session.layout.status, LOCK)):
+        with self._save_lock():
             if not self._saved_here(step):
-                ckpt_dir = session.layout.checkpoint_dir(step)
-                if validity.committed(ckpt_dir) is not None:  # a save of every rank: kept
+                if self._kept_committed(exc, step):
                     seconds = 0.0
-                    session.log.warning(
-                        "a peer is lost (%s): %s is committed, the last step completed",
-                        _short(exc),
-                        checkpoint_name(step),
-                    )
                 else:
                     session.log.warning(
                         "a peer is lost (%s): rank %d saves %s, the last step it completed",
@@ -501,17 +494,8 @@ class Survivors:
             expected.add(replica_group.OPTIMIZER_DIR)
         if set(names) != expected:
             return f"the Trainer's FSDP save wrote {names or 'no DCP directory'}, not {expected}"
-        # One save of this step at a time on this volume (PVC mode: every node's).
-        os.makedirs(session.layout.status, exist_ok=True)
-        with _locked(os.path.join(session.layout.status, LOCK)):
-            ckpt_dir = session.layout.checkpoint_dir(step)
-            if validity.committed(ckpt_dir) is not None:
-                session.log.warning(
-                    "a peer is lost (%s): %s is committed, the last step completed",
-                    _short(exc),
-                    checkpoint_name(step),
-                )
-            else:
+        with self._save_lock():  # one save of this step at a time (PVC mode: every node's)
+            if not self._kept_committed(exc, step):
                 session.log.warning(
                     "a peer is lost (%s): ranks %d-%d save %s, the last step they completed",
                     _short(exc),
@@ -531,7 +515,7 @@ class Survivors:
         None."""
         from jitckpt_entrypoint.hook.trainer_checkpoint import TrainerCheckpoint
 
-        session, topo, layout = self.session, self.session.topo, self.session.layout
+        topo, layout = self.session.topo, self.session.layout
         started = time.time()
         ckpt_dir = layout.checkpoint_dir(step)
         ranks = list(range(topo.rank, topo.rank + topo.local_world_size))
@@ -551,24 +535,26 @@ class Survivors:
         except (OSError, ValueError) as err:
             remove_checkpoint(ckpt_dir)
             return f"the parts do not make one save ({err})"
-        lineage = session.lineage if session.lineage is not None else m.new_lineage()
-        commit_node(
-            layout,
-            ckpt_dir,
-            {0: m.list_files(ckpt_dir)},
-            node=0,
-            nodes=1,
-            world_size=topo.world_size,
-            step=step,
-            kind="jit",
-            started_at=started,
-            run_id=session.run_id,
-            stage_for_upload=bool(session.cfg.storage_uri),
-            save_id=m.new_save_id(),
-            lineage=lineage,
-            writers=tuple(ranks),
-        )
+        self._commit(ckpt_dir, step, started, tuple(ranks))
         return None
+
+    @contextlib.contextmanager
+    def _save_lock(self) -> Any:
+        """The flock in status/ that one survivors' save at a time is written under."""
+        os.makedirs(self.session.layout.status, exist_ok=True)
+        with _locked(os.path.join(self.session.layout.status, LOCK)):
+            yield
+
+    def _kept_committed(self, exc: BaseException, step: int) -> bool:
+        """A save of `step` of every rank is committed on the volume: kept (one line)."""
+        if validity.committed(self.session.layout.checkpoint_dir(step)) is None:
+            return False
+        self.session.log.warning(
+            "a peer is lost (%s): %s is committed, the last step completed",
+            _short(exc),
+            checkpoint_name(step),
+        )
+        return True
 
     def _mark(self, template: str, who: int, value: object) -> None:
         path = self._marker(template, who)
@@ -608,14 +594,21 @@ class Survivors:
         tensors = ckpt.tensors()
         _sync_devices(tensors)
         write_files(ckpt.writers(ckpt_dir, tensors, WRITERS, None))
+        self._commit(ckpt_dir, step, started, (topo.rank,))
+        return time.time() - started
+
+    def _commit(self, ckpt_dir: str, step: int, started: float, writers: tuple[int, ...]) -> None:
+        """Commit a survivors' save: a one-node JIT save of the job's world size (a resume at
+        any node count loads it whole), `writers` the ranks that wrote it."""
+        session = self.session
         lineage = session.lineage if session.lineage is not None else m.new_lineage()
         commit_node(
-            layout,
+            session.layout,
             ckpt_dir,
             {0: m.list_files(ckpt_dir)},
             node=0,
             nodes=1,
-            world_size=topo.world_size,
+            world_size=session.topo.world_size,
             step=step,
             kind="jit",
             started_at=started,
@@ -623,9 +616,8 @@ class Survivors:
             stage_for_upload=bool(session.cfg.storage_uri),
             save_id=m.new_save_id(),
             lineage=lineage,
-            writers=(topo.rank,),
+            writers=writers,
         )
-        return time.time() - started
 
 
 def _short(exc: BaseException) -> str:
