@@ -459,3 +459,47 @@ def test_a_trainer_that_overrides_its_save_is_not_saved_by_the_replica_group():
 
     assert replica_group.overridden(object.__new__(Trainer)) is None
     assert replica_group.overridden(object.__new__(OwnSave)) == "_save_checkpoint"
+
+
+def test_hsdp_node_mates_follow_local_rank_0s_decision_and_never_wait_on_a_silent_one(
+    tmp_path, any_trainer, monkeypatch
+):
+    """Under HSDP (the group save): local rank 0 refused (inside an update) says so and marks
+    the node's save refused; its node-mate then writes no part and leaves with the error, in
+    one line. A node-mate whose local rank 0 never writes its part stops waiting after
+    GROUP_WAIT; one whose local rank 0 committed exits with JITCKPT_EXIT_CODE."""
+    monkeypatch.setattr(survivors, "_local_peer_gone", lambda _world: False)
+    monkeypatch.setattr(survivors.peer_timeout, "shut_down_to", lambda _pids: 0)
+    monkeypatch.setattr(survivors, "GROUP_WAIT", 0.3)
+    monkeypatch.setattr(survivors.replica_group, "write_part", lambda *_a: [])
+
+    def group(rank: int) -> tuple[Survivors, Lines, list[int]]:
+        keeper, log = keeper_for(tmp_path, rank=rank)
+        codes: list[int] = []
+        keeper.session.exit = codes.append  # type: ignore[method-assign]
+        keeper.started(FakeTrainer(5), 0)
+        keeper._group, keeper._why_not = True, None
+        return keeper, log, codes
+
+    lead, lead_log, lead_codes = group(0)
+    lead.updating()
+    lead.after_error(FakeTrainer(5), RuntimeError(GLOO), manager=None)
+    assert lead_codes == []
+    assert "inside an optimizer update" in lead_log.refusals[0]
+    assert lead._saved(0) == -1
+    mate, mate_log, mate_codes = group(1)
+    mate.step_ended(FakeTrainer(5), 5, evaluating=False)
+    idle = types.SimpleNamespace(_handed=None, inflight=types.SimpleNamespace(save=None))
+    mate.after_error(FakeTrainer(5), RuntimeError(GLOO), manager=types.SimpleNamespace(saver=idle))
+    assert mate_codes == []
+    assert "local rank 0 refused" in mate_log.refusals[0]
+    assert mate._read(survivors.PART, 1) == "refused: local rank 0 refused the node's save"
+
+    os.remove(mate._marker(survivors.SAVED, 0) or "")  # a new decision: none yet
+    os.remove(mate._marker(survivors.PART, 0) or "")
+    started = time.monotonic()
+    mate._wait_for_lead(0)  # local rank 0 silent: no part of its own within GROUP_WAIT
+    assert 0.3 <= time.monotonic() - started < 5
+    mate._mark(survivors.SAVED, 0, 5)
+    mate._wait_for_lead(0)
+    assert mate._saved(0) == 5

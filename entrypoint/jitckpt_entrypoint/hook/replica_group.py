@@ -89,29 +89,40 @@ def overridden(trainer: Any) -> Optional[str]:
 
 @contextlib.contextmanager
 def dcp_alone() -> Iterator[None]:
-    """Inside: `torch.distributed.checkpoint.save` writes this rank's state dict alone, with no
-    collective (its writer's directory must be this rank's own)."""
+    """Inside, on this thread: `torch.distributed.checkpoint.save` writes this rank's state
+    dict alone, with no collective (its writer's directory must be this rank's own). Other
+    threads' saves (a background save) run as they would."""
+    import threading
+
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import state_dict_saver
+    from torch.distributed.checkpoint import default_planner, state_dict_saver
+
+    own = threading.get_ident()
+    original = dcp.save
+    validate = getattr(default_planner, "_validate_global_plan", None)
+    # torch < 2.8 checks that one plan covers every tensor whole (a rank alone holds shards):
+    # merge() checks the parts together instead. "Valid" as this torch says it: True (bool),
+    # or no error messages (>= 2.8).
+    returns = str(getattr(validate, "__annotations__", {}).get("return"))
+    valid: Any = True if "bool" in returns else []
 
     def alone(state_dict: Any = None, **kwargs: Any) -> Any:
+        if threading.get_ident() != own:
+            return original(state_dict, **kwargs)
         kwargs.pop("process_group", None)
         kwargs["no_dist"] = True
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore")
             return state_dict_saver.save(state_dict, **kwargs)
 
-    from torch.distributed.checkpoint import default_planner
+    def check(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != own:
+            return validate(*args, **kwargs)  # type: ignore[misc]
+        return valid
 
-    original = dcp.save
     dcp.save = alone
-    # torch < 2.8 checks that one plan covers every tensor whole (a rank alone holds shards):
-    # merge() checks the parts together instead.
-    validate = getattr(default_planner, "_validate_global_plan", None)
-    # "valid" as this torch says it: no error messages (>= 2.8), or True
-    ok: Any = [] if "list" in str(getattr(validate, "__annotations__", {}).get("return")) else True
     if validate is not None:
-        default_planner._validate_global_plan = lambda *_args, **_kwargs: ok
+        default_planner._validate_global_plan = check
     try:
         yield
     finally:

@@ -148,6 +148,7 @@ class Survivors:
             self._why_not = f"cannot inspect the Trainer ({exc!r:.80})"
         if not self._why_not and self._buffers and self._group:
             self._why_not = "HSDP and the model's persistent buffers (each rank's own)"
+        self._group = self._group and not self._why_not
         if not self._why_not and self._buffers and self.session.topo.rank != 0:
             # DDP broadcasts rank 0's buffers before each forward; a forward then changes each
             # rank's own: the checkpoint holds rank 0's, which a writer of another rank lacks.
@@ -209,7 +210,6 @@ class Survivors:
             overridden = replica_group.overridden(trainer)
             if overridden:
                 return f"{type(trainer).__name__} overrides {overridden}: its save is its own"
-            self._group = True
         device = _accelerator(trainer)
         if device is not None:
             return (
@@ -218,7 +218,9 @@ class Survivors:
             )
         if not trainer_checkpoint.rng_kept():
             return "this accelerator's RNG state is not kept per step"
-        return trainer_checkpoint.unsupported(trainer)
+        why = trainer_checkpoint.unsupported(trainer)
+        self._group = why is None and getattr(trainer, "is_fsdp_enabled", False)
+        return why
 
     def evaluation_due(self) -> None:
         """An evaluation of this step comes (an epoch's end): not the step's state until it
@@ -305,7 +307,7 @@ class Survivors:
                 self._crashed()
                 return
             why = self._refusal(trainer, manager)
-            if self._group:
+            if self._group and not self._why_not:
                 self._save_group(trainer, exc, manager, why, lost_at)
                 return
             if why is not None:
@@ -437,40 +439,71 @@ class Survivors:
         lead = topo.local_rank == 0
         # A node-mate may wait in a collective on this rank, which left it: its wait ends now.
         peer_timeout.shut_down_to(_node_mates())
-        parts = self._marker(PARTS, topo.node) or ""
-        part = os.path.join(parts, replica_group.PART.format(rank=topo.rank))
-        step = self._step if why is None else None
-        if step is not None and self._saved(topo.node) is None:  # not decided without it
-            started = time.time()
-            try:
-                self._put_back(trainer)
-                names = replica_group.write_part(trainer, part)
-                trainer._save_rng_state(part)
-                self._mark(PART, topo.rank, step)
-                if lead:
-                    why = self._merge_and_commit(trainer, exc, step, parts, names)
-                    if why is None:
-                        seconds = time.time() - started
-                        manager.records.jit(step, seconds, peer_lost_at=lost_at, any_rank=True)
-            except Exception as inner:  # noqa: BLE001 - the training error is the one to report
-                why = f"rank {topo.rank}'s part failed: {inner!r:.200}"
+        parts, part = self._parts()
+        committed = False
+        try:
+            if why is None and self._saved(topo.node) is not None:
+                why = "local rank 0 refused the node's save"
+            if why is None and self._step is not None:
+                committed = self._write_part(trainer, exc, manager, self._step, lost_at)
+        except Exception as inner:  # noqa: BLE001 - the training error is the one to report
+            why = f"rank {topo.rank}'s part failed: {inner!r:.200}"
+        finally:
+            if lead and not committed:  # the node-mates stop waiting
+                with contextlib.suppress(OSError):
+                    self._mark(SAVED, topo.node, -1)
         if why is not None:
             with contextlib.suppress(OSError):
                 self._mark(PART, topo.rank, f"refused: {why}")
-            if lead:
-                with contextlib.suppress(OSError):
-                    self._mark(SAVED, topo.node, -1)
             session.log.error("a peer is lost (%s); no survivors' save: %s", _short(exc), why)
-        # Local rank 0 decides (it waits GROUP_WAIT at most for the parts): wait while it lives.
-        deadline = time.monotonic() + GROUP_LIMIT
-        while not lead and self._saved(topo.node) is None and time.monotonic() < deadline:
-            if _local_peer_gone(topo.local_world_size):
-                break
-            time.sleep(0.05)
+        if not lead:
+            self._wait_for_lead(topo.rank - topo.local_rank)
         saved = self._saved(topo.node)
         replica_group.remove(parts if lead else part)
         if saved is not None and saved >= 0:
             session.exit(session.cfg.exit_code)
+
+    def _parts(self) -> tuple[str, str]:
+        """The node's parts directory, and this rank's part in it."""
+        parts = self._marker(PARTS, self.session.topo.node) or ""
+        return parts, os.path.join(parts, replica_group.PART.format(rank=self.session.topo.rank))
+
+    def _write_part(
+        self, trainer: Any, exc: BaseException, manager: Any, step: int, lost_at: float
+    ) -> bool:
+        """This rank's part of `step`; local rank 0 then merges and commits the node's parts.
+        True once committed (local rank 0); raises when this rank's part fails."""
+        topo, started = self.session.topo, time.time()
+        parts, part = self._parts()
+        self._put_back(trainer)
+        names = replica_group.write_part(trainer, part)
+        trainer._save_rng_state(part)
+        self._mark(PART, topo.rank, step)
+        if topo.local_rank != 0:
+            return False
+        why = self._merge_and_commit(trainer, exc, step, parts, names)
+        if why is not None:
+            self._mark(PART, topo.rank, f"refused: {why}")
+            self.session.log.error("a peer is lost (%s); no survivors' save: %s", _short(exc), why)
+            return False
+        with contextlib.suppress(Exception):  # the save is committed whatever the record does
+            seconds = time.time() - started
+            manager.records.jit(step, seconds, peer_lost_at=lost_at, any_rank=True)
+        return True
+
+    def _wait_for_lead(self, lead: int) -> None:
+        """Until local rank 0 decides (SAVED): its part first, for GROUP_WAIT after this
+        rank's own at most; then while every rank of the node lives and none crashed, for
+        GROUP_LIMIT at most (a large model's merge and commit take a while)."""
+        topo = self.session.topo
+        begun = time.monotonic()
+        while self._saved(topo.node) is None:
+            waited = time.monotonic() - begun
+            if self._read(PART, lead) is None and waited > GROUP_WAIT:
+                return
+            if waited > GROUP_LIMIT or self._local_crash():
+                return
+            time.sleep(0.05)
 
     def _merge_and_commit(
         self, trainer: Any, exc: BaseException, step: int, parts: str, names: list[str]
@@ -532,9 +565,9 @@ class Survivors:
             for name in names:
                 merged = {r: os.path.join(part, name) for r, part in own.items()}
                 replica_group.merge(merged, os.path.join(ckpt_dir, name))
-        except (OSError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001 - nothing half-written stays; one line why
             remove_checkpoint(ckpt_dir)
-            return f"the parts do not make one save ({err})"
+            return f"the parts do not make one save ({err!r:.200})"
         self._commit(ckpt_dir, step, started, tuple(ranks))
         return None
 
