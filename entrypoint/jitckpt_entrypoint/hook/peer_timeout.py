@@ -245,14 +245,7 @@ def shut_down_to(pids: list[int]) -> int:
     libc = _libc()
     if libc is None or not pids:
         return 0
-    theirs: set[int] = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for name in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    target = os.readlink(f"/proc/{pid}/fd/{name}")
-                    if target.startswith("socket:["):
-                        theirs.add(int(target[8:-1]))
+    theirs = {inode for pid in pids for _, inode in _sockets(str(pid))}
     table: dict[int, tuple[str, str]] = {}
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError), open(name, encoding="ascii") as f:
@@ -276,23 +269,23 @@ def _v4(address: str) -> str:
     return address
 
 
-def _sockets() -> list[tuple[int, int]]:
-    """(fd, inode) of this process's sockets."""
+def _sockets(pid: str = "self") -> list[tuple[int, int]]:
+    """(fd, inode) of the process's sockets (this one's by default)."""
     out: list[tuple[int, int]] = []
     try:
-        names = os.listdir("/proc/self/fd")
+        names = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return out
     for name in names:
-        inode = _inode(int(name))
+        inode = _inode(int(name), pid)
         if inode is not None:
             out.append((int(name), inode))
     return out
 
 
-def _inode(fd: int) -> Optional[int]:
+def _inode(fd: int, pid: str = "self") -> Optional[int]:
     try:
-        target = os.readlink(f"/proc/self/fd/{fd}")
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
     except OSError:
         return None
     return int(target[8:-1]) if target.startswith("socket:[") else None

@@ -23,6 +23,7 @@ reshard to.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import pickle
@@ -135,8 +136,7 @@ def write_part(trainer: Any, part: str) -> list[str]:
     """This rank's shards (and the replicated items) of the Trainer's FSDP save, in `part`:
     the DCP directories written there (relative names)."""
     os.makedirs(part, exist_ok=True)
-    with dcp_alone(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with dcp_alone():
         trainer._save_optimizer_and_scheduler(part)
     return sorted(
         name for name in os.listdir(part) if os.path.isfile(os.path.join(part, name, ".metadata"))
@@ -160,7 +160,7 @@ def merge(parts: dict[int, str], target: str) -> None:
         renamed: dict[str, str] = {}
         for index, info in (metadata.storage_data or {}).items():
             name = renamed.setdefault(info.relative_path, _ranked(info.relative_path, rank))
-            storage.setdefault(index, _with_path(info, name))
+            storage.setdefault(index, dataclasses.replace(info, relative_path=name))
         for old, new in renamed.items():
             os.replace(os.path.join(part, old), os.path.join(target, new))
         for fqn, meta in metadata.state_dict_metadata.items():
@@ -206,12 +206,6 @@ def _ranked(name: str, rank: int) -> str:
     if not name.startswith("__0_"):
         raise ValueError(f"unexpected DCP data file {name!r}")
     return f"__{rank}_{name[len('__0_') :]}"
-
-
-def _with_path(info: Any, name: str) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(info, relative_path=name)
 
 
 def remove(path: str) -> None:
