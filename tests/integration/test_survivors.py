@@ -123,14 +123,14 @@ PEER_TIMEOUT = 4
 
 
 @pytest.mark.parametrize(
-    ("nodes", "nproc", "lost", "sigterm_after", "silent"),
+    ("nodes", "nproc", "lost", "sigterm_after", "silent", "trainer"),
     [
-        (2, 1, 1, None, False),
-        (2, 1, 0, None, False),
-        (2, 2, 1, 3.0, False),
-        (3, 1, 2, None, False),
-        (2, 2, None, None, False),
-        (2, 1, 1, None, True),
+        (2, 1, 1, None, False, "hf"),
+        (2, 1, 0, None, False, "card"),
+        (2, 2, 1, 3.0, False, "hf"),
+        (3, 1, 2, None, False, "hf"),
+        (2, 2, None, None, False, "hf"),
+        (2, 1, 1, None, True, "hf"),
     ],
     ids=[
         "node-1-killed",
@@ -142,7 +142,7 @@ PEER_TIMEOUT = 4
     ],
 )
 def test_a_lost_node_costs_at_most_one_step(
-    spawn, base_env, tmp_path, nodes, nproc, lost, sigterm_after, silent
+    spawn, base_env, tmp_path, nodes, nproc, lost, sigterm_after, silent, trainer
 ):
     """Node 0 hosts torchrun's store: its loss leaves node 1's agent without one. With 2 ranks a
     node, one rank of the node left saves; the other leaves once it has. With 3 nodes, each node
@@ -151,15 +151,18 @@ def test_a_lost_node_costs_at_most_one_step(
     rank, whose node-mate crashed, does not (torchrun's restart and the RAM tier handle it).
     Silent: node 1 is a machine gone without closing its connections (stopped, its packets
     dropped in a network namespace of the test's own); node 0's collective, which would wait
-    for the process group's 30 minutes, fails after JITCKPT_PEER_TIMEOUT, and node 0 saves."""
+    for the process group's 30 minutes, fails after JITCKPT_PEER_TIMEOUT, and node 0 saves.
+    Node 0 killed: the Trainer is a subclass with its own `_save_checkpoint` that writes a
+    model card first (TRL's), tried by rank 1 as if it were rank 0: nothing of its own goes
+    into the checkpoint, so rank 1 saves."""
     dirs = node_dirs(tmp_path, "lost", nodes)
     with contextlib.ExitStack() as stack:
         ns = stack.enter_context(netns()) if silent else None
         prefix = ns.prefix if ns is not None else []
         env = {"JITCKPT_PEER_TIMEOUT": str(PEER_TIMEOUT)} if silent else {}
         procs = job(
-            spawn, base_env, dirs, *ARGS, "--step-sleep", "0.2", nproc=nproc, prefix=prefix,
-            env=env,
+            spawn, base_env, dirs, *ARGS, "--step-sleep", "0.2", "--trainer", trainer,
+            nproc=nproc, prefix=prefix, env=env,
         )  # fmt: skip
         killed = lose(procs, lost, ns)
     if sigterm_after is not None:  # what a controller deleting the job's pods sends next
@@ -214,7 +217,7 @@ def test_a_lost_node_costs_at_most_one_step(
                 left_dir / "checkpoints" / f"checkpoint-{step}",
                 d / "checkpoints" / f"checkpoint-{step}",
             )
-    resumed = job(spawn, base_env, dirs, *ARGS, nproc=nproc)
+    resumed = job(spawn, base_env, dirs, *ARGS, "--trainer", trainer, nproc=nproc)
     for proc in resumed:
         assert proc.wait(timeout=300) == 0, proc.output()
     assert int(resumed[0].expect(r"^begin rank=0 pid=\d+ step=(\d+)$").group(1)) == step
@@ -223,13 +226,33 @@ def test_a_lost_node_costs_at_most_one_step(
     assert state["total_flos"] == pytest.approx(_uninterrupted_flos[(nodes, nproc)], rel=1e-9)
 
 
+def test_a_subclass_writing_a_state_of_its_own_into_checkpoints_is_not_saved_by_survivors(
+    spawn, base_env, tmp_path
+):
+    """TRL GRPO's adaptive entropy: the Trainer subclass's `_save_checkpoint` writes into each
+    checkpoint a coefficient that every step's forward changes. The survivors' save cannot
+    have it as it was at the step's end: node 0 says so in one line, and fails as without
+    jitckpt."""
+    dirs = node_dirs(tmp_path, "extra", 2)
+    extra = (*ARGS, "--step-sleep", "0.2", "--trainer", "extra-state")
+    procs = job(spawn, base_env, dirs, *extra)
+    lose(procs, 1, None)
+    assert procs[0].wait(timeout=60) not in (0, JIT_EXIT), procs[0].output()
+    assert jit_record(dirs[0]) is None, procs[0].output()
+    why = hook_lines(procs[0], "no survivors' save: ExtraStateTrainer._save_checkpoint also")
+    assert len(why) == 1, procs[0].output()
+    assert "extra_state.json" in why[0], why
+    assert list((dirs[0] / "checkpoints").glob("checkpoint-*")) == []
+
+
 def test_hsdp_the_ranks_of_the_node_left_save_its_replica_together(spawn, base_env, tmp_path):
     """HSDP (FSDP2 sharded within a node, one replica per node): node 1 SIGKILLed at step 8.
     Node 0's two ranks each write their shards with no collective; its local rank 0 merges
     them into the Trainer's DCP directories and commits the last step both completed, their
     two ranks its writers. A new job (node 1's pod fresh: a copy of node 0's save, as the
-    restore from S3 gives it) resumes there, bitwise equal to an uninterrupted run."""
-    hsdp = (*ARGS, "--strategy", "hsdp")
+    restore from S3 gives it) resumes there, bitwise equal to an uninterrupted run. The
+    Trainer is a subclass with TRL's own `_save_checkpoint` (a model card first)."""
+    hsdp = (*ARGS, "--strategy", "hsdp", "--trainer", "card")
     dirs = node_dirs(tmp_path, "hsdp", 2)
     procs = job(spawn, base_env, dirs, *hsdp, "--step-sleep", "0.2", nproc=2)
     killed = lose(procs, 1, None)

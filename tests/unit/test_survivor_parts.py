@@ -454,11 +454,11 @@ def test_a_trainer_that_overrides_its_save_is_not_saved_by_the_replica_group():
     from transformers import Trainer
 
     class OwnSave(Trainer):
-        def _save_checkpoint(self, model, trial):  # type: ignore[no-untyped-def]
+        def save_model(self, output_dir=None, _internal_call=False):  # type: ignore[no-untyped-def]
             return None
 
     assert replica_group.overridden(object.__new__(Trainer)) is None
-    assert replica_group.overridden(object.__new__(OwnSave)) == "_save_checkpoint"
+    assert replica_group.overridden(object.__new__(OwnSave)) == "save_model"
 
 
 def test_hsdp_node_mates_follow_local_rank_0s_decision_and_never_wait_on_a_silent_one(
@@ -503,3 +503,37 @@ def test_hsdp_node_mates_follow_local_rank_0s_decision_and_never_wait_on_a_silen
     mate._mark(survivors.SAVED, 0, 5)
     mate._wait_for_lead(0)
     assert mate._saved(0) == 5
+
+
+def test_a_survivors_save_lacking_a_file_earlier_checkpoints_hold_is_named(tmp_path):
+    """A file the Trainer's save does not write (a callback's `on_save`, a subclass's) in the
+    newest committed checkpoint of this training: a survivors' save without it is not the
+    step's checkpoint. DCP's data files, named after the ranks that wrote them, are no such
+    file; nor is a checkpoint from before this training began."""
+    from jitckpt_entrypoint.hook import save_extras
+    from jitckpt_entrypoint.protocol.commit import commit_node
+
+    layout = Layout(str(tmp_path))
+    layout.ensure()
+
+    def write(step: int, *names: str) -> str:
+        ckpt_dir = layout.checkpoint_dir(step)
+        for name in names:
+            os.makedirs(os.path.dirname(os.path.join(ckpt_dir, name)), exist_ok=True)
+            with open(os.path.join(ckpt_dir, name), "wb") as f:
+                f.write(b"x")
+        return ckpt_dir
+
+    ckpt_dir = write(5, "model.safetensors", "ema.pt", "optimizer_0/__1_0.distcp")
+    commit_node(
+        layout, ckpt_dir, {0: m.list_files(ckpt_dir)}, node=0, nodes=1, world_size=1,
+        step=5, kind="periodic", started_at=0.0, run_id="r", stage_for_upload=False,
+        save_id="s5", lineage="L",
+    )  # fmt: skip
+    ours = write(8, "model.safetensors", "optimizer_0/__0_0.distcp")
+    why = save_extras.held_before(layout.checkpoints, 0, 3, ours, 8)
+    assert why is not None
+    assert why.startswith("checkpoint-5 of this training holds ema.pt, which"), why
+    assert save_extras.held_before(layout.checkpoints, 0, 6, ours, 8) is None  # before it began
+    write(8, "ema.pt")
+    assert save_extras.held_before(layout.checkpoints, 0, 3, ours, 8) is None

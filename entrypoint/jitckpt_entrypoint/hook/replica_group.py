@@ -73,9 +73,10 @@ def replica_per_node(
     return None if meshes else "no parameters"
 
 
-SAVE_METHODS = ("_save_checkpoint", "save_model", "_save")
+SAVE_METHODS = ("save_model", "_save")
 """Trainer methods a survivors' save under HSDP does not run (it runs the Trainer's FSDP save,
-`_save_optimizer_and_scheduler`, and the shared files): a subclass's own is refused."""
+`_save_optimizer_and_scheduler`, and the shared files): a subclass's own is refused (its own
+`_save_checkpoint` is tried when a peer is lost: save_extras.py)."""
 
 
 def overridden(trainer: Any) -> Optional[str]:

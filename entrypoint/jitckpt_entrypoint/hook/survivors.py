@@ -27,7 +27,8 @@ unless JITCKPT_PEER_TIMEOUT (opt-in) has its silent connections shut down sooner
 
 What this does not cover goes on as without it, with one line why (the error goes up into
 training): one node, no whole replica on a rank or a node (FSDP but HSDP with a replica per
-node, DeepSpeed, a Trainer that keeps its own save), a model on an accelerator (its
+node, DeepSpeed, a Trainer that keeps its own save or writes files of its own into its
+checkpoints: save_extras.py), a model on an accelerator (its
 collectives run behind the host: `_accelerator`), a rank inside an optimizer update or before
 its step's evaluation is done, a rank of this very node gone (a worker crash: torchrun's
 restart and the RAM tier handle it; `_crashed` leaves a marker for its node-mates, as a killed
@@ -45,7 +46,7 @@ import re
 import time
 from typing import Any, Optional
 
-from jitckpt_entrypoint.hook import peer_timeout, replica_group
+from jitckpt_entrypoint.hook import peer_timeout, replica_group, save_extras
 from jitckpt_entrypoint.hook.peer_timeout import PeerTimeout
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol import atomic, registry, validity
@@ -335,7 +336,7 @@ class Survivors:
             return "the RAM writer is writing a save out"
         if not _stop_in_flight(manager):
             return f"the background save in flight did not stop within {IN_FLIGHT_WAIT:.0f} s"
-        return None
+        return _own_files(trainer)
 
     def _wait_for_mates(self, why: str) -> None:
         """Refused here: a node-mate may save (it is rank 0, or its step is whole). Leaving at
@@ -568,8 +569,20 @@ class Survivors:
         except Exception as err:  # noqa: BLE001 - nothing half-written stays; one line why
             remove_checkpoint(ckpt_dir)
             return f"the parts do not make one save ({err!r:.200})"
+        short = self._short_of_earlier(ckpt_dir, step)
+        if short is not None:
+            return short
         self._commit(ckpt_dir, step, started, tuple(ranks))
         return None
+
+    def _short_of_earlier(self, ckpt_dir: str, step: int) -> Optional[str]:
+        """Why the written, uncommitted `ckpt_dir` is not this training's checkpoint of `step`
+        (it lacks a file its earlier ones hold: save_extras.py), removed then; else None."""
+        layout, node = self.session.layout, self.session.topo.node
+        why = save_extras.held_before(layout.checkpoints, node, self._began_at, ckpt_dir, step)
+        if why is not None:
+            remove_checkpoint(ckpt_dir)
+        return why
 
     @contextlib.contextmanager
     def _save_lock(self) -> Any:
@@ -627,6 +640,9 @@ class Survivors:
         tensors = ckpt.tensors()
         _sync_devices(tensors)
         write_files(ckpt.writers(ckpt_dir, tensors, WRITERS, None))
+        short = self._short_of_earlier(ckpt_dir, step)
+        if short is not None:
+            raise RuntimeError(short)
         self._commit(ckpt_dir, step, started, (topo.rank,))
         return time.time() - started
 
@@ -651,6 +667,22 @@ class Survivors:
             lineage=lineage,
             writers=writers,
         )
+
+
+def _own_files(trainer: Any) -> Optional[str]:
+    """Why not, when the Trainer subclass's `_save_checkpoint` writes files of its own into
+    the checkpoint (save_extras.py); else None."""
+    name = type(trainer).__name__
+    try:
+        written = save_extras.probe(trainer)
+    except Exception as exc:  # noqa: BLE001 - its save cannot be told apart: no such save
+        return f"{name}._save_checkpoint failed when tried without the Trainer's ({exc!r:.100})"
+    if not written:
+        return None
+    return (
+        f"{name}._save_checkpoint also writes {', '.join(written)} into its checkpoints, from "
+        "attributes the step in progress may have changed"
+    )
 
 
 def _short(exc: BaseException) -> str:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 from transformers.trainer_callback import TrainerCallback
 
 from jitckpt_entrypoint.errors import JitckptError
-from jitckpt_entrypoint.hook import resume
+from jitckpt_entrypoint.hook import resume, save_extras
 from jitckpt_entrypoint.hook.manager import CheckpointManager, current
 from jitckpt_entrypoint.hook.saves import SaveParts, SaveRequest, Staged
 from jitckpt_entrypoint.hook.session import Session
@@ -42,9 +42,6 @@ from jitckpt_entrypoint.hook.topology import Topology
 from jitckpt_entrypoint.protocol.layout import step_of
 
 _logged_overrides = False
-_SNAPSHOT_INTO = "_jitckpt_snapshot_into"
-"""A Trainer's attribute while its own save writes a snapshot: the directory its checkpoints go
-to then (JITCKPT_MEMORY_DIR's), in place of JITCKPT_DIR's."""
 
 
 def patch(module: ModuleType) -> None:
@@ -83,10 +80,13 @@ def patch(module: ModuleType) -> None:
     def _get_output_dir(self: Any, trial: Any) -> str:
         if trial is not None and self.hp_search_backend is not None:
             return str(original_output_dir(self, trial))  # hyperparameter search: not ours
-        return str(vars(self).get(_SNAPSHOT_INTO, session.layout.checkpoints))
+        return str(vars(self).get(save_extras.CHECKPOINTS_INTO, session.layout.checkpoints))
 
     @functools.wraps(original_save)
     def _save_checkpoint(self: Any, model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
+        nothing = save_extras.instead()  # a survivors' probe of a subclass's override
+        if nothing is not None:
+            return nothing()
         own = functools.partial(original_save, self, model, trial, *args, **kwargs)
         manager.save_step(_save_request(self, self.state.global_step, own, trial is None))
         return None
@@ -246,7 +246,7 @@ def _snapshot_staged(
     def own() -> None:
         state, args = trainer.state, trainer.args
         best = state.best_model_checkpoint  # HF's save may point it at a snapshot's directory
-        vars(trainer)[_SNAPSHOT_INTO] = root
+        vars(trainer)[save_extras.CHECKPOINTS_INTO] = root
         try:
             if trainer._get_output_dir(None) != root:
                 raise OSError(f"{type(trainer).__name__} overrides _get_output_dir")
@@ -255,7 +255,7 @@ def _snapshot_staged(
                 # what HF's resume reads, as the fast path's snapshots write.
                 type(trainer)._jitckpt_original_save(trainer, trainer.model_wrapped, None)
         finally:
-            vars(trainer).pop(_SNAPSHOT_INTO, None)
+            vars(trainer).pop(save_extras.CHECKPOINTS_INTO, None)
             state.best_model_checkpoint = best
 
     spread = functools.partial(_spread, topo) if several else None

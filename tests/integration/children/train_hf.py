@@ -18,11 +18,14 @@ prints every step's loss; --cuda trains on the GPU (tests/gpu, bench_jit --cuda)
 checkpoint ("highest": the first evaluation is the best, training lowers the loss);
 --best-metric lowest|highest tracks that best checkpoint without loading it at the end;
 --early-stopping N adds HF's EarlyStoppingCallback with patience N.
+--trainer card: a subclass whose `_save_checkpoint` writes a model card first (TRL's);
+extra-state: one that writes a state of its own into each checkpoint (TRL GRPO's).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -175,6 +178,45 @@ class SlowSaveTrainer(Trainer):
         return super().save_model(*args, **kwargs)
 
 
+class CardTrainer(Trainer):
+    """TRL's trainers' own `_save_checkpoint`: a model card into output_dir, then the Trainer's."""
+
+    def _save_checkpoint(self, model, trial):
+        if self.args.should_save:
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            with open(os.path.join(self.args.output_dir, "README.md"), "w") as f:
+                f.write("# a model card\n")
+        super()._save_checkpoint(model, trial)
+
+
+class ExtraStateTrainer(Trainer):
+    """TRL GRPOTrainer's with use_adaptive_entropy: a coefficient that changes in every step,
+    written into the checkpoint after the Trainer's save and read back on resume."""
+
+    coef = 1.0
+
+    def compute_loss(self, *args, **kwargs):
+        self.coef *= 0.99
+        return super().compute_loss(*args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            ckpt = os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}")
+            with open(os.path.join(ckpt, "extra_state.json"), "w") as f:
+                json.dump({"coef": self.coef}, f)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint or "", "extra_state.json")
+        if checkpoint is not None and os.path.exists(path):
+            with open(path) as f:
+                self.coef = json.load(f)["coef"]
+
+
+TRAINERS = {"hf": Trainer, "card": CardTrainer, "extra-state": ExtraStateTrainer}
+
+
 def slow_background_writes(seconds: float) -> None:
     """Every optimizer.pt written off the main thread (jitckpt's background writer) is held
     `seconds` after its bytes are on disk, with a line, so tests can act mid-write."""
@@ -249,7 +291,7 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=32)
-    parser.add_argument("--trainer", choices=["hf", "sft"], default="hf")
+    parser.add_argument("--trainer", choices=["sft", *TRAINERS], default="hf")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout (RNG use)")
     parser.add_argument("--vocab", type=int, default=128)
@@ -310,7 +352,7 @@ def main() -> None:
     if opts.trainer == "sft":
         trainer = sft_trainer(opts, model, callbacks)
     else:
-        trainer = (SlowSaveTrainer if opts.slow_save else Trainer)(
+        trainer = (SlowSaveTrainer if opts.slow_save else TRAINERS[opts.trainer])(
             model=model,
             args=build_args(opts),
             train_dataset=data,
