@@ -3,13 +3,15 @@ a trainer whose processes are SIGKILLed (the memory volume stays) resumes from i
 snapshot, bitwise equal to an uninterrupted run; so do workers torchrun restarts after one was
 SIGKILLed, and a new pod after a crash that ended the trainer (the RAM writer wrote the newest
 snapshot to the volume); a snapshot cut short is never used; a memory directory that cannot
-hold snapshots is one line, and the run goes on as without it."""
+hold snapshots, or a Trainer whose checkpoints hold files a snapshot would lack, is one line,
+and the run goes on as without it."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,6 +156,24 @@ def test_a_memory_directory_that_cannot_hold_snapshots_is_one_line(spawn, base_e
     assert len(lines) == 1, proc.output()
     assert "JITCKPT_MEMORY_DIR" in lines[0]
     assert (jdir / "checkpoints" / "checkpoint-12").exists()
+
+
+def test_a_trainer_that_writes_files_of_its_own_into_checkpoints_takes_no_snapshots(
+    spawn, base_env, jdir, memory_dir
+):
+    """TRL GRPO's adaptive entropy: the subclass's `_save_checkpoint` writes a state of its own
+    into each checkpoint after the Trainer's save. A snapshot (the Trainer's save alone) would
+    lack it, and a resume from one would start that state afresh: one line, no snapshots; the
+    periodic saves hold the file."""
+    env = {**base_env, "JITCKPT_MEMORY_DIR": str(memory_dir), "JITCKPT_SNAPSHOT_INTERVAL": "1steps"}
+    command = [sys.executable, str(TRAIN_HF), "--max-steps", "6", "--save-steps", "5"]
+    proc = spawn(entrypoint([*command, "--trainer", "extra-state"]), env=env)
+    assert proc.wait(timeout=300) == 0, proc.output()
+    lines = hook_lines(proc, "no snapshots to RAM: ExtraStateTrainer._save_checkpoint also")
+    assert len(lines) == 1, proc.output()
+    assert "extra_state.json" in lines[0], lines
+    assert list(memory_dir.glob("checkpoints/checkpoint-*")) == []
+    assert (jdir / "checkpoints" / "checkpoint-5" / "extra_state.json").exists()
 
 
 def test_a_killed_plain_loop_resumes_from_its_snapshot_in_ram(

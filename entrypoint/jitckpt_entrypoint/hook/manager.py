@@ -237,18 +237,21 @@ class CheckpointManager:
         not_whole: Optional[str],
         *,
         staged: bool = False,
+        lacking: Optional[str] = None,
     ) -> bool:
         """Collective, when training starts (after `enable_async`): snapshots to RAM on every
         rank or none (memory_tier.py, one line why not). `fast`: this Trainer's periodic saves
         take a fast path; `not_whole`: why, with several nodes, a node's snapshot cannot hold
         every file its ranks load (None: it does); `staged`: its saves are the library's own
-        with DCP's staging (FSDP: two host copies while staging; not the RAM writer's)."""
+        with DCP's staging (FSDP: two host copies while staging; not the RAM writer's);
+        `lacking`: why a snapshot would lack what this rank's checkpoints hold."""
         return self.tier.decide(
             snapshot_bytes,
             fast and self.saver.async_on,
             not_whole,
             written_out=not staged,
             host_copies=2 if staged else 1,
+            lacking=lacking,
         )
 
     def stop_now(self) -> bool:

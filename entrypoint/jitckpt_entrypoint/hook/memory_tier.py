@@ -138,8 +138,10 @@ class MemoryTier:
         snapshot_bytes: int,
         async_on: bool,
         not_whole: Optional[str] = PART,
+        *,
         written_out: bool = True,
         host_copies: int = 1,
+        lacking: Optional[str] = None,
     ) -> bool:
         """Collective, once per process when training starts: snapshots on every rank, or on
         none (one line why). `snapshot_bytes`: this rank's part of a snapshot; `not_whole`:
@@ -147,7 +149,8 @@ class MemoryTier:
         load (None: it does, the Trainer's `whole_node`), so resuming from it is not possible;
         `written_out`: periodic saves may go through RAM to the RAM writer (not FSDP's);
         `host_copies`: copies of the state in host memory while a snapshot is taken (FSDP: the
-        state dict accelerate offloads, and DCP's staged copy of it). Every rank takes part,
+        state dict accelerate offloads, and DCP's staged copy of it); `lacking`: why a
+        snapshot would lack a file this rank's checkpoints hold. Every rank takes part,
         with JITCKPT_MEMORY_DIR or without (set on some nodes only: refused in one line)."""
         if self._decided:
             return self.on
@@ -168,6 +171,8 @@ class MemoryTier:
             )
         elif not async_on:
             problem = "the Trainer's saves do not take the fast path (the line above says why)"
+        elif lacking:
+            problem = lacking
         elif topo.nodes > 1 and not_whole:
             problem = not_whole
         else:

@@ -1,8 +1,10 @@
 """Files a Trainer's checkpoints hold beyond what the Trainer's own save writes, which a
-survivors' save (survivors.py: the Trainer's files, written from the state kept at the last
-step's end) cannot write.
+snapshot in RAM (the Trainer's save alone: trainer.py turns snapshots off) and a survivors' save
+(survivors.py: the Trainer's files, written from the state kept at the last step's end) cannot
+write.
 
-Two sources, each checked when a peer is lost, before anything is written:
+Two sources (the first checked when training starts with JITCKPT_MEMORY_DIR, both when a peer is
+lost):
 
 - a subclass's `_save_checkpoint` that writes into the checkpoint around the Trainer's (TRL's
   GRPOTrainer with `use_adaptive_entropy`: `entropy_ctrl_state.json`, read back on resume).

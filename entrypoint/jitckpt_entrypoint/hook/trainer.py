@@ -186,7 +186,28 @@ def _start_async(manager: CheckpointManager, trainer: Any) -> None:
     # FSDP's sharded saves: HF's own, staged by DCP (_snapshot_staged); not written out by the
     # RAM writer (it takes the fast path's parts).
     sharded = getattr(trainer, "is_fsdp_enabled", False)
-    manager.enable_snapshots(in_ram, on, not_whole, staged=sharded)
+    lacking = _lacking_in_snapshots(manager, trainer)
+    manager.enable_snapshots(in_ram, on, not_whole, staged=sharded, lacking=lacking)
+
+
+def _lacking_in_snapshots(manager: CheckpointManager, trainer: Any) -> Optional[str]:
+    """Rank 0, with JITCKPT_MEMORY_DIR: why a snapshot in RAM (the Trainer's save alone) would
+    lack what this Trainer's checkpoints hold: its class's own `_save_checkpoint` writes files
+    of its own into them (TRL GRPO's adaptive entropy state; save_extras.py). Else None."""
+    session = manager.session
+    if not session.cfg.memory_dir or session.topo.rank != 0:
+        return None
+    name = type(trainer).__name__
+    try:
+        written = save_extras.probe(trainer)
+    except Exception as exc:  # noqa: BLE001 - its save cannot be told apart: no snapshots
+        return f"{name}._save_checkpoint failed when tried without the Trainer's ({exc!r:.80})"
+    if not written:
+        return None
+    return (
+        f"{name}._save_checkpoint also writes {', '.join(written)} into its checkpoints, which "
+        "a snapshot (the Trainer's save alone) would lack"
+    )
 
 
 def _not_whole_nodes(manager: CheckpointManager, trainer: Any) -> Optional[str]:
