@@ -166,7 +166,9 @@ OPTIONS = (
         "one INFO line saying why: versions outside the tested range (README), a state the "
         "per-save probe refuses (tensor subclasses such as torchao's 8-bit optimizer states, "
         "other devices), FSDP FULL_STATE_DICT, DeepSpeed, PEFT, Trainers that "
-        "override a save method, and snapshots of a node's ranks that do not fit in host "
+        "override a save method, callbacks with an on_save of their own (W&B's and MLflow's "
+        "checkpoint uploads: they read the checkpoint in output_dir then), and snapshots of a "
+        "node's ranks that do not fit in host "
         "memory (node or cgroup; one warning with the numbers). `0`: the Trainer's own save",
     ),
     Option(

@@ -298,3 +298,26 @@ def test_draining_one_of_two_nodes_stops_both_and_each_commits_its_own_part(
 
     # With every file of every manifest restored (the sidecar's restore), the job resumes there:
     # tests/system/test_multinode.py.
+
+
+def test_a_callback_that_acts_on_each_checkpoint_in_on_save_finds_it_in_output_dir(
+    spawn, base_env, jdir, tmp_path
+):
+    """W&B's WANDB_LOG_MODEL=checkpoint (MLflow's, Neptune's, ClearML's uploads alike) reads the
+    checkpoint at output_dir/checkpoint-<step> in on_save: there, whole, on every rank, for
+    every save (periodic and JIT), through a link to jitckpt's; what the callback adds to it is
+    in the commit. Its saves are the Trainer's own (one line), and no link outlives the run."""
+    out = tmp_path / "out"
+    command = hf("--max-steps", "3000", "--save-steps", "5", "--checkpoint-callback")
+    proc, code = sigterm_at(spawn, base_env, [*command, "--output-dir", str(out)], 7)
+    assert code == JIT_EXIT, proc.output()
+    assert len(hook_lines(proc, "Trainer's own save: CheckpointCallback has an on_save")) == 1
+    record = jit_record(jdir)
+    assert record is not None, proc.output()
+    seen = [x for x in proc.stdout if x.startswith("on_save sees ") and x.endswith(" rank=0")]
+    assert len(seen) == 2, proc.output()  # checkpoint-5's, the JIT save's
+    assert all("model.safetensors optimizer.pt" in x for x in seen), seen
+    for step in (5, record["step"]):
+        names = {f["path"] for f in manifest(jdir, step)["files"]}
+        assert {"callback_state_0.json", "callback_state_1.json", "model.safetensors"} <= names
+    assert list(out.glob("checkpoint-*")) == [], list(out.iterdir())

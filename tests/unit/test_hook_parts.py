@@ -573,3 +573,44 @@ def test_a_node_new_to_the_job_keeps_the_save_of_a_smaller_job_it_resumes_from(t
     assert checkpoint_steps(manager.session.layout.checkpoints) == [10]
     manager.saver.make_room(11, force=True)
     assert checkpoint_steps(manager.session.layout.checkpoints) == [10]
+
+
+def test_callbacks_that_may_act_on_checkpoints_get_one_in_output_dir_while_saves_run(tmp_path):
+    """output_dir_view: a callback with an on_save of its own counts, HF's integrations only
+    as set up to upload checkpoints; the link is made only where nothing is, goes at the next
+    save, and a resume the script takes from it (a leftover) is recognised as ours."""
+    pytest.importorskip("transformers", reason="not in the python3.9 run")
+    import types
+
+    from transformers import TrainerCallback
+    from transformers.integrations import WandbCallback
+
+    from jitckpt_entrypoint.hook import output_dir_view
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            return None
+
+    class Uploads(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            return None
+
+    quiet, uploading = object.__new__(WandbCallback), object.__new__(WandbCallback)
+    quiet._log_model, uploading._log_model = "false", "checkpoint"
+    callbacks = [Logs(), quiet, uploading, Uploads()]
+    trainer = types.SimpleNamespace(callback_handler=types.SimpleNamespace(callbacks=callbacks))
+    assert output_dir_view.readers(trainer) == ["WandbCallback", "Uploads"]
+
+    checkpoints, out = tmp_path / "jitckpt" / "checkpoints", tmp_path / "out"
+    (checkpoints / "checkpoint-5").mkdir(parents=True)
+    (checkpoints / "checkpoint-10").mkdir()
+    (out / "checkpoint-10").mkdir(parents=True)  # an earlier run's own: left alone
+    output_dir_view.open_view(str(out), str(checkpoints), 5)
+    assert (out / "checkpoint-5").resolve() == (checkpoints / "checkpoint-5").resolve()
+    assert output_dir_view.is_view(str(out / "checkpoint-5"), str(checkpoints))
+    assert not output_dir_view.is_view(str(out / "checkpoint-10"), str(checkpoints))
+    output_dir_view.open_view(str(out), str(checkpoints), 10)
+    output_dir_view.open_view(str(out), str(checkpoints), 15)  # nothing to link to
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-10"]
+    assert not (out / "checkpoint-10").is_symlink()
+    output_dir_view.close_views()

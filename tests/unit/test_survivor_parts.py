@@ -506,10 +506,11 @@ def test_hsdp_node_mates_follow_local_rank_0s_decision_and_never_wait_on_a_silen
 
 
 def test_a_survivors_save_lacking_a_file_earlier_checkpoints_hold_is_named(tmp_path):
-    """A file the Trainer's save does not write (a callback's `on_save`, a subclass's) in the
-    newest committed checkpoint of this training: a survivors' save without it is not the
-    step's checkpoint. DCP's data files, named after the ranks that wrote them, are no such
-    file; nor is a checkpoint from before this training began."""
+    """A file the Trainer's save does not write in the newest committed checkpoint of this
+    training: a survivors' save without it is not the step's checkpoint. DCP's data files and
+    the ranks' RNG files, named after the ranks that wrote them (a resume at another world
+    size), are no such file; nor is a checkpoint from before this training began, or of
+    another lineage."""
     from jitckpt_entrypoint.hook import save_extras
     from jitckpt_entrypoint.protocol.commit import commit_node
 
@@ -524,16 +525,26 @@ def test_a_survivors_save_lacking_a_file_earlier_checkpoints_hold_is_named(tmp_p
                 f.write(b"x")
         return ckpt_dir
 
-    ckpt_dir = write(5, "model.safetensors", "ema.pt", "optimizer_0/__1_0.distcp")
+    shard = "optimizer_0/__1_0.distcp"
+    ckpt_dir = write(5, "model.safetensors", "ema.pt", "rng_state_9.pth", shard)
     commit_node(
-        layout, ckpt_dir, {0: m.list_files(ckpt_dir)}, node=0, nodes=1, world_size=1,
+        layout, ckpt_dir, {0: m.list_files(ckpt_dir)}, node=0, nodes=1, world_size=16,
         step=5, kind="periodic", started_at=0.0, run_id="r", stage_for_upload=False,
         save_id="s5", lineage="L",
     )  # fmt: skip
-    ours = write(8, "model.safetensors", "optimizer_0/__0_0.distcp")
-    why = save_extras.held_before(layout.checkpoints, 0, 3, ours, 8)
-    assert why is not None
-    assert why.startswith("checkpoint-5 of this training holds ema.pt, which"), why
-    assert save_extras.held_before(layout.checkpoints, 0, 6, ours, 8) is None  # before it began
+    ours = write(8, "model.safetensors", "rng_state_0.pth", "optimizer_0/__0_0.distcp")
+
+    def held(since: int, lineage: str = "L") -> object:
+        return save_extras.held_before(
+            layout.checkpoints, 0, ours, since=since, step=8, lineage=lineage
+        )
+
+    why = held(3)
+    assert why == (
+        "checkpoint-5 of this training holds ema.pt, which the Trainer's save does not write "
+        "(a callback's own file)"
+    ), why
+    assert held(6) is None  # before this training began
+    assert held(3, lineage="M") is None  # another run's
     write(8, "ema.pt")
-    assert save_extras.held_before(layout.checkpoints, 0, 3, ours, 8) is None
+    assert held(3) is None

@@ -1,41 +1,42 @@
 """Files a Trainer's checkpoints hold beyond what the Trainer's own save writes, which a
-snapshot in RAM (the Trainer's save alone: trainer.py turns snapshots off) and a survivors' save
-(survivors.py: the Trainer's files, written from the state kept at the last step's end) cannot
-write.
+snapshot in RAM (the Trainer's save alone) and a survivors' save (survivors.py: the Trainer's
+files, written from the state kept at the last step's end) cannot write.
 
-Two sources (the first checked when training starts with JITCKPT_MEMORY_DIR, both when a peer is
-lost):
+Two sources:
 
 - a subclass's `_save_checkpoint` that writes into the checkpoint around the Trainer's (TRL's
-  GRPOTrainer with `use_adaptive_entropy`: `entropy_ctrl_state.json`, read back on resume).
-  What it writes comes from the trainer's attributes, which the step in progress may already
-  have changed: such a save is refused. `probe` runs the override once into a scratch
-  directory, the Trainer's own part of it replaced by nothing (`instead`), as if this rank
-  were the one that saves, and lists what it wrote. TRL's other trainers only write a model
-  card into `output_dir`, which is not the checkpoint: nothing to refuse.
-- anything else that wrote into this training's committed checkpoints (a callback's `on_save`,
-  an override that writes only on world rank 0 when another rank saves): `held_before` lists
-  the files of this node's newest such checkpoint that a save in `ckpt_dir` lacks.
+  GRPOTrainer with `use_adaptive_entropy`: `entropy_ctrl_state.json`, read back on resume;
+  TRL's async GRPO: `rollout_state.json`). What it writes comes from the trainer's attributes,
+  which the step in progress may already have changed when a peer is lost. When training
+  starts, every rank runs the override once (`probe`: as a save runs it, collectives and all)
+  into a scratch directory, the Trainer's own part of it replaced by nothing (`instead`), and
+  lists what it wrote; trainer.py gathers the lists, and snapshots and survivors' saves are
+  off when any rank wrote something (TRL's SFT, DPO and most others only write a model card
+  into `output_dir`, which is not the checkpoint: nothing to refuse).
+- anything else that wrote into this training's committed checkpoints (a callback's `on_save`
+  through output_dir_view.py): `held_before` lists the files of this node's newest such
+  checkpoint that a survivors' save lacks.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
+import re
 import tempfile
 import threading
-from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol import validity
-from jitckpt_entrypoint.protocol.layout import checkpoint_name
+from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
 
 _local = threading.local()
 CHECKPOINTS_INTO = "_jitckpt_snapshot_into"
 """A Trainer's attribute while its own save writes elsewhere (a snapshot, JITCKPT_MEMORY_DIR's;
 `probe`'s scratch directory): the directory its checkpoints go to then, in place of
 JITCKPT_DIR's (trainer.py's `_get_output_dir`)."""
+OTHER_RANKS = re.compile(r"rng_state_\d+\.pth")
+"""Files of a save whose names depend on its world size."""
 
 
 def instead() -> Optional[Callable[[], None]]:
@@ -44,19 +45,23 @@ def instead() -> Optional[Callable[[], None]]:
     return getattr(_local, "instead", None)
 
 
-def probe(trainer: Any) -> list[str]:
-    """The files (relative paths) the Trainer subclass's own `_save_checkpoint` writes into a
-    checkpoint besides the Trainer's; [] when the class has none. Runs the override into a
-    scratch directory, with `should_save` and the process indexes of world rank 0. Raises what
-    the override raises."""
+def overrides(trainer: Any) -> bool:
+    """The Trainer's class has a `_save_checkpoint` of its own."""
     from transformers import Trainer
 
-    if getattr(type(trainer), "_save_checkpoint", Trainer._save_checkpoint) is (
-        Trainer._save_checkpoint
-    ):
-        return []
+    own = getattr(type(trainer), "_save_checkpoint", Trainer._save_checkpoint)
+    return own is not Trainer._save_checkpoint
+
+
+def probe(trainer: Any, scratch_root: str) -> list[str]:
+    """The files (relative paths) the Trainer subclass's own `_save_checkpoint` writes on this
+    rank into a checkpoint besides the Trainer's: the override run once into a scratch
+    directory under `scratch_root` (the volume: an override that never calls the Trainer's
+    writes a whole save there). Call it on every rank, as a save runs it. Raises what the
+    override raises."""
     state = trainer.state
-    with tempfile.TemporaryDirectory(prefix="jitckpt-probe-") as scratch:
+    os.makedirs(scratch_root, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".jitckpt-probe-", dir=scratch_root) as scratch:
         ckpt_dir = os.path.join(scratch, checkpoint_name(state.global_step))
         called: list[bool] = []
 
@@ -70,8 +75,7 @@ def probe(trainer: Any) -> list[str]:
         try:
             if trainer._get_output_dir(None) != scratch:
                 return ["(anything: the class also overrides _get_output_dir)"]
-            with _as_rank_zero(trainer.args):
-                trainer._save_checkpoint(trainer.model_wrapped, trial=None)
+            trainer._save_checkpoint(trainer.model_wrapped, None)
         finally:
             _local.instead = None
             vars(trainer).pop(CHECKPOINTS_INTO, None)
@@ -82,47 +86,31 @@ def probe(trainer: Any) -> list[str]:
         return written
 
 
-@contextlib.contextmanager
-def _as_rank_zero(args: Any) -> Iterator[None]:
-    """Inside, `args.should_save` is True and its process indexes are 0 (its class swapped for
-    a subclass; the only thread that reads `args` now is this one)."""
-    cls = type(args)
-    zero = type(
-        cls.__name__,
-        (cls,),
-        {
-            "__module__": cls.__module__,
-            "should_save": property(lambda _: True),
-            "process_index": property(lambda _: 0),
-            "local_process_index": property(lambda _: 0),
-        },
-    )
-    args.__class__ = zero
-    try:
-        yield
-    finally:
-        args.__class__ = cls
-
-
-def held_before(checkpoints: str, node: int, since: int, ckpt_dir: str, step: int) -> Optional[str]:
-    """Why `ckpt_dir` (a survivors' save of `step`) falls short: the files of this node's newest
-    committed checkpoint of steps `since` to `step` - 1 that it lacks (DCP's data files aside:
-    their names are the writing ranks'); None when it has them all or there is no such
-    checkpoint."""
-    for earlier in reversed(validity.committed_steps(checkpoints, node)):
+def held_before(
+    checkpoints: str, node: int, ckpt_dir: str, *, since: int, step: int, lineage: Optional[str]
+) -> Optional[str]:
+    """Why `ckpt_dir` (a survivors' save of `step`) falls short: the files it lacks of this
+    node's newest committed checkpoint of this training (`lineage`, steps `since` to `step` - 1;
+    DCP's data files and the ranks' RNG files aside: their names are the writing ranks'); None
+    when it has them all or there is no such checkpoint."""
+    for earlier in sorted(checkpoint_steps(checkpoints), reverse=True):
         if not since <= earlier < step:
             continue
         save = validity.committed(os.path.join(checkpoints, checkpoint_name(earlier)), node)
+        if save is None or save[0].lineage != lineage:
+            continue
         have = m.list_files(ckpt_dir)
         lacking = sorted(
             path
-            for path in validity.local_union(save or {})
-            if path not in have and not path.endswith(validity.SHARD_SUFFIX)
+            for path in validity.local_union(save)
+            if path not in have
+            and not path.endswith(validity.SHARD_SUFFIX)
+            and not OTHER_RANKS.fullmatch(os.path.basename(path))
         )
         if not lacking:
             return None
         return (
             f"{checkpoint_name(earlier)} of this training holds {', '.join(lacking[:5])}, which "
-            "the Trainer's save does not write (a callback's or a subclass's own file)"
+            "the Trainer's save does not write (a callback's own file)"
         )
     return None

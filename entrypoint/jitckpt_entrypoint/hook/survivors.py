@@ -110,6 +110,11 @@ def lost_peer(exc: BaseException) -> bool:
     return False
 
 
+class SaveShortError(Exception):
+    """A survivors' save written but not committed: it lacks a file of this training's
+    checkpoints (save_extras.held_before)."""
+
+
 class Survivors:
     """This rank's last completed step, and the save of it when peers are lost."""
 
@@ -137,13 +142,15 @@ class Survivors:
 
     # -- training thread --
 
-    def started(self, trainer: Any, step: int) -> None:
+    def started(self, trainer: Any, step: int, own_files: Optional[str] = None) -> None:
         """Training (re)starts at `step`: nothing newer than it to save yet. Decides whether a
-        survivors' save can be made at all; when not, nothing is kept per step. Never raises."""
+        survivors' save can be made at all; when not, nothing is kept per step. `own_files`:
+        what the Trainer subclass's own `_save_checkpoint` adds to its checkpoints, which such
+        a save cannot write (save_extras.py). Never raises."""
         self._step, self._in_step, self._began_at = None, False, step
         self._kept, self._buffer_copies, self._group = {}, {}, False
         try:
-            self._why_not = self._unsupported(trainer)
+            self._why_not = own_files or self._unsupported(trainer)
             self._buffers = [] if self._why_not else persistent_buffers(trainer)
         except Exception as exc:  # noqa: BLE001 - a Trainer we cannot inspect: no such save
             self._why_not = f"cannot inspect the Trainer ({exc!r:.80})"
@@ -336,7 +343,7 @@ class Survivors:
             return "the RAM writer is writing a save out"
         if not _stop_in_flight(manager):
             return f"the background save in flight did not stop within {IN_FLIGHT_WAIT:.0f} s"
-        return _own_files(trainer)
+        return None
 
     def _wait_for_mates(self, why: str) -> None:
         """Refused here: a node-mate may save (it is rank 0, or its step is whole). Leaving at
@@ -413,6 +420,8 @@ class Survivors:
         if step is None:  # not reached: _refusal said why
             return
         with self._save_lock():
+            if self._saved(session.topo.node) == -1:  # a node-mate's save fell short
+                return
             if not self._saved_here(step):
                 if self._kept_committed(exc, step):
                     seconds = 0.0
@@ -423,7 +432,14 @@ class Survivors:
                         session.topo.rank,
                         checkpoint_name(step),
                     )
-                    seconds = self._save(trainer, step)
+                    try:
+                        seconds = self._save(trainer, step)
+                    except SaveShortError as short:
+                        self._mark(SAVED, session.topo.node, -1)
+                        session.log.error(  # noqa: TRY400 - one line, not a traceback
+                            "a peer is lost (%s); no survivors' save: %s", _short(exc), short
+                        )
+                        return
                 path = self._marker(SAVED, session.topo.node)
                 if path is not None:
                     atomic.write_bytes(path, str(step).encode(), durable=False)
@@ -578,8 +594,15 @@ class Survivors:
     def _short_of_earlier(self, ckpt_dir: str, step: int) -> Optional[str]:
         """Why the written, uncommitted `ckpt_dir` is not this training's checkpoint of `step`
         (it lacks a file its earlier ones hold: save_extras.py), removed then; else None."""
-        layout, node = self.session.layout, self.session.topo.node
-        why = save_extras.held_before(layout.checkpoints, node, self._began_at, ckpt_dir, step)
+        session = self.session
+        why = save_extras.held_before(
+            session.layout.checkpoints,
+            session.topo.node,
+            ckpt_dir,
+            since=self._began_at,
+            step=step,
+            lineage=session.lineage,
+        )
         if why is not None:
             remove_checkpoint(ckpt_dir)
         return why
@@ -642,7 +665,7 @@ class Survivors:
         write_files(ckpt.writers(ckpt_dir, tensors, WRITERS, None))
         short = self._short_of_earlier(ckpt_dir, step)
         if short is not None:
-            raise RuntimeError(short)
+            raise SaveShortError(short)
         self._commit(ckpt_dir, step, started, (topo.rank,))
         return time.time() - started
 
@@ -667,22 +690,6 @@ class Survivors:
             lineage=lineage,
             writers=writers,
         )
-
-
-def _own_files(trainer: Any) -> Optional[str]:
-    """Why not, when the Trainer subclass's `_save_checkpoint` writes files of its own into
-    the checkpoint (save_extras.py); else None."""
-    name = type(trainer).__name__
-    try:
-        written = save_extras.probe(trainer)
-    except Exception as exc:  # noqa: BLE001 - its save cannot be told apart: no such save
-        return f"{name}._save_checkpoint failed when tried without the Trainer's ({exc!r:.100})"
-    if not written:
-        return None
-    return (
-        f"{name}._save_checkpoint also writes {', '.join(written)} into its checkpoints, from "
-        "attributes the step in progress may have changed"
-    )
 
 
 def _short(exc: BaseException) -> str:

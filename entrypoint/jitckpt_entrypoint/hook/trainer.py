@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 from transformers.trainer_callback import TrainerCallback
 
 from jitckpt_entrypoint.errors import JitckptError
-from jitckpt_entrypoint.hook import resume, save_extras
+from jitckpt_entrypoint.hook import output_dir_view, resume, save_extras
 from jitckpt_entrypoint.hook.manager import CheckpointManager, current
 from jitckpt_entrypoint.hook.saves import SaveParts, SaveRequest, Staged
 from jitckpt_entrypoint.hook.session import Session
@@ -64,6 +64,7 @@ def patch(module: ModuleType) -> None:
         args, kwargs = _with_training_args(session, module, args, kwargs)
         original_init(self, *args, **kwargs)
         self.add_callback(JitckptCallback(manager, self))
+        _view_on_save(self, session)
 
     @functools.wraps(original_train)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -122,6 +123,27 @@ def patch(module: ModuleType) -> None:
     trainer_cls._jitckpt_patched = True
 
 
+def _view_on_save(trainer: Any, session: Session) -> None:
+    """The Trainer's `on_save` callbacks find the save's checkpoint in `args.output_dir` when
+    one of them may act on it (output_dir_view.py)."""
+    handler = trainer.callback_handler
+    original = handler.on_save
+    ref = weakref.ref(trainer)
+
+    @functools.wraps(original)
+    def on_save(args: Any, state: Any, control: Any) -> Any:
+        owner = ref()
+        try:
+            if owner is not None and output_dir_view.readers(owner):
+                checkpoints = session.layout.checkpoints
+                output_dir_view.open_view(args.output_dir, checkpoints, state.global_step)
+        except Exception as exc:  # noqa: BLE001 - the callbacks run as they would without it
+            session.log.debug("no checkpoint in output_dir for on_save: %r", exc)
+        return original(args, state, control)
+
+    handler.on_save = on_save
+
+
 def _save_request(trainer: Any, step: int, own: Callable[[], object], ours: bool) -> SaveRequest:
     """One save of the Trainer as the manager takes it: the Trainer's own save `own`, and
     (`ours`: not a hyperparameter search's trial) the fast path's parts of it: the
@@ -168,8 +190,9 @@ def rotate_checkpoints(trainer: Any, run_dir: str) -> None:
     )
 
 
-def _start_async(manager: CheckpointManager, trainer: Any) -> None:
-    """Decide (collectively) whether this Trainer's saves take the fast paths."""
+def _start_async(manager: CheckpointManager, trainer: Any, own_files: Optional[str]) -> None:
+    """Decide (collectively) whether this Trainer's saves take the fast paths, and snapshots
+    (not when `own_files`, what its class's own save adds, says so)."""
     from jitckpt_entrypoint.hook import trainer_checkpoint
 
     not_whole = _not_whole_nodes(manager, trainer)
@@ -186,27 +209,27 @@ def _start_async(manager: CheckpointManager, trainer: Any) -> None:
     # FSDP's sharded saves: HF's own, staged by DCP (_snapshot_staged); not written out by the
     # RAM writer (it takes the fast path's parts).
     sharded = getattr(trainer, "is_fsdp_enabled", False)
-    lacking = _lacking_in_snapshots(manager, trainer)
-    manager.enable_snapshots(in_ram, on, not_whole, staged=sharded, lacking=lacking)
+    manager.enable_snapshots(in_ram, on, not_whole, staged=sharded, lacking=own_files)
 
 
-def _lacking_in_snapshots(manager: CheckpointManager, trainer: Any) -> Optional[str]:
-    """Rank 0, with JITCKPT_MEMORY_DIR: why a snapshot in RAM (the Trainer's save alone) would
-    lack what this Trainer's checkpoints hold: its class's own `_save_checkpoint` writes files
-    of its own into them (TRL GRPO's adaptive entropy state; save_extras.py). Else None."""
-    session = manager.session
-    if not session.cfg.memory_dir or session.topo.rank != 0:
+def _own_files(manager: CheckpointManager, trainer: Any) -> Optional[str]:
+    """Collective when the Trainer's class has its own `_save_checkpoint` (alike on every
+    rank): what it writes into its checkpoints besides the Trainer's save, as every rank's run
+    of it into a scratch directory shows (save_extras.py), which snapshots in RAM and
+    survivors' saves (the Trainer's save alone) would lack; None when nothing."""
+    if not save_extras.overrides(trainer):
         return None
-    name = type(trainer).__name__
+    session = manager.session
     try:
-        written = save_extras.probe(trainer)
-    except Exception as exc:  # noqa: BLE001 - its save cannot be told apart: no snapshots
-        return f"{name}._save_checkpoint failed when tried without the Trainer's ({exc!r:.80})"
-    if not written:
+        written = save_extras.probe(trainer, session.layout.root)
+    except Exception as exc:  # noqa: BLE001 - its save cannot be told apart: say so
+        written = [f"(it failed when tried alone: {exc!r:.80})"]
+    names = sorted({name for rank in session.control.all_gather(written) for name in rank})
+    if not names:
         return None
     return (
-        f"{name}._save_checkpoint also writes {', '.join(written)} into its checkpoints, which "
-        "a snapshot (the Trainer's save alone) would lack"
+        f"{type(trainer).__name__}._save_checkpoint also writes {', '.join(names[:5])} into its "
+        "checkpoints, which the Trainer's save alone lacks"
     )
 
 
@@ -451,6 +474,12 @@ def _with_resume(
         if "resume_from_checkpoint" in kwargs
         else (args[0] if args else None)
     )
+    if isinstance(given, str) and output_dir_view.is_view(given, session.layout.checkpoints):
+        given = None  # HF's get_last_checkpoint(output_dir) found a link of ours: ours decides
+        if args:
+            args = (None, *args[1:])
+        else:
+            kwargs["resume_from_checkpoint"] = None
     if isinstance(given, str) or given is False:
         if isinstance(given, str):
             manager.resuming_from(given)
@@ -491,6 +520,9 @@ def _ask_save(args: Any, control: Any) -> None:
 class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is untyped here
     """The Trainer's events, handed to the checkpoint manager; it sets the Trainer's controls."""
 
+    jitckpt_own = True
+    """Not a callback that acts on checkpoints (output_dir_view.readers)."""
+
     def __init__(self, manager: CheckpointManager, trainer: Any) -> None:
         self.manager = manager
         self._trainer = weakref.ref(trainer)
@@ -507,8 +539,9 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         manager.training_started()
         trainer = self._trainer()
         if trainer is not None:
-            _start_async(manager, trainer)
-            manager.survivors.started(trainer, state.global_step)
+            own_files = _own_files(manager, trainer)
+            _start_async(manager, trainer, own_files)
+            manager.survivors.started(trainer, state.global_step, own_files)
         folder = None if trainer is None else trainer._get_output_dir(None)
         ours = os.path.abspath(session.layout.checkpoints)
         if folder is not None and os.path.abspath(folder) != ours:
@@ -594,6 +627,8 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         self._same_step()
         self._save_wanted = False
         self.manager.retention(best_step=_step_of(state.best_model_checkpoint))
+        if self.manager.stopping:  # the JIT save: the process leaves once it is committed
+            output_dir_view.close_views()
         self.manager.saved(state.global_step)
         return control
 
@@ -603,6 +638,7 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
             _end_training(manager, trainer)
         else:
             manager.training_ending(state.global_step, None)
+        output_dir_view.close_views()
         if state.is_world_process_zero:
             manager.record_output(args.output_dir, state.global_step)
         manager.survivors.ended()

@@ -48,7 +48,7 @@ def unsupported(trainer: Any) -> Optional[str]:  # noqa: PLR0911, PLR0912 - one 
     """Why this Trainer's checkpoints must be written by the Trainer itself, or None."""
     from transformers import trainer as hf
 
-    from jitckpt_entrypoint.hook import fsdp_checkpoint
+    from jitckpt_entrypoint.hook import fsdp_checkpoint, output_dir_view
 
     args = trainer.args
     if getattr(trainer, "is_deepspeed_enabled", False):
@@ -69,6 +69,9 @@ def unsupported(trainer: Any) -> Optional[str]:  # noqa: PLR0911, PLR0912 - one 
         return "offloaded weights are saved from disk"
     if args.push_to_hub:
         return "push_to_hub uploads each checkpoint as the Trainer writes it"
+    readers = output_dir_view.readers(trainer)
+    if readers:
+        return f"{readers[0]} has an on_save of its own (it may act on each checkpoint then)"
     if trainer.hp_search_backend is not None:
         return "hyperparameter search"
     if args.save_total_limit == 1 and args.metric_for_best_model is not None:

@@ -20,6 +20,8 @@ checkpoint ("highest": the first evaluation is the best, training lowers the los
 --early-stopping N adds HF's EarlyStoppingCallback with patience N.
 --trainer card: a subclass whose `_save_checkpoint` writes a model card first (TRL's);
 extra-state: one that writes a state of its own into each checkpoint (TRL GRPO's).
+--checkpoint-callback adds a callback that reads each checkpoint at output_dir/checkpoint-N in
+on_save, as W&B's checkpoint upload does, and adds a file of its own to it.
 """
 
 from __future__ import annotations
@@ -118,14 +120,8 @@ def strategy_args(strategy: str) -> dict[str, Any]:
 
 
 class Progress(TrainerCallback):
-    def __init__(
-        self,
-        hold_at: int,
-        release: str,
-        step_sleep: float = 0.0,
-        crash: tuple[int, str, str] = (0, "", ""),
-    ) -> None:
-        self.hold_at, self.release, self.step_sleep = hold_at, release, step_sleep
+    def __init__(self, step_sleep: float = 0.0, crash: tuple[int, str, str] = (0, "", "")) -> None:
+        self.step_sleep = step_sleep
         self.crash_at, self.crash_marker, self.crash_after = crash
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -160,11 +156,33 @@ class Progress(TrainerCallback):
         if logs and "loss" in logs and state.is_world_process_zero:
             say(f"loss {state.global_step} {float(logs['loss'])!r}")
 
+
+class HoldSave(TrainerCallback):
+    """--hold-save-at: a callback with an on_save of its own (the Trainer's own save writes the
+    checkpoint then, jitckpt commits it after)."""
+
+    def __init__(self, hold_at: int, release: str) -> None:
+        self.hold_at, self.release = hold_at, release
+
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.hold_at:
             say(f"holding save {state.global_step} rank={os.environ.get('RANK', '0')}")
             while not os.path.exists(self.release):
                 time.sleep(0.01)
+
+
+class CheckpointCallback(TrainerCallback):
+    """--checkpoint-callback: W&B's WANDB_LOG_MODEL=checkpoint upload (it reads the checkpoint
+    at output_dir/checkpoint-<step> in on_save), and a state of its own added to it."""
+
+    def on_save(self, args, state, control, **kwargs):
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if not os.path.isdir(path):  # wandb's Artifact.add_dir
+            raise ValueError(f"Path is not a directory: {path}")
+        rank = os.environ.get("RANK", "0")
+        say(f"on_save sees {' '.join(sorted(os.listdir(path)))} rank={rank}")
+        with open(os.path.join(path, f"callback_state_{rank}.json"), "w") as f:
+            json.dump({"step": state.global_step}, f)
 
 
 class SlowSaveTrainer(Trainer):
@@ -317,6 +335,7 @@ def main() -> None:
         "--resume-from", default=None, help="resume_from_checkpoint, as a plain HF script passes it"
     )
     parser.add_argument("--hold-save-at", type=int, default=-1)
+    parser.add_argument("--checkpoint-callback", action="store_true")
     parser.add_argument("--release-file", default="")
     parser.add_argument(
         "--wait-after-train", action="store_true", help="until --release-file exists"
@@ -338,14 +357,16 @@ def main() -> None:
         slow_background_writes(opts.slow_write)
 
     model = tiny_llama(opts.vocab, opts.hidden, opts.layers, opts.dropout)
-    callbacks = [
+    callbacks: list[TrainerCallback] = [
         Progress(
-            opts.hold_save_at,
-            opts.release_file,
             opts.step_sleep,
             (-opts.kill_at if opts.kill_at else opts.crash_at, opts.crash_marker, opts.crash_after),
         )
     ]
+    if opts.hold_save_at >= 0:
+        callbacks.append(HoldSave(opts.hold_save_at, opts.release_file))
+    if opts.checkpoint_callback:
+        callbacks.append(CheckpointCallback())
     if opts.early_stopping:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=opts.early_stopping))
     data = RandomTokens(opts.samples, SEQ_LEN, opts.vocab)

@@ -151,7 +151,7 @@ def main() -> None:
         args=args,
         train_dataset=data,
         eval_dataset=evaluated,
-        callbacks=[Progress(hold_at=-1, release="")],
+        callbacks=[Progress()],
     )
     result = trainer.train(resume_from_checkpoint=opts.resume_from)
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
