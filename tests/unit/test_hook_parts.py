@@ -595,11 +595,17 @@ def test_callbacks_that_may_act_on_checkpoints_get_one_in_output_dir_while_saves
         def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
             return None
 
-    quiet, uploading = object.__new__(WandbCallback), object.__new__(WandbCallback)
-    quiet._log_model, uploading._log_model = "false", "checkpoint"
-    callbacks = [Logs(), quiet, uploading, Uploads()]
+    class OwnWandb(WandbCallback):  # as W&B's docs show: HF's on_save, HF's flags
+        pass
+
+    quiet, uploading, own = (object.__new__(c) for c in (WandbCallback, WandbCallback, OwnWandb))
+    quiet._log_model, uploading._log_model, own._log_model = "false", "checkpoint", "false"
+    callbacks = [Logs(), quiet, uploading, Uploads(), own]
     trainer = types.SimpleNamespace(callback_handler=types.SimpleNamespace(callbacks=callbacks))
     assert output_dir_view.readers(trainer) == ["WandbCallback", "Uploads"]
+    control = types.SimpleNamespace(all_gather=lambda mine: [mine, ["OnRankOne"]])
+    assert output_dir_view.gather(trainer, control) == ["OnRankOne", "Uploads", "WandbCallback"]
+    assert output_dir_view.readers(trainer) == ["OnRankOne", "Uploads", "WandbCallback"]
 
     checkpoints, out = tmp_path / "jitckpt" / "checkpoints", tmp_path / "out"
     (checkpoints / "checkpoint-5").mkdir(parents=True)
@@ -608,6 +614,7 @@ def test_callbacks_that_may_act_on_checkpoints_get_one_in_output_dir_while_saves
     output_dir_view.open_view(str(out), str(checkpoints), 5)
     assert (out / "checkpoint-5").resolve() == (checkpoints / "checkpoint-5").resolve()
     assert output_dir_view.is_view(str(out / "checkpoint-5"), str(checkpoints))
+    assert output_dir_view.is_view(f"{out / 'checkpoint-5'}/", str(checkpoints))
     assert not output_dir_view.is_view(str(out / "checkpoint-10"), str(checkpoints))
     output_dir_view.open_view(str(out), str(checkpoints), 10)
     output_dir_view.open_view(str(out), str(checkpoints), 15)  # nothing to link to

@@ -5,13 +5,14 @@ jitckpt writes checkpoints into JITCKPT_DIR/checkpoints (trainer.py's `_get_outp
 `args.output_dir` keeps the rest. A callback that acts on the checkpoint in `on_save` finds it
 through `args.output_dir`, as HF's own integrations do: W&B with `WANDB_LOG_MODEL=checkpoint`,
 MLflow with `HF_MLFLOW_LOG_ARTIFACTS`, Neptune, ClearML (by default) and Flyte upload it; a
-user's callback may read it, or add a file to it (an EMA state). Such callbacks (`readers`) get,
-for the duration of the save's `on_save` and until the next save or the end of training, a
-symbolic link there to the checkpoint (`open_view`); trainer_checkpoint.unsupported then has
-the Trainer's own save write it, so it is whole when they run, and the commit (jitckpt's own
-`on_save`, after theirs) holds what they added. A `resume_from_checkpoint` the script takes from
-such a link (HF's `get_last_checkpoint(output_dir)` after a crash) counts as none (`is_view`):
-the resume is jitckpt's.
+user's callback may read it, or add a file to it (an EMA state). When any rank has such a
+callback (`gather`, when training starts), the save's `on_save` callbacks get a symbolic link
+there to the checkpoint (`open_view`; it goes at the next save, when training ends and before
+the process leaves), trainer_checkpoint.unsupported has the Trainer's own save write it, so it
+is whole when they run, and trainer.py commits it after every callback's `on_save`, so the
+commit holds what they added. A `resume_from_checkpoint` the script takes from such a link
+(HF's `get_last_checkpoint(output_dir)` after a crash) counts as none (`is_view`): the resume
+is jitckpt's.
 """
 
 from __future__ import annotations
@@ -25,27 +26,55 @@ from jitckpt_entrypoint.protocol.layout import checkpoint_name
 
 INTEGRATIONS = "transformers.integrations.integration_utils"
 """HF's reporting callbacks' module."""
+TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+def _env_true(name: str, default: str) -> bool:
+    return os.environ.get(name, default).upper() in TRUE
+
+
 QUIET: dict[str, Callable[[Any], bool]] = {
     "WandbCallback": lambda cb: getattr(cb, "_log_model", "checkpoint") != "checkpoint",
-    "MLflowCallback": lambda cb: not getattr(cb, "_log_artifacts", True),
-    "DagsHubCallback": lambda cb: not getattr(cb, "_log_artifacts", True),
+    "MLflowCallback": lambda _cb: not _env_true("HF_MLFLOW_LOG_ARTIFACTS", "FALSE"),
     "NeptuneCallback": lambda cb: getattr(cb, "_log_checkpoints", "") is None,
-    "ClearMLCallback": lambda cb: not getattr(cb, "_log_model", True),
+    "ClearMLCallback": lambda _cb: not _env_true("CLEARML_LOG_MODEL", "TRUE"),
     "FlyteCallback": lambda cb: not getattr(cb, "sync_checkpoints", True),
     "TrackioCallback": lambda _cb: True,  # its on_save returns
     "SwanLabCallback": lambda _cb: True,  # its on_save warns that it saves nothing
     "DVCLiveCallback": lambda _cb: True,  # logs output_dir itself, never a checkpoint in it
 }
-"""HF's callbacks with an `on_save` of their own, and when it leaves the checkpoint alone (as
-they are set up: their flags are read in their `setup`, before jitckpt's `on_train_begin`)."""
+"""HF's callbacks with an `on_save` of their own (the class in a callback's MRO that defines
+it), and when it leaves the checkpoint alone: by what they read in `__init__`, or the same
+environment variables their `setup` reads (on world rank 0 only, and perhaps after jitckpt
+decides)."""
+READERS = "_jitckpt_checkpoint_readers"
+"""A Trainer's attribute: `gather`'s answer for this training."""
 
 _views: list[str] = []
 """This process's links, oldest first."""
 
 
+def gather(trainer: Any, control: Any) -> list[str]:
+    """Collective (every rank, when training starts): the names of the Trainer's callbacks
+    whose `on_save` may act on the checkpoint on any rank; kept for `readers`."""
+    try:
+        mine = _here(trainer)
+    except Exception as exc:  # noqa: BLE001 - counted as one that may act on checkpoints
+        mine = [f"(callbacks not inspected: {exc!r:.60})"]
+    found = sorted({name for rank in control.all_gather(mine) for name in rank})
+    vars(trainer)[READERS] = found
+    return found
+
+
 def readers(trainer: Any) -> list[str]:
-    """The names of the Trainer's callbacks whose `on_save` may act on the checkpoint: any with
-    an `on_save` of its own but jitckpt's and HF's quiet ones (QUIET)."""
+    """`gather`'s answer for this training, or this rank's own before it."""
+    found = vars(trainer).get(READERS)
+    return list(found) if found is not None else _here(trainer)
+
+
+def _here(trainer: Any) -> list[str]:
+    """This rank's callbacks with an `on_save` of their own, but jitckpt's and HF's quiet ones
+    (QUIET)."""
     from transformers import TrainerCallback
 
     found = []
@@ -55,7 +84,8 @@ def readers(trainer: Any) -> list[str]:
             continue
         if getattr(callback, "jitckpt_own", False):
             continue
-        quiet = QUIET.get(cls.__name__) if cls.__module__ == INTEGRATIONS else None
+        owner = next((c for c in cls.__mro__ if "on_save" in vars(c)), cls)
+        quiet = QUIET.get(owner.__name__) if owner.__module__ == INTEGRATIONS else None
         if quiet is not None and quiet(callback):
             continue
         found.append(cls.__name__)
@@ -70,6 +100,8 @@ def open_view(output_dir: str, checkpoints: str, step: int) -> None:
     link = os.path.join(output_dir, checkpoint_name(step))
     target = os.path.join(os.path.abspath(checkpoints), checkpoint_name(step))
     with contextlib.suppress(OSError):
+        if is_view(link, checkpoints):  # one a process that died left
+            os.unlink(link)
         if not os.path.lexists(link) and os.path.isdir(target):
             os.makedirs(output_dir, exist_ok=True)
             os.symlink(target, link, target_is_directory=True)
@@ -91,7 +123,7 @@ def is_view(path: str, checkpoints: str) -> bool:
     if not re.fullmatch(r"checkpoint-\d+", os.path.basename(os.path.normpath(path))):
         return False
     try:
-        target = os.readlink(path)
+        target = os.readlink(os.path.normpath(path))
     except OSError:
         return False
     return os.path.realpath(os.path.dirname(target)) == os.path.realpath(checkpoints)

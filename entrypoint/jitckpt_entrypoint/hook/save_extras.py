@@ -8,14 +8,15 @@ Two sources:
   GRPOTrainer with `use_adaptive_entropy`: `entropy_ctrl_state.json`, read back on resume;
   TRL's async GRPO: `rollout_state.json`). What it writes comes from the trainer's attributes,
   which the step in progress may already have changed when a peer is lost. When training
-  starts, every rank runs the override once (`probe`: as a save runs it, collectives and all)
+  starts, where snapshots or survivors' saves could be made, every rank runs the override once
+  (`probe`: as a save runs it, collectives and all)
   into a scratch directory, the Trainer's own part of it replaced by nothing (`instead`), and
   lists what it wrote; trainer.py gathers the lists, and snapshots and survivors' saves are
   off when any rank wrote something (TRL's SFT, DPO and most others only write a model card
   into `output_dir`, which is not the checkpoint: nothing to refuse).
-- anything else that wrote into this training's committed checkpoints (a callback's `on_save`
-  through output_dir_view.py): `held_before` lists the files of this node's newest such
-  checkpoint that a survivors' save lacks.
+- anything else that wrote into this training's committed checkpoints: `held_before` lists the
+  files of this node's newest such checkpoint that a survivors' save lacks (a callback's
+  `on_save` already turns survivors' saves off: output_dir_view.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from jitckpt_entrypoint import postimport
 from jitckpt_entrypoint.config import Config
@@ -40,6 +40,8 @@ class Session:
         """JITCKPT_RESUME=0 cleared the earlier run's checkpoints (once per process)."""
         self._control: Optional[ControlGroup] = None
         self._registered: Optional[str] = None
+        self.before_exit: list[Callable[[], object]] = []
+        """Run by `exit` (each one's errors ignored): what must not outlive the process."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Session:
@@ -82,6 +84,9 @@ class Session:
 
     def exit(self, code: int) -> NoReturn:
         """Leave now with `code`: no interpreter teardown that could outlast the grace period."""
+        for tidy in self.before_exit:
+            with contextlib.suppress(Exception):
+                tidy()
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):

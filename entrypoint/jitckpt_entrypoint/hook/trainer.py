@@ -63,8 +63,9 @@ def patch(module: ModuleType) -> None:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - it is __init__
         args, kwargs = _with_training_args(session, module, args, kwargs)
         original_init(self, *args, **kwargs)
-        self.add_callback(JitckptCallback(manager, self))
-        _view_on_save(self, session)
+        ours = JitckptCallback(manager, self)
+        self.add_callback(ours)
+        _commit_after_on_save(self, session, ours)
 
     @functools.wraps(original_train)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -76,6 +77,7 @@ def patch(module: ModuleType) -> None:
             raise
         finally:
             manager.survivors.ended()  # also after a BaseException (no on_train_end)
+            output_dir_view.close_views()
 
     @functools.wraps(original_output_dir)
     def _get_output_dir(self: Any, trial: Any) -> str:
@@ -115,6 +117,7 @@ def patch(module: ModuleType) -> None:
             return original_load_best(self, *args, **kwargs)
 
         trainer_cls._load_best_model = _load_best_model
+    session.before_exit.append(output_dir_view.close_views)  # a JIT or survivors' exit
     trainer_cls.__init__ = __init__
     trainer_cls.train = train
     trainer_cls._save_checkpoint = _save_checkpoint
@@ -123,15 +126,16 @@ def patch(module: ModuleType) -> None:
     trainer_cls._jitckpt_patched = True
 
 
-def _view_on_save(trainer: Any, session: Session) -> None:
-    """The Trainer's `on_save` callbacks find the save's checkpoint in `args.output_dir` when
-    one of them may act on it (output_dir_view.py)."""
+def _commit_after_on_save(trainer: Any, session: Session, ours: JitckptCallback) -> None:
+    """Each save is committed (`ours.after_save`) once every callback's `on_save` ran, those
+    added after jitckpt's too, so what they add to the checkpoint is in it; when one may act on
+    the checkpoint, they find it in `args.output_dir` (output_dir_view.py)."""
     handler = trainer.callback_handler
     original = handler.on_save
     ref = weakref.ref(trainer)
 
     @functools.wraps(original)
-    def on_save(args: Any, state: Any, control: Any) -> Any:
+    def on_save(args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         owner = ref()
         try:
             if owner is not None and output_dir_view.readers(owner):
@@ -139,7 +143,8 @@ def _view_on_save(trainer: Any, session: Session) -> None:
                 output_dir_view.open_view(args.output_dir, checkpoints, state.global_step)
         except Exception as exc:  # noqa: BLE001 - the callbacks run as they would without it
             session.log.debug("no checkpoint in output_dir for on_save: %r", exc)
-        return original(args, state, control)
+        control = original(args, state, control, **kwargs)
+        return ours.after_save(state, control)
 
     handler.on_save = on_save
 
@@ -220,6 +225,10 @@ def _own_files(manager: CheckpointManager, trainer: Any) -> Optional[str]:
     if not save_extras.overrides(trainer):
         return None
     session = manager.session
+    wanted = session.control.all_gather((bool(session.cfg.memory_dir), session.cfg.jit))
+    snapshots, jit = any(m for m, _ in wanted), any(j for _, j in wanted)
+    if not snapshots and not (jit and session.topo.nodes > 1):
+        return None  # no snapshot and no survivors' save to refuse: its save runs as it is
     try:
         written = save_extras.probe(trainer, session.layout.root)
     except Exception as exc:  # noqa: BLE001 - its save cannot be told apart: say so
@@ -539,6 +548,7 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         manager.training_started()
         trainer = self._trainer()
         if trainer is not None:
+            output_dir_view.gather(trainer, session.control)
             own_files = _own_files(manager, trainer)
             _start_async(manager, trainer, own_files)
             manager.survivors.started(trainer, state.global_step, own_files)
@@ -623,12 +633,11 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
             self._stop(state, control)
         return control
 
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+    def after_save(self, state: Any, control: Any) -> Any:
+        """After every callback's `on_save` (_commit_after_on_save): commit the save."""
         self._same_step()
         self._save_wanted = False
         self.manager.retention(best_step=_step_of(state.best_model_checkpoint))
-        if self.manager.stopping:  # the JIT save: the process leaves once it is committed
-            output_dir_view.close_views()
         self.manager.saved(state.global_step)
         return control
 

@@ -365,8 +365,6 @@ def main() -> None:
     ]
     if opts.hold_save_at >= 0:
         callbacks.append(HoldSave(opts.hold_save_at, opts.release_file))
-    if opts.checkpoint_callback:
-        callbacks.append(CheckpointCallback())
     if opts.early_stopping:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=opts.early_stopping))
     data = RandomTokens(opts.samples, SEQ_LEN, opts.vocab)
@@ -381,6 +379,8 @@ def main() -> None:
             callbacks=callbacks,
         )
     trainer.slow_save = opts.slow_save
+    if opts.checkpoint_callback:  # added once the Trainer is built: after jitckpt's callback
+        trainer.add_callback(CheckpointCallback())
     result = trainer.train(resume_from_checkpoint=opts.resume_from)
     say(f"done step={result.global_step} rank={os.environ.get('RANK', '0')}")
     if opts.strategy == "hsdp":  # the proof: replicated across nodes, sharded within one
