@@ -621,3 +621,52 @@ def test_callbacks_that_may_act_on_checkpoints_get_one_in_output_dir_while_saves
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-10"]
     assert not (out / "checkpoint-10").is_symlink()
     output_dir_view.close_views()
+
+
+def test_a_save_is_committed_after_every_on_save_even_through_a_handler_the_trainer_replaced(
+    monkeypatch,
+):
+    """jitckpt commits a save once every callback's on_save ran (those added after its own
+    too), through any CallbackHandler, such as the one TRL's BEMA DPOTrainer puts in place of
+    the Trainer's after it was built."""
+    pytest.importorskip("transformers", reason="not in the python3.9 run")
+    import logging
+    import types
+
+    from transformers.trainer_callback import (
+        CallbackHandler,
+        TrainerCallback,
+        TrainerControl,
+        TrainerState,
+    )
+
+    from jitckpt_entrypoint.hook import trainer as adapter
+
+    monkeypatch.setattr(CallbackHandler, "on_save", CallbackHandler.on_save)  # put back after
+    events: list[tuple[str, int]] = []
+
+    class Ours(adapter.JitckptCallback):
+        def __init__(self) -> None:
+            self._trainer = lambda: None
+
+        def after_save(self, state, control):  # type: ignore[no-untyped-def]
+            events.append(("commit", state.global_step))
+            return control
+
+    class Later(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            events.append(("later", state.global_step))
+
+    class Replaced(CallbackHandler):  # TRL's CallbackHandlerWithRefModel: its own call_event
+        pass
+
+    session = types.SimpleNamespace(layout=None, log=logging.getLogger("test"))
+    adapter._commit_after_on_save(session)  # type: ignore[arg-type]
+    adapter._commit_after_on_save(session)  # type: ignore[arg-type]  # once only
+    handler = Replaced([Ours(), Later()], None, None, None, None)
+    state = TrainerState()
+    state.global_step = 5
+    control = TrainerControl(should_save=True)
+    assert handler.on_save(None, state, control) is control
+    assert events == [("later", 5), ("commit", 5)]
+    assert not control.should_save

@@ -63,9 +63,7 @@ def patch(module: ModuleType) -> None:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - it is __init__
         args, kwargs = _with_training_args(session, module, args, kwargs)
         original_init(self, *args, **kwargs)
-        ours = JitckptCallback(manager, self)
-        self.add_callback(ours)
-        _commit_after_on_save(self, session, ours)
+        self.add_callback(JitckptCallback(manager, self))
 
     @functools.wraps(original_train)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -118,6 +116,7 @@ def patch(module: ModuleType) -> None:
 
         trainer_cls._load_best_model = _load_best_model
     session.before_exit.append(output_dir_view.close_views)  # a JIT or survivors' exit
+    _commit_after_on_save(session)
     trainer_cls.__init__ = __init__
     trainer_cls.train = train
     trainer_cls._save_checkpoint = _save_checkpoint
@@ -126,27 +125,33 @@ def patch(module: ModuleType) -> None:
     trainer_cls._jitckpt_patched = True
 
 
-def _commit_after_on_save(trainer: Any, session: Session, ours: JitckptCallback) -> None:
-    """Each save is committed (`ours.after_save`) once every callback's `on_save` ran, those
-    added after jitckpt's too, so what they add to the checkpoint is in it; when one may act on
-    the checkpoint, they find it in `args.output_dir` (output_dir_view.py)."""
-    handler = trainer.callback_handler
-    original = handler.on_save
-    ref = weakref.ref(trainer)
+def _commit_after_on_save(session: Session) -> None:
+    """Each save is committed (JitckptCallback.after_save) once every callback's `on_save`
+    ran, those added after jitckpt's too, so what they add to the checkpoint is in it; when one
+    may act on the checkpoint, they find it in `args.output_dir` (output_dir_view.py). On the
+    class: a Trainer may replace its handler (TRL's BEMA DPOTrainer), which keeps the
+    callbacks."""
+    from transformers.trainer_callback import CallbackHandler
+
+    original = CallbackHandler.on_save
+    if getattr(original, "_jitckpt", False):
+        return
 
     @functools.wraps(original)
-    def on_save(args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        owner = ref()
+    def on_save(self: Any, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        ours = next((cb for cb in self.callbacks if isinstance(cb, JitckptCallback)), None)
+        trainer = ours._trainer() if ours is not None else None
         try:
-            if owner is not None and output_dir_view.readers(owner):
+            if trainer is not None and output_dir_view.readers(trainer):
                 checkpoints = session.layout.checkpoints
                 output_dir_view.open_view(args.output_dir, checkpoints, state.global_step)
         except Exception as exc:  # noqa: BLE001 - the callbacks run as they would without it
             session.log.debug("no checkpoint in output_dir for on_save: %r", exc)
-        control = original(args, state, control, **kwargs)
-        return ours.after_save(state, control)
+        control = original(self, args, state, control, **kwargs)
+        return control if ours is None else ours.after_save(state, control)
 
-    handler.on_save = on_save
+    on_save._jitckpt = True  # type: ignore[attr-defined]
+    CallbackHandler.on_save = on_save
 
 
 def _save_request(trainer: Any, step: int, own: Callable[[], object], ours: bool) -> SaveRequest:
@@ -634,7 +639,8 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         return control
 
     def after_save(self, state: Any, control: Any) -> Any:
-        """After every callback's `on_save` (_commit_after_on_save): commit the save."""
+        """After every callback's `on_save` (CallbackHandler.on_save, _commit_after_on_save):
+        commit the save."""
         self._same_step()
         self._save_wanted = False
         self.manager.retention(best_step=_step_of(state.best_model_checkpoint))
