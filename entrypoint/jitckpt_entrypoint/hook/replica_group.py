@@ -76,7 +76,7 @@ def replica_per_node(
 SAVE_METHODS = ("save_model", "_save")
 """Trainer methods a survivors' save under HSDP does not run (it runs the Trainer's FSDP save,
 `_save_optimizer_and_scheduler`, and the shared files): a subclass's own is refused (its own
-`_save_checkpoint` is tried when a peer is lost: save_extras.py)."""
+`_save_checkpoint` only when it writes files of its own: save_extras.py, when training starts)."""
 
 
 def overridden(trainer: Any) -> Optional[str]:

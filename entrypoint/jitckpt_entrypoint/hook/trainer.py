@@ -85,7 +85,7 @@ def patch(module: ModuleType) -> None:
 
     @functools.wraps(original_save)
     def _save_checkpoint(self: Any, model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
-        nothing = save_extras.instead()  # a survivors' probe of a subclass's override
+        nothing = save_extras.instead()  # save_extras.probe runs a subclass's override
         if nothing is not None:
             return nothing()
         own = functools.partial(original_save, self, model, trial, *args, **kwargs)
@@ -653,7 +653,6 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
             _end_training(manager, trainer)
         else:
             manager.training_ending(state.global_step, None)
-        output_dir_view.close_views()
         if state.is_world_process_zero:
             manager.record_output(args.output_dir, state.global_step)
         manager.survivors.ended()
