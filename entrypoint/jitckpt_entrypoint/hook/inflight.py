@@ -164,6 +164,17 @@ class InFlight:
                 "async save of %s: %s", checkpoint_name(save.step), save.job.error
             )
 
+    def close(self) -> None:
+        """Collective, once every save is drained: the writer's thread and its control group
+        go now, not in the interpreter's teardown, where the destruction order of gloo's
+        threads is arbitrary (an abort at exit, seen after a later training stage's DDP)."""
+        writer, control = self._writer, self._control
+        self._writer = self._control = None
+        if writer is not None:
+            writer.close()
+        if control is not None:
+            control.close()
+
     def _start_writer(self) -> tuple[BackgroundWriter, ControlGroup]:
         """The background writer and its own control group (collective on first call)."""
         from jitckpt_entrypoint.hook.writer import BackgroundWriter

@@ -121,8 +121,8 @@ class CheckpointManager:
         self.saver.poll_write_out()
 
     def training_ended(self) -> None:
-        """End of one `train()`: the next one (a second Trainer, a second stage) decides its
-        fast paths afresh. (Committed steps stay committed: they share checkpoints/.)"""
+        """Collective, at the end of jitckpt's `train()`: every save drained, the control
+        groups closed (their gloo threads are not left to the interpreter's teardown)."""
         self.drain()
         self.session.training_ended()
         self.saver.training_ended()

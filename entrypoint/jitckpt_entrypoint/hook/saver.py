@@ -142,6 +142,7 @@ class Saver:
         self._skipped.clear()
         self.gates.reset()
         self.tier.reset()
+        self.inflight.close()
 
     def saved(self, step: int, path: Optional[str] = None) -> float:
         """Collective, after every rank wrote `step` (or skipped it): commit it (an async save
