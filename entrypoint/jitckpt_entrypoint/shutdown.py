@@ -179,8 +179,8 @@ class Shutdown:
             line = f"SIGTERM: forwarded to {child}; JITCKPT_JIT=0: no JIT checkpoint"
         elif not trainers:
             line = (
-                f"SIGTERM: forwarded to {child}; no process is training yet, so there is no "
-                "JIT checkpoint to save"
+                f"SIGTERM: forwarded to {child}; no process is training under jitckpt (not "
+                "yet, or not since train() returned), so there is no JIT checkpoint to save"
             )
         elif [e.pid for e in trainers] == [self.child_pid]:
             line = (

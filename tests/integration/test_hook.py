@@ -321,3 +321,41 @@ def test_a_callback_that_acts_on_each_checkpoint_in_on_save_finds_it_in_output_d
         names = {f["path"] for f in manifest(jdir, step)["files"]}
         assert {"callback_state_0.json", "callback_state_1.json", "model.safetensors"} <= names
     assert list(out.glob("checkpoint-*")) == [], list(out.iterdir())
+
+
+def test_a_second_trainer_in_the_process_trains_as_without_jitckpt(spawn, base_env, jdir, tmp_path):
+    """SFT then DPO in one script: the second stage trains afresh as it would without jitckpt
+    (it once resumed from the first stage's last checkpoint and trained one step), one line
+    says it is the Trainer's own. A SIGTERM in it ends the command as without jitckpt; the
+    rerun's first stage resumes from its own last checkpoint and trains no step past it (HF
+    would train one), the second runs again: the weights of a run without jitckpt, bit for
+    bit."""
+    out = tmp_path / "out"
+    args = ("--max-steps", "6", "--save-steps", "3", "--second-stage", "6")
+    args = (*args, "--output-dir", str(out), "--step-sleep", "0.3")
+
+    def digests(proc) -> tuple[str, str]:
+        first = proc.expect(r"^stage1 digest=(\w+) rank=0$").group(1)
+        return first, proc.expect(r"^stage2 done step=6 digest=(\w+) rank=0$").group(1)
+
+    plain = finish(spawn, base_env, torchrun(TRAIN_HF, *args))  # no jitckpt
+    expected = digests(plain)
+
+    proc = spawn(hf(*args), env=base_env)
+    proc.expect(r"^stage2 step 2 rank=0$", timeout=120)
+    proc.send(signal.SIGTERM)
+    assert proc.wait(timeout=120) not in (0, None), proc.output()
+    assert jit_record(jdir) is None
+    assert "no process is training under jitckpt" in proc.output()
+    assert len(hook_lines(proc, "a second train() in this process")) == 1
+    assert checkpoint_steps(jdir) == [3, 6]  # the first stage's; the second's are its own
+
+    again = finish(spawn, base_env, hf(*args))
+    assert len(hook_lines(again, "nothing left to train: checkpoint-6 reaches max_steps 6")) == 1
+    assert "done step=6 rank=0" in "\n".join(again.stdout), again.output()
+    assert digests(again) == expected
+    assert checkpoint_steps(jdir) == [3, 6]
+    assert sorted(p.name for p in (out / "stage2").glob("checkpoint-*")) == [
+        "checkpoint-3",
+        "checkpoint-6",
+    ]

@@ -154,7 +154,7 @@ def test_sigterm_before_training_reaches_a_trainer_that_registers_later(spawn, b
     # Steps take ~10 ms and PID 1 polls the registry every 0.1 s: a few dozen steps on a
     # loaded 2-core runner, against the 3000 it would train until the pod's SIGKILL.
     assert record["step"] <= 100, record
-    assert "no process is training yet" in sigterm_line(proc)
+    assert "no process is training under jitckpt" in sigterm_line(proc)
 
 
 def test_sigterm_before_training_under_a_launcher_that_dies_exits_promptly(spawn, base_env, jdir):

@@ -670,3 +670,52 @@ def test_a_save_is_committed_after_every_on_save_even_through_a_handler_the_trai
     assert handler.on_save(None, state, control) is control
     assert events == [("later", 5), ("commit", 5)]
     assert not control.should_save
+
+
+def test_a_later_train_in_the_process_and_a_trial_are_the_trainers_own(tmp_path, monkeypatch):
+    """stages.py: the process's first train() is jitckpt's; a later one (any Trainer) is the
+    Trainer's own from then on, without jitckpt's callback, with one line each; a
+    hyperparameter search's trial is too, and gets the callback back afterwards."""
+    from types import SimpleNamespace
+
+    from jitckpt_entrypoint.hook import stages
+
+    class Ours:
+        pass
+
+    def trainer(backend=None):
+        handler = SimpleNamespace(callbacks=["flow", Ours(), "user"])
+        args = SimpleNamespace(output_dir=str(tmp_path / "out"))
+        return SimpleNamespace(callback_handler=handler, hp_search_backend=backend, args=args)
+
+    def callbacks_in_train(t):
+        return stages.run(t, lambda self: list(self.callback_handler.callbacks), (), {}, Ours)
+
+    monkeypatch.setattr(stages, "_began", False)
+    monkeypatch.setattr(stages, "_told_trials", False)
+    session = Session(Config(dir=str(tmp_path)), Topology(), "run-1")
+    lines = []
+    monkeypatch.setattr(session.log, "warning", lambda msg, *a: lines.append(msg % a))
+    monkeypatch.setattr(session.log, "info", lambda msg, *a: lines.append(msg % a))
+
+    search = trainer(backend="optuna")
+    assert stages.decide(search, session)
+    assert stages.aside(search)
+    assert callbacks_in_train(search) == ["flow", "user"]
+    assert isinstance(search.callback_handler.callbacks[1], Ours)  # back for its own train()
+    assert stages.decide(search, session)
+    assert len(lines) == 1
+    assert "hyperparameter search" in lines[0]
+
+    first, second = trainer(), trainer()
+    assert not stages.decide(first, session)
+    assert not stages.aside(first)
+    assert stages.began()
+    assert stages.decide(second, session)
+    assert stages.aside(second)
+    assert callbacks_in_train(second) == ["flow", "user"]
+    assert second.callback_handler.callbacks == ["flow", "user"]  # a later stage's for good
+    assert stages.decide(first, session)
+    assert stages.aside(first)
+    assert [line.startswith("a second train() in this process") for line in lines[1:]] == [True] * 2
+    assert str(tmp_path / "out") in lines[1]

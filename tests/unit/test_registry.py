@@ -108,7 +108,7 @@ def test_the_sigterm_line_names_the_real_shutdown_path(status_dir, sleeper):
     """python train.py: the child itself trains; under torchrun the agent's worker timeout is
     named; nothing training yet: nothing to save. Each with the grace period."""
     alone = watch(status_dir, os.getpid())
-    assert "no process is training yet" in alone.describe()
+    assert "no process is training under jitckpt" in alone.describe()
     assert "torchrun" not in alone.describe()
 
     registry.register(status_dir, "run", registry.TRAINER, rank=0)

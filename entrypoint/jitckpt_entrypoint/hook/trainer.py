@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 from transformers.trainer_callback import TrainerCallback
 
 from jitckpt_entrypoint.errors import JitckptError
-from jitckpt_entrypoint.hook import output_dir_view, resume, save_extras
+from jitckpt_entrypoint.hook import output_dir_view, resume, save_extras, stages
 from jitckpt_entrypoint.hook.manager import CheckpointManager, current
 from jitckpt_entrypoint.hook.saves import SaveParts, SaveRequest, Staged
 from jitckpt_entrypoint.hook.session import Session
@@ -46,7 +46,7 @@ _logged_overrides = False
 
 def patch(module: ModuleType) -> None:
     """Wrap Trainer.__init__, train, _get_output_dir, _save_checkpoint, _load_best_model and
-    _determine_best_metric."""
+    _determine_best_metric, and CallbackHandler.on_save."""
     trainer_cls = module.Trainer
     if getattr(trainer_cls, "_jitckpt_patched", False):
         return
@@ -56,17 +56,24 @@ def patch(module: ModuleType) -> None:
     original_train = trainer_cls.train
     original_save = trainer_cls._save_checkpoint
     original_output_dir = trainer_cls._get_output_dir
-    original_load_best = getattr(trainer_cls, "_load_best_model", None)
-    original_best_metric = getattr(trainer_cls, "_determine_best_metric", None)
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - it is __init__
+        if stages.began():  # a later stage's Trainer: its own (stages.py)
+            stages.mark(self)
+            original_init(self, *args, **kwargs)
+            return
         args, kwargs = _with_training_args(session, module, args, kwargs)
         original_init(self, *args, **kwargs)
         self.add_callback(JitckptCallback(manager, self))
 
     @functools.wraps(original_train)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if stages.decide(self, session):
+            result = stages.run(self, original_train, args, kwargs, JitckptCallback)
+            if self.hp_search_backend is None and self.is_world_process_zero():
+                manager.record_output(self.args.output_dir, self.state.global_step)
+            return result
         args, kwargs = _with_resume(manager, args, kwargs, self)
         try:
             return original_train(self, *args, **kwargs)
@@ -76,45 +83,27 @@ def patch(module: ModuleType) -> None:
         finally:
             manager.survivors.ended()  # also after a BaseException (no on_train_end)
             output_dir_view.close_views()
+            if vars(self).get("get_batch_samples") is _no_batches:
+                del self.get_batch_samples
 
     @functools.wraps(original_output_dir)
     def _get_output_dir(self: Any, trial: Any) -> str:
-        if trial is not None and self.hp_search_backend is not None:
-            return str(original_output_dir(self, trial))  # hyperparameter search: not ours
+        if stages.aside(self):  # a later stage's, a hyperparameter search's trial: not ours
+            return str(original_output_dir(self, trial))
         return str(vars(self).get(save_extras.CHECKPOINTS_INTO, session.layout.checkpoints))
 
     @functools.wraps(original_save)
     def _save_checkpoint(self: Any, model: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
+        if stages.aside(self):
+            return original_save(self, model, trial, *args, **kwargs)
         nothing = save_extras.instead()  # save_extras.probe runs a subclass's override
         if nothing is not None:
             return nothing()
         own = functools.partial(original_save, self, model, trial, *args, **kwargs)
-        manager.save_step(_save_request(self, self.state.global_step, own, trial is None))
+        manager.save_step(_save_request(self, self.state.global_step, own))
         return None
 
-    if original_best_metric is not None:
-
-        @functools.wraps(original_best_metric)
-        def _determine_best_metric(self: Any, *args: Any, **kwargs: Any) -> Any:
-            # Right after the step's whole evaluation (every eval dataset, the plateau
-            # scheduler's step): from here the state is the step's again (survivors.py).
-            result = original_best_metric(self, *args, **kwargs)
-            manager.survivors.same_step(self, evaluated=True)
-            return result
-
-        trainer_cls._determine_best_metric = _determine_best_metric
-    if original_load_best is not None:
-
-        @functools.wraps(original_load_best)
-        def _load_best_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-            # After the training loop, before on_train_end: the last step is saved and
-            # committed (if it is not yet: save_strategy="best" and no new best at the last
-            # evaluation) while the live weights are still its own; then the best model's
-            # replace them.
-            _end_training(manager, self)
-            return original_load_best(self, *args, **kwargs)
-
-        trainer_cls._load_best_model = _load_best_model
+    _patch_best_model(trainer_cls, manager)
     session.before_exit.append(output_dir_view.close_views)  # a JIT or survivors' exit
     _commit_after_on_save(session)
     trainer_cls.__init__ = __init__
@@ -123,6 +112,37 @@ def patch(module: ModuleType) -> None:
     trainer_cls._jitckpt_original_save = original_save
     trainer_cls._get_output_dir = _get_output_dir
     trainer_cls._jitckpt_patched = True
+
+
+def _patch_best_model(trainer_cls: type, manager: CheckpointManager) -> None:
+    """Wrap Trainer._determine_best_metric and _load_best_model, where transformers has them."""
+    original_load_best = getattr(trainer_cls, "_load_best_model", None)
+    original_best_metric = getattr(trainer_cls, "_determine_best_metric", None)
+    if original_best_metric is not None:
+
+        @functools.wraps(original_best_metric)
+        def _determine_best_metric(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # Right after the step's whole evaluation (every eval dataset, the plateau
+            # scheduler's step): from here the state is the step's again (survivors.py).
+            result = original_best_metric(self, *args, **kwargs)
+            if not stages.aside(self):
+                manager.survivors.same_step(self, evaluated=True)
+            return result
+
+        trainer_cls._determine_best_metric = _determine_best_metric  # type: ignore[attr-defined]
+    if original_load_best is not None:
+
+        @functools.wraps(original_load_best)
+        def _load_best_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # After the training loop, before on_train_end: the last step is saved and
+            # committed (if it is not yet: save_strategy="best" and no new best at the last
+            # evaluation) while the live weights are still its own; then the best model's
+            # replace them.
+            if not stages.aside(self):
+                _end_training(manager, self)
+            return original_load_best(self, *args, **kwargs)
+
+        trainer_cls._load_best_model = _load_best_model  # type: ignore[attr-defined]
 
 
 def _commit_after_on_save(session: Session) -> None:
@@ -154,16 +174,14 @@ def _commit_after_on_save(session: Session) -> None:
     CallbackHandler.on_save = on_save
 
 
-def _save_request(trainer: Any, step: int, own: Callable[[], object], ours: bool) -> SaveRequest:
-    """One save of the Trainer as the manager takes it: the Trainer's own save `own`, and
-    (`ours`: not a hyperparameter search's trial) the fast path's parts of it: the
-    Trainer's checkpoint in its own files and format (trainer_checkpoint.py), written by the
-    save pipeline (saver.py, inflight.py); with FSDP (sharded), the Trainer's own save with
-    its DCP writes staged and written by the background writer (fsdp_checkpoint.py). HF's
+def _save_request(trainer: Any, step: int, own: Callable[[], object]) -> SaveRequest:
+    """One save of the Trainer as the manager takes it: the Trainer's own save `own`, and the
+    fast path's parts of it: the Trainer's checkpoint in its own files and format
+    (trainer_checkpoint.py), written by the save pipeline (saver.py, inflight.py); with FSDP
+    (sharded), the Trainer's own save with its DCP writes staged and written by the
+    background writer (fsdp_checkpoint.py). HF's
     rotation runs after the commit (HF rotates right after writing): the newest checkpoint,
     this one, is never among those it deletes."""
-    if not ours:
-        return SaveRequest(step, own)
     run_dir = trainer._get_output_dir(trial=None)
 
     def after_commit() -> None:
@@ -516,6 +534,25 @@ def _with_resume(
     return args, kwargs
 
 
+def _nothing_left(trainer: Any, state: Any, control: Any, session: Session) -> None:
+    """jitckpt resumed from training's end (a restart once train() had returned: in an
+    evaluation or save_model after it, in a later stage, stages.py). HF's loop would train one
+    more step past max_steps from there, unless the checkpoint ends an epoch: it takes no batch
+    and stops instead, so the model and state stay the checkpoint's, as the run left them."""
+    control.should_training_stop = True
+    trainer.get_batch_samples = _no_batches  # until train() returns
+    if session.topo.rank == 0:
+        session.log.info(
+            "nothing left to train: checkpoint-%d reaches max_steps %d",
+            state.global_step,
+            state.max_steps,
+        )
+
+
+def _no_batches(*_args: Any, **_kwargs: Any) -> tuple[list[Any], None]:
+    return [], None
+
+
 def _ends_epoch(state: Any) -> bool:
     """This optimizer step is an epoch's last (HF sets `epoch` to a whole number there)."""
     return state.epoch is not None and float(state.epoch).is_integer()
@@ -548,10 +585,12 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         manager, session = self.manager, self.manager.session
         self._began_at = state.global_step  # the resumed checkpoint's step, 0 when fresh
         self._save_wanted = False
+        trainer = self._trainer()
+        if trainer is not None and manager.resumed_dir and 0 < state.max_steps <= state.global_step:
+            _nothing_left(trainer, state, control, session)
         _warm_save_path()
         manager.retention(save_total_limit=args.save_total_limit)
         manager.training_started()
-        trainer = self._trainer()
         if trainer is not None:
             output_dir_view.gather(trainer, session.control)
             own_files = _own_files(manager, trainer)

@@ -72,8 +72,6 @@ def unsupported(trainer: Any) -> Optional[str]:  # noqa: PLR0911, PLR0912 - one 
     readers = output_dir_view.readers(trainer)
     if readers:
         return f"{readers[0]} has an on_save of its own (it may act on each checkpoint then)"
-    if trainer.hp_search_backend is not None:
-        return "hyperparameter search"
     if args.save_total_limit == 1 and args.metric_for_best_model is not None:
         return "save_total_limit=1 with a best model: the Trainer deletes checkpoints at the end"
     if getattr(args, "save_safetensors", True) is False:  # transformers 4: pytorch_model.bin

@@ -22,11 +22,15 @@ checkpoint ("highest": the first evaluation is the best, training lowers the los
 extra-state: one that writes a state of its own into each checkpoint (TRL GRPO's).
 --checkpoint-callback adds a callback that reads each checkpoint at output_dir/checkpoint-N in
 on_save, as W&B's checkpoint upload does, and adds a file of its own to it.
+--second-stage N trains the model on with a second Trainer for N steps (output_dir/stage2,
+another learning rate, 'stage2 step N rank=R' lines), as a script with SFT then DPO does; each
+stage's end prints a digest of the weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -336,6 +340,7 @@ def main() -> None:
     )
     parser.add_argument("--hold-save-at", type=int, default=-1)
     parser.add_argument("--checkpoint-callback", action="store_true")
+    parser.add_argument("--second-stage", type=int, default=0, help="its steps; 0: none")
     parser.add_argument("--release-file", default="")
     parser.add_argument(
         "--wait-after-train", action="store_true", help="until --release-file exists"
@@ -393,9 +398,54 @@ def main() -> None:
         trainer.save_model(opts.output_dir)
         trainer.save_metrics("train", result.metrics)
         say(f"saved model to {opts.output_dir} rank={os.environ.get('RANK', '0')}")
+    if opts.second_stage:
+        second_stage(opts, model, data)
     if opts.wait_after_train:  # stands for evaluation, export, push_to_hub after training
         while not os.path.exists(opts.release_file):
             time.sleep(0.01)
+
+
+class StageProgress(TrainerCallback):
+    def __init__(self, step_sleep: float) -> None:
+        self.step_sleep = step_sleep
+
+    def on_step_end(self, args, state, control, **kwargs):
+        say(f"stage2 step {state.global_step} rank={os.environ.get('RANK', '0')}")
+        time.sleep(self.step_sleep)
+
+
+def digest(model: torch.nn.Module) -> str:
+    """The weights, bit for bit."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def second_stage(opts: argparse.Namespace, model: LlamaForCausalLM, data: RandomTokens) -> None:
+    """A second Trainer trains the first one's model on: other data, another learning rate."""
+    rank = os.environ.get("RANK", "0")
+    say(f"stage1 digest={digest(model)} rank={rank}")
+    args = TrainingArguments(
+        output_dir=os.path.join(opts.output_dir, "stage2"),
+        max_steps=opts.second_stage,
+        per_device_train_batch_size=4,
+        learning_rate=5e-4,
+        lr_scheduler_type="constant",
+        save_steps=3,
+        report_to="none",
+        seed=7,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    later = Trainer(
+        model=model,
+        args=args,
+        train_dataset=Subset(data, range(len(data) // 2)),
+        callbacks=[StageProgress(opts.step_sleep)],
+    )
+    result = later.train()
+    say(f"stage2 done step={result.global_step} digest={digest(model)} rank={rank}")
 
 
 def sft_trainer(opts: argparse.Namespace, model: LlamaForCausalLM, callbacks: list) -> Trainer:
