@@ -359,3 +359,30 @@ def test_a_second_trainer_in_the_process_trains_as_without_jitckpt(spawn, base_e
         "checkpoint-3",
         "checkpoint-6",
     ]
+
+
+def test_with_save_only_model_checkpoints_hold_the_whole_state_and_resume_exactly(
+    spawn, base_env, jdir, tmp_path
+):
+    """save_only_model=True leaves the optimizer, scheduler and RNG states out of checkpoints:
+    a resume from such a JIT checkpoint once restarted the learning-rate schedule with a fresh
+    optimizer. Under jitckpt they are in it (one line), and the resumed run ends with the
+    weights of an uninterrupted one."""
+    total = 30
+    args = ("--max-steps", str(total), "--save-steps", "1000", "--save-only-model")
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    finish(spawn, {**base_env, "JITCKPT_DIR": str(straight)}, hf(*args))
+
+    first, code = sigterm_at(spawn, base_env, hf(*args), 8)
+    assert code == JIT_EXIT, first.output()
+    assert len(hook_lines(first, "save_only_model=True: checkpoints hold the optimizer")) == 1
+    step = jit_record(jdir)["step"]  # type: ignore[index]
+    names = {f["path"] for f in manifest(jdir, step)["files"]}
+    assert {"optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"} <= names
+
+    last = finish(spawn, base_env, hf(*args))
+    assert resumed_from(last) == step
+    expected, got = final_weights(straight, total), final_weights(jdir, total)
+    worst = max((expected[k] - got[k]).abs().max().item() for k in expected)
+    assert worst <= 1e-7, f"max abs diff {worst}"

@@ -719,3 +719,44 @@ def test_a_later_train_in_the_process_and_a_trial_are_the_trainers_own(tmp_path,
     assert stages.aside(first)
     assert [line.startswith("a second train() in this process") for line in lines[1:]] == [True] * 2
     assert str(tmp_path / "out") in lines[1]
+
+
+def test_a_later_stage_gets_the_scripts_settings_and_resume_true_finds_the_first_stages(
+    tmp_path, monkeypatch
+):
+    """A later stage's TrainingArguments lose the JITCKPT_SAVE_* overrides; its
+    resume_from_checkpoint=True is HF's newest checkpoint in output_dir, else the newest
+    committed one of jitckpt's (the first stage's), else left to HF."""
+    from types import SimpleNamespace
+
+    from transformers import TrainingArguments
+
+    from jitckpt_entrypoint.hook import stages, trainer
+
+    manager = manager_for(tmp_path)
+    session = manager.session
+    for step in (5, 10):
+        manager.commit_written(write_ckpt(session, step), step)
+    write_ckpt(session, 15)  # never committed
+    monkeypatch.setattr(trainer, "_overridden", {})
+    env = Session(Config(dir=str(tmp_path), save_steps=7, save_total_limit=2), Topology(), "r")
+    out = tmp_path / "out"
+    args = TrainingArguments(output_dir=str(out), save_steps=50, report_to="none")
+    trainer.apply_overrides(env, args)
+    assert (args.save_steps, args.save_total_limit) == (7, 2)
+    trainer._undo_overrides(args)
+    assert (args.save_steps, args.save_total_limit) == (50, None)
+
+    later = SimpleNamespace(args=args)
+    ours = session.layout.checkpoints
+    newest = str(Path(ours) / "checkpoint-10")
+    assert stages.resume_true(later, (True,), {}, ours) == ((newest,), {})
+    assert stages.resume_true(later, (), {"resume_from_checkpoint": True}, ours) == (
+        (),
+        {"resume_from_checkpoint": newest},
+    )
+    assert stages.resume_true(later, (None,), {}, ours) == ((None,), {})
+    (out / "checkpoint-3").mkdir(parents=True)  # HF's own, in output_dir: HF finds it
+    assert stages.resume_true(later, (True,), {}, ours) == ((True,), {})
+    shutil.rmtree(out)
+    assert stages.resume_true(later, (True,), {}, str(tmp_path / "none")) == ((True,), {})

@@ -113,7 +113,7 @@ class Gates:
                 )
 
     def reset(self) -> None:
-        """Training ended: the next one (a second Trainer, a second stage) decides afresh."""
+        """Training ended: nothing decided carries over."""
         self.decided_on, self.decided, self._off = False, False, None
 
 

@@ -167,9 +167,11 @@ class InFlight:
     def close(self) -> None:
         """Collective, once every save is drained: the writer's thread and its control group
         go now, not in the interpreter's teardown, where the destruction order of gloo's
-        threads is arbitrary (an abort at exit, seen after a later training stage's DDP)."""
+        threads is arbitrary (an abort at exit, seen after a later training stage's DDP); the
+        host copies' buffers (the size of the training state) go too."""
         writer, control = self._writer, self._control
         self._writer = self._control = None
+        self.stager = None
         if writer is not None:
             writer.close()
         if control is not None:

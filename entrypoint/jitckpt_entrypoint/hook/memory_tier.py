@@ -256,7 +256,7 @@ class MemoryTier:
         self._drop_spares()
 
     def reset(self) -> None:
-        """Training ended: the next train() (another Trainer) decides afresh."""
+        """Training ended: nothing decided carries over."""
         self._decided, self.on, self.failed, self._writer = False, False, None, False
         self._drop_spares()
 

@@ -137,7 +137,7 @@ class Saver:
 
     def training_ended(self) -> None:
         """Collective: a save handed to the RAM writer is waited for (its rotation runs); the
-        next `train()` decides its fast paths (and snapshots) afresh."""
+        fast paths' state, the writer and the host copies' buffers go."""
         self._collect_write_out()
         self._skipped.clear()
         self.gates.reset()

@@ -15,6 +15,7 @@ too: each trial trains afresh into its own `run-N` directory. They do not count 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from jitckpt_entrypoint.hook.session import Session
@@ -32,7 +33,8 @@ def began() -> bool:
 
 
 def mark(trainer: Any) -> None:
-    """A Trainer built once a stage began: it gets no callback and no JITCKPT_SAVE_* overrides."""
+    """A Trainer built once a stage began: it gets no callback and no JITCKPT_SAVE_* overrides
+    (trainer.py undoes those of one built before, when its train() is a later stage's)."""
     vars(trainer)[ASIDE] = True
 
 
@@ -66,6 +68,32 @@ def decide(trainer: Any, session: Session) -> bool:
             trainer.args.output_dir,
         )
     return True
+
+
+def resume_true(
+    trainer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], checkpoints: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A later stage's `resume_from_checkpoint=True` (train longer: max_steps raised, train()
+    again): HF's newest checkpoint in output_dir, or, when it has none, the newest committed
+    in `checkpoints`, where the earlier stage's went."""
+    given = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+    if given is not True:
+        return args, kwargs
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from jitckpt_entrypoint.protocol import validity
+    from jitckpt_entrypoint.protocol.layout import checkpoint_name, checkpoint_steps
+
+    output_dir = trainer.args.output_dir
+    if os.path.isdir(output_dir) and get_last_checkpoint(output_dir) is not None:
+        return args, kwargs
+    paths = (os.path.join(checkpoints, checkpoint_name(s)) for s in checkpoint_steps(checkpoints))
+    newest = next((p for p in reversed(list(paths)) if validity.committed(p)), None)
+    if newest is None:
+        return args, kwargs
+    if args:
+        return (newest, *args[1:]), kwargs
+    return args, {**kwargs, "resume_from_checkpoint": newest}
 
 
 def run(trainer: Any, train: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ours: type) -> Any:

@@ -42,6 +42,8 @@ from jitckpt_entrypoint.hook.topology import Topology
 from jitckpt_entrypoint.protocol.layout import step_of
 
 _logged_overrides = False
+_overridden: dict[int, tuple[Any, dict[str, Any]]] = {}
+"""TrainingArguments the JITCKPT_SAVE_* overrides changed (by id), and the script's values."""
 
 
 def patch(module: ModuleType) -> None:
@@ -70,11 +72,9 @@ def patch(module: ModuleType) -> None:
     @functools.wraps(original_train)
     def train(self: Any, *args: Any, **kwargs: Any) -> Any:
         if stages.decide(self, session):
-            result = stages.run(self, original_train, args, kwargs, JitckptCallback)
-            if self.hp_search_backend is None and self.is_world_process_zero():
-                manager.record_output(self.args.output_dir, self.state.global_step)
-            return result
+            return _train_aside(manager, self, original_train, args, kwargs)
         args, kwargs = _with_resume(manager, args, kwargs, self)
+        whole = _whole_state(session, self.args, self)
         try:
             return original_train(self, *args, **kwargs)
         except Exception as exc:
@@ -83,6 +83,7 @@ def patch(module: ModuleType) -> None:
         finally:
             manager.survivors.ended()  # also after a BaseException (no on_train_end)
             output_dir_view.close_views()
+            self.args.save_only_model = whole
             if vars(self).get("get_batch_samples") is _no_batches:
                 del self.get_batch_samples
 
@@ -143,6 +144,40 @@ def _patch_best_model(trainer_cls: type, manager: CheckpointManager) -> None:
             return original_load_best(self, *args, **kwargs)
 
         trainer_cls._load_best_model = _load_best_model  # type: ignore[attr-defined]
+
+
+def _train_aside(
+    manager: CheckpointManager, trainer: Any, train: Any, args: tuple[Any, ...], kwargs: Any
+) -> Any:
+    """A later stage's train(), or a trial's: the Trainer's own (stages.py). A later stage's
+    settings are the script's again (no JITCKPT_SAVE_* overrides); its
+    `resume_from_checkpoint=True` finds the earlier stage's checkpoints, where HF would have
+    put them, when its output_dir has none."""
+    trial = trainer.hp_search_backend is not None
+    if not trial:
+        _undo_overrides(trainer.args)
+        args, kwargs = stages.resume_true(trainer, args, kwargs, manager.session.layout.checkpoints)
+    result = stages.run(trainer, train, args, kwargs, JitckptCallback)
+    if not trial and trainer.is_world_process_zero():
+        manager.record_output(trainer.args.output_dir, trainer.state.global_step)
+    return result
+
+
+def _whole_state(session: Session, training_args: Any, trainer: Any) -> bool:
+    """save_only_model=True leaves the optimizer, scheduler and RNG states out of checkpoints:
+    HF cannot resume from them, and a resume by jitckpt would be wrong (a fresh optimizer, the
+    learning-rate schedule from its start). While jitckpt's train() runs, its checkpoints hold
+    them (one line); the script's value is returned, to put back. Not for a model sharded when
+    it was loaded: HF saves its model only."""
+    script = bool(training_args.save_only_model)
+    if script and not getattr(trainer, "is_distributed_loading_by_transformers", False):
+        training_args.save_only_model = False
+        if session.topo.rank == 0:
+            session.log.info(
+                "save_only_model=True: checkpoints hold the optimizer, scheduler and RNG "
+                "states too, for an exact resume (HF cannot resume from the model alone)"
+            )
+    return script
 
 
 def _commit_after_on_save(session: Session) -> None:
@@ -448,6 +483,7 @@ def apply_overrides(session: Session, training_args: Any) -> list[str]:
         if old != value:
             setattr(training_args, name, value)
             changes.append(f"{name}={_plain(value)} (script: {_plain(old)})")
+            _overridden.setdefault(id(training_args), (training_args, {}))[1].setdefault(name, old)
 
     if cfg.effective_save_strategy is not None:
         override("save_strategy", SaveStrategy(cfg.effective_save_strategy))
@@ -459,6 +495,13 @@ def apply_overrides(session: Session, training_args: Any) -> list[str]:
         _logged_overrides = True
         session.log.info("overriding TrainingArguments from JITCKPT_*: %s", "; ".join(changes))
     return changes
+
+
+def _undo_overrides(training_args: Any) -> None:
+    """The script's own save settings back (a later stage's: stages.py)."""
+    _args, script = _overridden.pop(id(training_args), (None, {}))
+    for name, value in script.items():
+        setattr(training_args, name, value)
 
 
 def _step_of(checkpoint: Optional[str]) -> Optional[int]:
@@ -534,13 +577,20 @@ def _with_resume(
     return args, kwargs
 
 
-def _nothing_left(trainer: Any, state: Any, control: Any, session: Session) -> None:
+def _nothing_left(trainer: Any, resumed: str, state: Any, control: Any) -> None:
     """jitckpt resumed from training's end (a restart once train() had returned: in an
     evaluation or save_model after it, in a later stage, stages.py). HF's loop would train one
     more step past max_steps from there, unless the checkpoint ends an epoch: it takes no batch
-    and stops instead, so the model and state stay the checkpoint's, as the run left them."""
+    and stops instead (no epoch-end evaluation or save either: `_nothing_trained`), so the
+    model and state stay the checkpoint's, as the run left them, its RNG states too (HF
+    restores them with a batch, or at an epoch's start)."""
+    session = current().session
     control.should_training_stop = True
     trainer.get_batch_samples = _no_batches  # until train() returns
+    try:
+        trainer._load_rng_state(resumed)
+    except Exception as exc:  # noqa: BLE001 - HF's own resume goes on without them
+        session.log.warning("RNG states of %s not restored: %r", resumed, exc)
     if session.topo.rank == 0:
         session.log.info(
             "nothing left to train: checkpoint-%d reaches max_steps %d",
@@ -551,6 +601,12 @@ def _nothing_left(trainer: Any, state: Any, control: Any, session: Session) -> N
 
 def _no_batches(*_args: Any, **_kwargs: Any) -> tuple[list[Any], None]:
     return [], None
+
+
+def _nothing_trained(trainer: Any, control: Any) -> None:
+    """The empty epoch of `_nothing_left` ends without an evaluation, a log or a save."""
+    if vars(trainer).get("get_batch_samples") is _no_batches:
+        control.should_evaluate = control.should_save = control.should_log = False
 
 
 def _ends_epoch(state: Any) -> bool:
@@ -586,8 +642,9 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         self._began_at = state.global_step  # the resumed checkpoint's step, 0 when fresh
         self._save_wanted = False
         trainer = self._trainer()
-        if trainer is not None and manager.resumed_dir and 0 < state.max_steps <= state.global_step:
-            _nothing_left(trainer, state, control, session)
+        resumed = manager.resumed_dir
+        if trainer is not None and resumed and 0 < state.max_steps <= state.global_step:
+            _nothing_left(trainer, resumed, state, control)
         _warm_save_path()
         manager.retention(save_total_limit=args.save_total_limit)
         manager.training_started()
@@ -648,6 +705,9 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         return control
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        trainer = self._trainer()
+        if trainer is not None:
+            _nothing_trained(trainer, control)
         if control.should_evaluate:  # the epoch's evaluation: after the step's end
             self.manager.survivors.evaluation_due()
         if self._save_wanted:

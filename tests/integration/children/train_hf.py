@@ -299,6 +299,7 @@ def build_args(opts: argparse.Namespace, cls: type = TrainingArguments) -> Train
         disable_tqdm=True,
         enable_jit_checkpoint=opts.hf_jit,
         full_determinism=opts.deterministic,
+        save_only_model=opts.save_only_model,
         **kwargs,
     )
 
@@ -341,6 +342,7 @@ def main() -> None:
     parser.add_argument("--hold-save-at", type=int, default=-1)
     parser.add_argument("--checkpoint-callback", action="store_true")
     parser.add_argument("--second-stage", type=int, default=0, help="its steps; 0: none")
+    parser.add_argument("--save-only-model", action="store_true", help="HF's save_only_model")
     parser.add_argument("--release-file", default="")
     parser.add_argument(
         "--wait-after-train", action="store_true", help="until --release-file exists"
