@@ -124,8 +124,11 @@ class CheckpointManager:
         """Collective, at the end of jitckpt's `train()`: every save drained, the control
         groups closed (their gloo threads are not left to the interpreter's teardown)."""
         self.drain()
-        self.saver.training_ended()  # first: a write-out it collects agrees on the control group
         self.session.training_ended()
+        try:
+            self.saver.training_ended()  # a write-out it collects agrees on the control group
+        finally:
+            self.session.close_control()
         self._last_step, self._save_due = None, False
 
     def record_output(self, output_dir: str, step: int) -> None:

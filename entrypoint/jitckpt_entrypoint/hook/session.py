@@ -72,13 +72,17 @@ class Session:
             )
 
     def training_ended(self) -> None:
+        """SIGTERM ends the process again (`close_control` follows, once the last
+        collectives of the training are done)."""
         self.training = False
         registry.unregister(self._registered)  # before the flag goes: SIGTERM ends us again
         self._registered = None
         self.flag.restore()
+
+    def close_control(self) -> None:
+        """gloo's threads must not be left to the interpreter's teardown, where their
+        destruction order is arbitrary; the next training builds a new group."""
         if self._control is not None:
-            # gloo's threads must not be left to the interpreter's teardown, where their
-            # destruction order is arbitrary; the next train() builds a new group.
             self._control.close()
             self._control = None
 

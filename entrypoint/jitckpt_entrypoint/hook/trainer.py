@@ -84,7 +84,7 @@ def patch(module: ModuleType) -> None:
             manager.survivors.ended()  # also after a BaseException (no on_train_end)
             output_dir_view.close_views()
             self.args.save_only_model = whole
-            if vars(self).get("get_batch_samples") is _no_batches:
+            if isinstance(vars(self).get("get_batch_samples"), _NoBatches):
                 del self.get_batch_samples
 
     @functools.wraps(original_output_dir)
@@ -150,13 +150,16 @@ def _train_aside(
     manager: CheckpointManager, trainer: Any, train: Any, args: tuple[Any, ...], kwargs: Any
 ) -> Any:
     """A later stage's train(), or a trial's: the Trainer's own (stages.py). A later stage's
-    settings are the script's again (no JITCKPT_SAVE_* overrides); its
-    `resume_from_checkpoint=True` finds the earlier stage's checkpoints, where HF would have
-    put them, when its output_dir has none."""
+    settings are the script's again (the JITCKPT_SAVE_* overrides undone on the
+    TrainingArguments they were made on); its `resume_from_checkpoint=True` finds the earlier
+    stage's checkpoints, where HF would have put them, when its output_dir has none (one node:
+    each rank decides alone)."""
     trial = trainer.hp_search_backend is not None
     if not trial:
         _undo_overrides(trainer.args)
-        args, kwargs = stages.resume_true(trainer, args, kwargs, manager.session.layout.checkpoints)
+        if manager.session.topo.nodes == 1:  # one volume: every rank finds the same
+            layout = manager.session.layout
+            args, kwargs = stages.resume_true(trainer, args, kwargs, layout.checkpoints)
     result = stages.run(trainer, train, args, kwargs, JitckptCallback)
     if not trial and trainer.is_world_process_zero():
         manager.record_output(trainer.args.output_dir, trainer.state.global_step)
@@ -586,11 +589,8 @@ def _nothing_left(trainer: Any, resumed: str, state: Any, control: Any) -> None:
     restores them with a batch, or at an epoch's start)."""
     session = current().session
     control.should_training_stop = True
-    trainer.get_batch_samples = _no_batches  # until train() returns
-    try:
-        trainer._load_rng_state(resumed)
-    except Exception as exc:  # noqa: BLE001 - HF's own resume goes on without them
-        session.log.warning("RNG states of %s not restored: %r", resumed, exc)
+    trainer.get_batch_samples = _NoBatches(trainer, resumed)  # until train() returns
+    _load_rng(trainer, resumed)  # no epoch may run (the checkpoint ends one)
     if session.topo.rank == 0:
         session.log.info(
             "nothing left to train: checkpoint-%d reaches max_steps %d",
@@ -599,13 +599,28 @@ def _nothing_left(trainer: Any, resumed: str, state: Any, control: Any) -> None:
         )
 
 
-def _no_batches(*_args: Any, **_kwargs: Any) -> tuple[list[Any], None]:
-    return [], None
+class _NoBatches:
+    """`get_batch_samples` of `_nothing_left`: no batch, and the checkpoint's RNG states again
+    (transformers 4 draws from the RNG starting the epoch's iterator, after on_train_begin)."""
+
+    def __init__(self, trainer: Any, resumed: str) -> None:
+        self.trainer, self.resumed = trainer, resumed
+
+    def __call__(self, *_args: Any, **_kwargs: Any) -> tuple[list[Any], None]:
+        _load_rng(self.trainer, self.resumed)
+        return [], None
+
+
+def _load_rng(trainer: Any, resumed: str) -> None:
+    try:
+        trainer._load_rng_state(resumed)
+    except Exception as exc:  # noqa: BLE001 - HF's own resume goes on without them
+        current().session.log.warning("RNG states of %s not restored: %r", resumed, exc)
 
 
 def _nothing_trained(trainer: Any, control: Any) -> None:
     """The empty epoch of `_nothing_left` ends without an evaluation, a log or a save."""
-    if vars(trainer).get("get_batch_samples") is _no_batches:
+    if isinstance(vars(trainer).get("get_batch_samples"), _NoBatches):
         control.should_evaluate = control.should_save = control.should_log = False
 
 
