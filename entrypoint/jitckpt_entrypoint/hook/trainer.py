@@ -663,7 +663,11 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         _warm_save_path()
         manager.retention(save_total_limit=args.save_total_limit)
         manager.training_started()
-        if trainer is not None:
+        # Nothing left to train: no step, so no fast path, snapshot or survivors' save to set
+        # up (set up and closed unused, the abort at exit after a later DDP stage was seen).
+        if trainer is not None and not isinstance(
+            vars(trainer).get("get_batch_samples"), _NoBatches
+        ):
             output_dir_view.gather(trainer, session.control)
             own_files = _own_files(manager, trainer)
             _start_async(manager, trainer, own_files)
