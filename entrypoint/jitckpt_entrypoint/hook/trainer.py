@@ -84,7 +84,7 @@ def patch(module: ModuleType) -> None:
             manager.survivors.ended()  # also after a BaseException (no on_train_end)
             output_dir_view.close_views()
             self.args.save_only_model = whole
-            if isinstance(vars(self).get("get_batch_samples"), _NoBatches):
+            if _left_nothing(self):
                 del self.get_batch_samples
 
     @functools.wraps(original_output_dir)
@@ -611,6 +611,11 @@ class _NoBatches:
         return [], None
 
 
+def _left_nothing(trainer: Any) -> bool:
+    """This train() resumed with nothing left to train (`_nothing_left`)."""
+    return isinstance(vars(trainer).get("get_batch_samples"), _NoBatches)
+
+
 def _load_rng(trainer: Any, resumed: str) -> None:
     try:
         trainer._load_rng_state(resumed)
@@ -620,7 +625,7 @@ def _load_rng(trainer: Any, resumed: str) -> None:
 
 def _nothing_trained(trainer: Any, control: Any) -> None:
     """The empty epoch of `_nothing_left` ends without an evaluation, a log or a save."""
-    if isinstance(vars(trainer).get("get_batch_samples"), _NoBatches):
+    if _left_nothing(trainer):
         control.should_evaluate = control.should_save = control.should_log = False
 
 
@@ -665,9 +670,7 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         manager.training_started()
         # Nothing left to train: no step, so no fast path, snapshot or survivors' save to set
         # up (set up and closed unused, the abort at exit after a later DDP stage was seen).
-        if trainer is not None and not isinstance(
-            vars(trainer).get("get_batch_samples"), _NoBatches
-        ):
+        if trainer is not None and not _left_nothing(trainer):
             output_dir_view.gather(trainer, session.control)
             own_files = _own_files(manager, trainer)
             _start_async(manager, trainer, own_files)
