@@ -24,7 +24,7 @@ from jitckpt_entrypoint import log, settings, shared_settings
 from jitckpt_entrypoint.errors import JitckptError
 from jitckpt_entrypoint.protocol import status, trainer_lock
 from jitckpt_entrypoint.protocol.layout import Layout
-from jitckpt_sidecar import __version__, s3
+from jitckpt_sidecar import __version__, s3, signals
 from jitckpt_sidecar.config import OPTIONS, Config
 from jitckpt_sidecar.errors import ConfigError, SidecarError
 
@@ -223,8 +223,7 @@ def _run(cfg: Config, logger: logging.Logger) -> int:
     )
     client = _connect(cfg, logger).client
     service = Service(cfg, layout, client=client, registry=registry, server=server, logger=logger)
-    for signo in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signo, lambda *_: service.sigterm())
+    signals.relay((signal.SIGTERM, signal.SIGINT), lambda _: service.sigterm(), logger)
     logger.info("started (pid %d): %s at %s", os.getpid(), cfg.uri, s3.endpoint_of(cfg))
     _say_restart_policy(cfg, logger)
     code = service.run()
@@ -271,13 +270,12 @@ def _restore(cfg: Config, logger: logging.Logger) -> int:
     stop: list[str] = []
     replica = peer.configured(cfg, logger)
 
-    def stopped(signum: int, _frame: object) -> None:
-        stop.append(signal.Signals(signum).name)
+    def stopped(signum: signal.Signals) -> None:
+        stop.append(signum.name)
         if replica is not None:
             replica.cancel()
 
-    for signo in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signo, stopped)
+    signals.relay((signal.SIGTERM, signal.SIGINT), stopped, logger)
     readiness = Readiness(layout.status)
     readiness.reset()
     if replica is not None:  # own RAM, then the peer's copy, before the volume and S3

@@ -10,11 +10,12 @@ import dataclasses
 import signal
 import sys
 import threading
-from typing import Any, Optional
+from typing import Optional
 
 from jitckpt_entrypoint import log, settings
 from jitckpt_entrypoint import shared_settings as shared
 from jitckpt_entrypoint.settings import INTEGER, NUMBER, OPTIONAL_TEXT, TEXT, Option, between
+from jitckpt_sidecar import signals
 from jitckpt_sidecar.errors import SidecarError
 from jitckpt_sidecar.inject.options import OPTIONS as INJECT_OPTIONS
 from jitckpt_sidecar.inject.options import Options
@@ -104,18 +105,17 @@ def main(argv: list[str]) -> int:
         logger.error("%s", exc)
         return exc.exit_code
 
-    def stop(signum: int, _frame: Any) -> None:
+    def stop(signum: signal.Signals) -> None:
         if server.draining:
             return
         logger.info(
             "%s: stopping in %g s (answering until then), after the requests in flight",
-            signal.Signals(signum).name,
+            signum.name,
             cfg.drain_seconds,
         )
         threading.Thread(target=server.drain, args=(cfg.drain_seconds,), daemon=True).start()
 
-    for signo in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signo, stop)
+    signals.relay((signal.SIGTERM, signal.SIGINT), stop, logger)
     where = cfg.storage_uri_prefix or "only the jitckpt.io/storage-uri annotation"
     logger.info(
         "serving POST /mutate, /healthz and /metrics on https://%s:%d (storage: %s)",
