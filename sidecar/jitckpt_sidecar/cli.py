@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from typing import Any, Callable, Optional
@@ -216,6 +217,7 @@ def _run(cfg: Config, logger: logging.Logger) -> int:
     from jitckpt_sidecar.service import Service
 
     memory.configure()  # before any thread exists
+    relay = signals.Relay((signal.SIGTERM, signal.SIGINT), logger)  # before the S3 probe
     layout = prepare_dir(cfg)
     registry = CollectorRegistry()
     server = MetricsServer(
@@ -223,10 +225,21 @@ def _run(cfg: Config, logger: logging.Logger) -> int:
     )
     client = _connect(cfg, logger).client
     service = Service(cfg, layout, client=client, registry=registry, server=server, logger=logger)
-    signals.relay((signal.SIGTERM, signal.SIGINT), lambda _: service.sigterm(), logger)
+    done = threading.Event()
+    watching: list[threading.Thread] = []
+
+    def on_signal(_signum: signal.Signals) -> None:
+        service.sigterm()
+        if not watching:
+            watching.append(threading.Thread(target=_exit_if_stuck, args=(cfg, logger, done)))
+            watching[0].daemon = True
+            watching[0].start()
+
+    relay.to(on_signal)
     logger.info("started (pid %d): %s at %s", os.getpid(), cfg.uri, s3.endpoint_of(cfg))
     _say_restart_policy(cfg, logger)
     code = service.run()
+    done.set()
     if code != 0 and service.failure:
         log.write_termination_log(cfg.termination_log, f"{PROG}: {service.failure}")
     # Leave now: a request stuck at the drain deadline must not hold the exit (s3transfer's
@@ -235,6 +248,35 @@ def _run(cfg: Config, logger: logging.Logger) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _exit_if_stuck(cfg: Config, logger: logging.Logger, done: threading.Event) -> None:
+    """After SIGTERM the drain ends JITCKPT_GRACE_SECONDS minus a margin later (drain.py). A main
+    loop stuck in a call past that (a request to an S3 that stopped answering, a hung volume)
+    would be SIGKILLed without a line: halfway into the margin, say where it is and exit 1."""
+    if done.wait(cfg.drain_seconds + (cfg.grace_seconds - cfg.drain_seconds) / 2):
+        return
+    line = (
+        f"drain deadline passed ({cfg.drain_seconds:.1f} s after SIGTERM, "
+        f"JITCKPT_GRACE_SECONDS={cfg.grace_seconds}) with the main loop stuck in "
+        f"{_where(threading.main_thread())}; exiting 1"
+    )
+    log.write_termination_log(cfg.termination_log, f"{PROG}: {line}")
+    logger.error("%s", line)
+    os._exit(1)
+
+
+def _where(thread: threading.Thread) -> str:
+    """The thread's calls of ours (the innermost 6, as `file:line function`), then the call it
+    is in: `service.py:376 _tick > ... > remote.py:224 holds > socket.py:706 readinto`."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None:
+        return "an unknown call"
+    stack = traceback.extract_stack(frame)
+    named = [f for f in stack if f"{os.sep}jitckpt_sidecar{os.sep}" in f.filename][-6:]
+    if not named or named[-1] is not stack[-1]:
+        named.append(stack[-1])
+    return " > ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in named)
 
 
 def _say_restart_policy(cfg: Config, logger: logging.Logger) -> None:
@@ -264,6 +306,7 @@ def _restore(cfg: Config, logger: logging.Logger) -> int:
     from jitckpt_sidecar.remote import Remote
     from jitckpt_sidecar.restore import Restorer
 
+    relay = signals.Relay((signal.SIGTERM, signal.SIGINT), logger)  # before the S3 probe
     layout = prepare_dir(cfg)
     _forget_earlier_trainer(layout, logger)
     client = _connect(cfg, logger, notes=False).client
@@ -275,7 +318,7 @@ def _restore(cfg: Config, logger: logging.Logger) -> int:
         if replica is not None:
             replica.cancel()
 
-    signals.relay((signal.SIGTERM, signal.SIGINT), stopped, logger)
+    relay.to(stopped)
     readiness = Readiness(layout.status)
     readiness.reset()
     if replica is not None:  # own RAM, then the peer's copy, before the volume and S3

@@ -166,12 +166,14 @@ class Service:
         self._heartbeat: Optional[float] = None
         self._said_staying = False
         self._said_draining = False
+        self._saying = threading.Lock()
+        self._looping = False
         self._restored_bytes = 0
         self._sized_for: Optional[str] = None
         self._rescuing = False
         self._trainer_dead = False
 
-    # -- signals and wake-ups (called from signal handlers and other threads: flags only) --
+    # -- signals and wake-ups (called from other threads: signals.py's relay, watchers) --
 
     def wake(self) -> None:
         self._wake.set()
@@ -181,6 +183,8 @@ class Service:
         if self._sigterm_at is None:
             self._sigterm_at = self.monotonic()
         self.worker.draining = True  # short backoffs from now on
+        if self._looping:  # said now: the main loop may be in a long call
+            self._say_draining(self._sigterm_at)
         if self.peer is not None:
             self.peer.cancel()  # the drain's uploads have the network
         self._wake.set()
@@ -226,6 +230,7 @@ class Service:
                 self.peer.start()
             worker.start()
             settler.start()
+            self._looping = True
             return self._loop()
         finally:
             self._stop.set()
@@ -448,10 +453,12 @@ class Service:
         return verdict.exit_code
 
     def _say_draining(self, sigterm_at: Optional[float]) -> None:
-        """Once, at the first pass after SIGTERM (before what the drain then does)."""
-        if sigterm_at is None or self._said_draining:
-            return
-        self._said_draining = True
+        """Once, at SIGTERM or the main loop's first pass after it (before what the drain then
+        does), whichever comes first."""
+        with self._saying:
+            if sigterm_at is None or self._said_draining:
+                return
+            self._said_draining = True
         self.backlog.hurry(DRAIN_MAX_BACKOFF)
         self.log.info(
             "SIGTERM: draining; uploading until the trainer has exited and nothing is left, at "

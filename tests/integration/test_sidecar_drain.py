@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import sys
 import time
@@ -19,15 +21,17 @@ from harness.checkpoints import (
     ready,
     scrape,
     sidecar_env,
+    upload_directly,
     write_trainer,
 )
-from harness.procs import wait_for
+from harness.procs import UNSHARE_PID, children_of, wait_for
 from harness.s3proxy import is_key
 from jitckpt_entrypoint.protocol import manifest as m
 from jitckpt_entrypoint.protocol import status
 from jitckpt_entrypoint.protocol.layout import checkpoint_name, step_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3_stores("moto", "rgw")]
+MiB = 1024 * 1024
 
 
 def env_for(base_env, s3_bucket, root, endpoint=None, **extra):
@@ -127,6 +131,68 @@ def test_the_drain_deadline_ends_a_stuck_upload_with_exit_1(
     log_line(
         proc, r"drain deadline reached [\d.]+ s after SIGTERM .*not committed in S3: checkpoint-20"
     )
+
+
+def test_a_main_loop_stuck_in_an_s3_request_at_the_deadline_exits_1_and_says_where(
+    spawn, base_env, s3_bucket, proxy, tmp_path
+):
+    """Disk pressure makes the main loop ask S3 whether checkpoint-30 is there before deleting
+    it; S3 never answers. SIGTERM: before the grace period ends the sidecar names the call it is
+    stuck in, in its log and termination message, and exits 1 (not SIGKILLed without a line)."""
+    root = tmp_path / "node"
+    commit([root], 20, [hf_files(20, big=MiB)])
+    upload_directly(s3_bucket, root, 20)
+    commit([root], 30, [hf_files(30, big=MiB)], staged=False)  # committed here, not in S3
+    commit([root], 40, [hf_files(40, big=MiB)], staged=False)
+    write_trainer(root)
+    asked = proxy.hold(
+        lambda method, key, query: method == "GET" and "checkpoint-30" in key + str(query), None
+    )
+    tlog = tmp_path / "tlog"
+    env = env_for(
+        base_env,
+        s3_bucket,
+        root,
+        proxy.url,
+        JITCKPT_GRACE_SECONDS="6",
+        JITCKPT_STORAGE_CAPACITY="4Mi",
+        JITCKPT_DISK_PRESSURE_THRESHOLD="0.3",
+        JITCKPT_TERMINATION_LOG=str(tlog),
+    )
+    proc = spawn(SIDECAR, env=env)
+    wait_for(lambda: asked.held >= 1, timeout=30, what="the main loop's ask about checkpoint-30")
+    started = time.monotonic()
+    proc.send(signal.SIGTERM)
+    assert proc.wait(30) == 1, proc.output()
+    assert time.monotonic() - started < 6.0
+    line = log_line(proc, r"drain deadline passed .* with the main loop stuck in (.*); exiting 1")
+    assert re.search(r"_in_s3 > remote.py:\d+ holds > .* > \w+\.py:\d+ \w+$", line[1]), line[0]
+    assert "stuck in" in tlog.read_text()
+    log_line(proc, r"SIGTERM: draining")  # said at once, though the loop never came round
+
+
+@pytest.mark.parametrize("command", ["run", "restore"])
+def test_a_sigterm_while_the_sidecar_as_pid_1_starts_is_not_lost(
+    spawn, base_env, s3_bucket, proxy, tmp_path, command
+):
+    """The container's PID 1 drops a signal it has no handler for: one that came while the S3
+    probe was under way was lost, and the sidecar restored and ran on until SIGKILL. Now it is
+    handled once the sidecar can: no download, exit 1 (the pod is going)."""
+    root = tmp_path / "node"
+    commit([root], 10, [hf_files(10)])
+    upload_directly(s3_bucket, root, 10)
+    shutil.rmtree(root)  # a new pod: checkpoint-10 is in S3 only
+    probe = proxy.hold(is_key("", "PUT"))  # the start-up probe's write
+    argv = SIDECAR if command == "run" else [*SIDECAR, "restore"]
+    proc = spawn([*UNSHARE_PID, *argv], env=env_for(base_env, s3_bucket, root, proxy.url))
+    (pid,) = wait_for(lambda: children_of(proc.pid), what="the sidecar under unshare")
+    wait_for(lambda: probe.held == 1, timeout=30, what="the start-up probe")
+    os.kill(pid, signal.SIGTERM)
+    time.sleep(0.5)  # the signal is in; delivered, or dropped by a PID 1 without a handler
+    probe.release()
+    assert proc.wait(30) == 1, proc.output()
+    log_line(proc, r"SIGTERM")
+    assert not [line for line in proc.stderr if re.search(r"ready \(restore|restored", line)]
 
 
 def test_by_default_the_sidecar_outlives_the_trainer(spawn, base_env, s3_bucket, tmp_path):

@@ -24,7 +24,7 @@ CHILD = textwrap.dedent(
         seen.append(signum)
         (done if signum == signal.SIGUSR2 else woken).set()
 
-    signals.relay((signal.SIGUSR1, signal.SIGUSR2), on_signal, logging.getLogger("t"))
+    signals.Relay((signal.SIGUSR1, signal.SIGUSR2), logging.getLogger("t")).to(on_signal)
     print("ready", flush=True)
     while not done.is_set():
         woken.clear()
@@ -56,3 +56,26 @@ def test_signals_landing_while_the_main_thread_holds_an_events_lock_never_hang_i
     assert child.returncode == 0
     assert sent > 1000
     assert int(out.strip()) > 0  # signals pending together are delivered once
+
+
+EARLY = textwrap.dedent(
+    """
+    import logging, os, signal, threading, time
+    from jitckpt_sidecar import signals
+
+    relay = signals.Relay((signal.SIGTERM,), logging.getLogger("t"))
+    os.kill(os.getpid(), signal.SIGTERM)  # before anyone can act on it: kept, not lost
+    time.sleep(0.2)
+    got = threading.Event()
+    relay.to(lambda signum: got.set() if signum == signal.SIGTERM else None)
+    print("handed" if got.wait(10) else "lost", flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="POSIX signals")
+def test_a_signal_before_its_callback_is_set_is_handed_to_it_when_it_is():
+    out = subprocess.run(
+        [sys.executable, "-c", EARLY], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert (out.returncode, out.stdout.strip()) == (0, "handed"), out.stderr

@@ -97,6 +97,7 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     logger = log.setup(PROG, verbose=verbose)
+    relay = signals.Relay((signal.SIGTERM, signal.SIGINT), logger)
     try:
         server = WebhookServer(
             (cfg.address, cfg.port), (cfg.tls_cert_file, cfg.tls_private_key_file), policy, logger
@@ -105,17 +106,20 @@ def main(argv: list[str]) -> int:
         logger.error("%s", exc)
         return exc.exit_code
 
+    drains: list[threading.Thread] = []
+
     def stop(signum: signal.Signals) -> None:
-        if server.draining:
+        if drains:
             return
         logger.info(
             "%s: stopping in %g s (answering until then), after the requests in flight",
             signum.name,
             cfg.drain_seconds,
         )
-        threading.Thread(target=server.drain, args=(cfg.drain_seconds,), daemon=True).start()
+        drains.append(threading.Thread(target=server.drain, args=(cfg.drain_seconds,)))
+        drains[0].start()
 
-    signals.relay((signal.SIGTERM, signal.SIGINT), stop, logger)
+    relay.to(stop)
     where = cfg.storage_uri_prefix or "only the jitckpt.io/storage-uri annotation"
     logger.info(
         "serving POST /mutate, /healthz and /metrics on https://%s:%d (storage: %s)",
@@ -125,4 +129,6 @@ def main(argv: list[str]) -> int:
     )
     with server:
         server.serve_forever(poll_interval=0.5)
+        for drain in drains:  # its wait for the requests in flight (their handlers are daemons)
+            drain.join()
     return 0
