@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -380,6 +381,44 @@ def test_with_save_only_model_checkpoints_hold_the_whole_state_and_resume_exactl
     step = jit_record(jdir)["step"]  # type: ignore[index]
     names = {f["path"] for f in manifest(jdir, step)["files"]}
     assert {"optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"} <= names
+
+    last = finish(spawn, base_env, hf(*args))
+    assert resumed_from(last) == step
+    expected, got = final_weights(straight, total), final_weights(jdir, total)
+    worst = max((expected[k] - got[k]).abs().max().item() for k in expected)
+    assert worst <= 1e-7, f"max abs diff {worst}"
+
+
+def test_a_retry_after_an_out_of_memory_error_leaves_the_failed_attempts_saves_behind(
+    spawn, base_env, jdir, tmp_path
+):
+    """auto_find_batch_size: after an out-of-memory error at step 5 (checkpoints 2 and 4 of
+    batch 4 committed) the Trainer trains again from step 0 with batch 3. SIGTERM in the retry:
+    the JIT checkpoint was the failed attempt's checkpoint-2, skipped as committed, and the
+    rerun resumed from its checkpoint-4 (batch 4 again). Now they are left behind: every
+    checkpoint is the retry's, and the rerun ends with the weights of an uninterrupted run."""
+    total = 12
+    args = ("--max-steps", str(total), "--save-steps", "2", "--oom-at", "5")
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    finish(spawn, {**base_env, "JITCKPT_DIR": str(straight)}, hf(*args))
+
+    def batch(step: int) -> int:
+        state = jdir / "checkpoints" / f"checkpoint-{step}" / "trainer_state.json"
+        return int(json.loads(state.read_text())["train_batch_size"])
+
+    first = spawn(hf(*args, "--step-sleep", "0.1"), env=base_env)
+    for step in (0, 0):  # the first attempt's begin, the retry's
+        assert int(first.expect(r"^begin rank=0 pid=\d+ step=(\d+)$").group(1)) == step
+    wait_for_step(first, 3)
+    first.send(signal.SIGTERM)
+    assert first.wait(timeout=120) == JIT_EXIT, first.output()
+    assert len(hook_lines(first, "the Trainer trains again from step 0")) == 1
+    step = jit_record(jdir)["step"]  # type: ignore[index]
+    assert 3 <= step < total
+    assert [batch(s) for s in checkpoint_steps(jdir)] == [3] * len(checkpoint_steps(jdir))
+    lineages = {manifest(jdir, s)["lineage"] for s in checkpoint_steps(jdir)}
+    assert len(lineages) == 1
 
     last = finish(spawn, base_env, hf(*args))
     assert resumed_from(last) == step

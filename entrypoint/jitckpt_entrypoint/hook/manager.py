@@ -111,6 +111,23 @@ class CheckpointManager:
                 session.log.info("time-based periodic saves: %s", self.cadence.describe())
         session.training_started()
 
+    def retried(self, step: int) -> None:
+        """Collective: the Trainer runs its training loop again within one train(), from `step`
+        (the checkpoint it resumed from, or 0): accelerate's find_executable_batch_size retries
+        with a smaller batch after an out-of-memory error (auto_find_batch_size). The failed
+        attempt's saves past `step` are a branch left behind: a save of the same step now would
+        be skipped as committed (a JIT checkpoint would name the old attempt's state), and a
+        restore would prefer the old attempt's higher steps. They are drained, removed from
+        this node's volume and RAM (S3 keeps what was uploaded), and the next commit begins a
+        new lineage, which restores prefer whatever the steps."""
+        self.drain()
+        self.saver.settle()  # a save handed to the RAM writer: answered, then removed
+        keep = step if step > 0 else None
+        resume.remove_stale(self.session, keep)  # each node's leader
+        self.tier.remove_stale(self.resumed_dir if keep is not None else None)
+        self.saver.left_behind(keep)
+        self.session.lineage = None
+
     def step_finished(self, step: int, began_at: Optional[int] = None) -> None:
         """After every optimizer step: the status records of progress (records.py).
         `began_at`: the step training began at (the resumed one's when None). Never raises

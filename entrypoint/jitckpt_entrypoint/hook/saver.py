@@ -135,6 +135,12 @@ class Saver:
             if step is not None:
                 self._committed.add(step)
 
+    def left_behind(self, step: Optional[int]) -> None:
+        """Every rank: training begins again at `step` (None: from the start); the saves past
+        it are of a branch left behind, written again (manager.retried)."""
+        with self.lock:
+            self._committed = {s for s in self._committed if step is not None and s <= step}
+
     def training_ended(self) -> None:
         """Collective: a save handed to the RAM writer is waited for (its rotation runs); the
         fast paths' state, the writer and the host copies' buffers go."""
@@ -325,6 +331,10 @@ class Saver:
         elif control.any_now(self.session.topo.rank == 0 and tier.writer() is None):
             tier.stop_writing_out("the RAM writer is gone")
         return tier.writes_out
+
+    def settle(self) -> None:
+        """Collective: the save handed to the RAM writer, if any, answered (committed or not)."""
+        self._collect_write_out()
 
     def _collect_write_out(self) -> None:
         """Collective, before a save begins: the answer to the save handed to the RAM writer

@@ -42,6 +42,8 @@ from jitckpt_entrypoint.hook.topology import Topology
 from jitckpt_entrypoint.protocol.layout import step_of
 
 _logged_overrides = False
+LOOPS = "_jitckpt_loops"
+"""In a Trainer's __dict__ during jitckpt's train(): the training loops begun (on_train_begin)."""
 _overridden: dict[int, tuple[Any, dict[str, Any]]] = {}
 """TrainingArguments the JITCKPT_SAVE_* overrides changed (by id), and the script's values."""
 
@@ -75,6 +77,7 @@ def patch(module: ModuleType) -> None:
             return _train_aside(manager, self, original_train, args, kwargs)
         args, kwargs = _with_resume(manager, args, kwargs, self)
         whole = _whole_state(session, self.args, self)
+        vars(self)[LOOPS] = 0
         try:
             return original_train(self, *args, **kwargs)
         except Exception as exc:
@@ -84,6 +87,7 @@ def patch(module: ModuleType) -> None:
             manager.survivors.ended()  # also after a BaseException (no on_train_end)
             output_dir_view.close_views()
             self.args.save_only_model = whole
+            vars(self).pop(LOOPS, None)
             if _left_nothing(self):
                 del self.get_batch_samples
 
@@ -616,6 +620,29 @@ def _left_nothing(trainer: Any) -> bool:
     return isinstance(vars(trainer).get("get_batch_samples"), _NoBatches)
 
 
+def _retry(manager: CheckpointManager, trainer: Any, state: Any) -> None:
+    """At each training loop's start: a second one in the same train() is the Trainer's retry
+    (auto_find_batch_size after an out-of-memory error), from the step it resumed from or 0;
+    the failed attempt's later saves are left behind (manager.retried)."""
+    loops = vars(trainer).get(LOOPS)
+    if loops is None:
+        return
+    vars(trainer)[LOOPS] = loops + 1
+    if loops == 0:
+        return
+    session = manager.session
+    if session.topo.rank == 0:
+        session.log.info(
+            "the Trainer trains again from step %d (a retry within train(): "
+            "auto_find_batch_size after an out-of-memory error, batch size now %s): the "
+            "failed attempt's checkpoints past it are left behind; the next save begins a new "
+            "lineage, which restores prefer",
+            state.global_step,
+            getattr(trainer, "_train_batch_size", "?"),
+        )
+    manager.retried(state.global_step)
+
+
 def _load_rng(trainer: Any, resumed: str) -> None:
     try:
         trainer._load_rng_state(resumed)
@@ -662,6 +689,8 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         self._began_at = state.global_step  # the resumed checkpoint's step, 0 when fresh
         self._save_wanted = False
         trainer = self._trainer()
+        if trainer is not None:
+            _retry(manager, trainer, state)
         resumed = manager.resumed_dir
         if trainer is not None and resumed and 0 < state.max_steps <= state.global_step:
             _nothing_left(trainer, resumed, state, control)

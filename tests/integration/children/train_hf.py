@@ -22,6 +22,8 @@ checkpoint ("highest": the first evaluation is the best, training lowers the los
 extra-state: one that writes a state of its own into each checkpoint (TRL GRPO's).
 --checkpoint-callback adds a callback that reads each checkpoint at output_dir/checkpoint-N in
 on_save, as W&B's checkpoint upload does, and adds a file of its own to it.
+--oom-at N turns auto_find_batch_size on and raises an out-of-memory error at step N while the
+batch is the first one (4): accelerate's find_executable_batch_size retries with 3.
 --second-stage N trains the model on with a second Trainer for N steps (output_dir/stage2,
 another learning rate, 'stage2 step N rank=R' lines), as a script with SFT then DPO does; each
 stage's end prints a digest of the weights.
@@ -159,6 +161,19 @@ class Progress(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs and state.is_world_process_zero:
             say(f"loss {state.global_step} {float(logs['loss'])!r}")
+
+
+class OutOfMemory(TrainerCallback):
+    """--oom-at: what CUDA raises when a batch does not fit, at that step of the first batch
+    size (after a resume too, from a checkpoint saved with it)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.trainer: Any = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and self.trainer._train_batch_size == 4:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
 
 
 class HoldSave(TrainerCallback):
@@ -300,6 +315,7 @@ def build_args(opts: argparse.Namespace, cls: type = TrainingArguments) -> Train
         enable_jit_checkpoint=opts.hf_jit,
         full_determinism=opts.deterministic,
         save_only_model=opts.save_only_model,
+        auto_find_batch_size=bool(opts.oom_at),
         **kwargs,
     )
 
@@ -343,6 +359,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-callback", action="store_true")
     parser.add_argument("--second-stage", type=int, default=0, help="its steps; 0: none")
     parser.add_argument("--save-only-model", action="store_true", help="HF's save_only_model")
+    parser.add_argument("--oom-at", type=int, default=0, help="an out-of-memory error there")
     parser.add_argument("--release-file", default="")
     parser.add_argument(
         "--wait-after-train", action="store_true", help="until --release-file exists"
@@ -374,6 +391,8 @@ def main() -> None:
         callbacks.append(HoldSave(opts.hold_save_at, opts.release_file))
     if opts.early_stopping:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=opts.early_stopping))
+    oom = OutOfMemory(opts.oom_at)
+    callbacks.extend([oom] if opts.oom_at else [])
     data = RandomTokens(opts.samples, SEQ_LEN, opts.vocab)
     if opts.trainer == "sft":
         trainer = sft_trainer(opts, model, callbacks)
@@ -386,6 +405,7 @@ def main() -> None:
             callbacks=callbacks,
         )
     trainer.slow_save = opts.slow_save
+    oom.trainer = trainer
     if opts.checkpoint_callback:  # added once the Trainer is built: after jitckpt's callback
         trainer.add_callback(CheckpointCallback())
     result = trainer.train(resume_from_checkpoint=opts.resume_from)
