@@ -397,7 +397,7 @@ def test_a_retry_after_an_out_of_memory_error_leaves_the_failed_attempts_saves_b
     the JIT checkpoint was the failed attempt's checkpoint-2, skipped as committed, and the
     rerun resumed from its checkpoint-4 (batch 4 again). Now they are left behind: every
     checkpoint is the retry's, and the rerun ends with the weights of an uninterrupted run."""
-    total = 12
+    total = 30  # the stop comes a few steps after SIGTERM (hook/control.py): room for it
     args = ("--max-steps", str(total), "--save-steps", "2", "--oom-at", "5")
     straight = tmp_path / "straight"
     straight.mkdir()

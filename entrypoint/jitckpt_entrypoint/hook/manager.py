@@ -77,6 +77,8 @@ class CheckpointManager:
         self.survivors = Survivors(session)
         """The last completed step, saved by the ranks left when peers are lost (survivors.py)."""
         self.resumed_dir: Optional[str] = None
+        self._before_loop: set[int] = set()
+        """Steps committed before the Trainer's first training loop in this train() began."""
         self._in_ram = False
         """`resumed_dir` is a snapshot in RAM (the sidecar's recovery label)."""
         """The directory the last `resume` chose (a snapshot's in RAM, or the volume's)."""
@@ -111,7 +113,12 @@ class CheckpointManager:
                 session.log.info("time-based periodic saves: %s", self.cadence.describe())
         session.training_started()
 
-    def retried(self, step: int) -> None:
+    def loop_began(self) -> None:
+        """The Trainer's first training loop in this train() begins: the steps committed
+        before it (resumed from, an earlier run's) are never a retry's to leave behind."""
+        self._before_loop = self.saver.committed_steps()
+
+    def retried(self, step: int, batch_size: object) -> None:
         """Collective: the Trainer runs its training loop again within one train(), from `step`
         (the checkpoint it resumed from, or 0): accelerate's find_executable_batch_size retries
         with a smaller batch after an out-of-memory error (auto_find_batch_size). The failed
@@ -119,14 +126,32 @@ class CheckpointManager:
         be skipped as committed (a JIT checkpoint would name the old attempt's state), and a
         restore would prefer the old attempt's higher steps. They are drained, removed from
         this node's volume and RAM (S3 keeps what was uploaded), and the next commit begins a
-        new lineage, which restores prefer whatever the steps."""
+        new lineage, which restores prefer whatever the steps. After SIGTERM (a JIT save that
+        ran out of memory, a signal meanwhile) nothing is left behind: the newest committed
+        checkpoint is the JIT one, and the process exits (finish_jit)."""
+        session = self.session
+        if self.stopping or self.stop_now():
+            newest = max(self.saver.committed_steps(), default=self._stop_step)
+            self.finish_jit(newest if newest is not None else step, 0.0)
+        if session.topo.rank == 0:
+            session.log.info(
+                "the Trainer trains again from step %d (a retry within train(): "
+                "auto_find_batch_size after an out-of-memory error, batch size now %s): the "
+                "failed attempt's checkpoints past it are left behind; the next save begins a "
+                "new lineage, which restores prefer",
+                step,
+                batch_size,
+            )
         self.drain()
         self.saver.settle()  # a save handed to the RAM writer: answered, then removed
-        keep = step if step > 0 else None
-        resume.remove_stale(self.session, keep)  # each node's leader
-        self.tier.remove_stale(self.resumed_dir if keep is not None else None)
-        self.saver.left_behind(keep)
-        self.session.lineage = None
+        made = {s for s in self.saver.committed_steps() - self._before_loop if s > step}
+        resume.leave_behind(session, made)  # each node's leader
+        self.tier.remove_stale(self.resumed_dir if step > 0 else None)
+        self.saver.left_behind(made)
+        self.cadence.started()  # a time-based save cut short by the error left its window open
+        self.tier.started()
+        self._last_step, self._save_due = None, False
+        session.lineage = None
 
     def step_finished(self, step: int, began_at: Optional[int] = None) -> None:
         """After every optimizer step: the status records of progress (records.py).

@@ -286,6 +286,25 @@ def remove_stale(session: Session, resume_step: Optional[int]) -> list[str]:
     return removed
 
 
+def leave_behind(session: Session, steps: Iterable[int]) -> list[str]:
+    """This node's leader: delete the directories of `steps` (a failed attempt's saves, when
+    the Trainer trains again: manager.retried) and the uncommitted ones (its save cut short);
+    the names removed. Every other checkpoint stays (an earlier run's, the one resumed from)."""
+    if not session.topo.is_leader:
+        return []
+    gone, topo, removed = set(steps), session.topo, []
+    for step in checkpoint_steps(session.layout.checkpoints):
+        path = session.layout.checkpoint_dir(step)
+        if step in gone or not kept(path, topo.node, topo.nodes, topo.world_size):
+            remove_checkpoint(path)
+            removed.append(checkpoint_name(step))
+    if removed:
+        session.log.info(
+            "removed the failed attempt's checkpoint directories: %s", ", ".join(removed)
+        )
+    return removed
+
+
 def start_over(session: Session, tier: Optional[MemoryTier] = None) -> list[str]:
     """JITCKPT_RESUME=0: this run begins a new lineage, and the checkpoints on this node's
     volume are an earlier run's. Its saves must not land in their directories (a step both

@@ -135,11 +135,16 @@ class Saver:
             if step is not None:
                 self._committed.add(step)
 
-    def left_behind(self, step: Optional[int]) -> None:
-        """Every rank: training begins again at `step` (None: from the start); the saves past
-        it are of a branch left behind, written again (manager.retried)."""
+    def committed_steps(self) -> set[int]:
         with self.lock:
-            self._committed = {s for s in self._committed if step is not None and s <= step}
+            return set(self._committed)
+
+    def left_behind(self, steps: set[int]) -> None:
+        """Every rank: a failed attempt's saves (manager.retried), and a save of it cut short,
+        are gone; the retry writes those steps again."""
+        self._pending = None
+        with self.lock:
+            self._committed -= steps
 
     def training_ended(self) -> None:
         """Collective: a save handed to the RAM writer is waited for (its rotation runs); the

@@ -629,18 +629,9 @@ def _retry(manager: CheckpointManager, trainer: Any, state: Any) -> None:
         return
     vars(trainer)[LOOPS] = loops + 1
     if loops == 0:
-        return
-    session = manager.session
-    if session.topo.rank == 0:
-        session.log.info(
-            "the Trainer trains again from step %d (a retry within train(): "
-            "auto_find_batch_size after an out-of-memory error, batch size now %s): the "
-            "failed attempt's checkpoints past it are left behind; the next save begins a new "
-            "lineage, which restores prefer",
-            state.global_step,
-            getattr(trainer, "_train_batch_size", "?"),
-        )
-    manager.retried(state.global_step)
+        manager.loop_began()
+    else:
+        manager.retried(state.global_step, getattr(trainer, "_train_batch_size", "?"))
 
 
 def _load_rng(trainer: Any, resumed: str) -> None:
