@@ -77,11 +77,11 @@ class CheckpointManager:
         self.survivors = Survivors(session)
         """The last completed step, saved by the ranks left when peers are lost (survivors.py)."""
         self.resumed_dir: Optional[str] = None
-        self._before_loop: set[int] = set()
-        """Steps committed before the Trainer's first training loop in this train() began."""
+        """The directory the last `resume` chose (a snapshot's in RAM, or the volume's)."""
         self._in_ram = False
         """`resumed_dir` is a snapshot in RAM (the sidecar's recovery label)."""
-        """The directory the last `resume` chose (a snapshot's in RAM, or the volume's)."""
+        self._before_loop: set[int] = set()
+        """Steps committed before the Trainer's first training loop in this train() began."""
 
     # -- bookkeeping --
 
@@ -128,11 +128,15 @@ class CheckpointManager:
         this node's volume and RAM (S3 keeps what was uploaded), and the next commit begins a
         new lineage, which restores prefer whatever the steps. After SIGTERM (a JIT save that
         ran out of memory, a signal meanwhile) nothing is left behind: the newest committed
-        checkpoint is the JIT one, and the process exits (finish_jit)."""
+        checkpoint, the failed attempt's, is the JIT one, and the process exits (finish_jit)."""
         session = self.session
-        if self.stopping or self.stop_now():
-            newest = max(self.saver.committed_steps(), default=self._stop_step)
-            self.finish_jit(newest if newest is not None else step, 0.0)
+        self.drain()  # the save in flight commits (no rotation: trainer.py's RETRYING)
+        self.saver.settle()  # a save handed to the RAM writer: answered
+        if self.stop_now() or self.stopping:  # collective first: every rank takes part
+            newest = max(self.saver.committed_steps(), default=None)
+            if newest is not None:
+                self.finish_jit(newest, 0.0)
+            # else nothing to stand for it: the retry goes on, its first step is the JIT one
         if session.topo.rank == 0:
             session.log.info(
                 "the Trainer trains again from step %d (a retry within train(): "
@@ -142,15 +146,16 @@ class CheckpointManager:
                 step,
                 batch_size,
             )
-        self.drain()
-        self.saver.settle()  # a save handed to the RAM writer: answered, then removed
         made = {s for s in self.saver.committed_steps() - self._before_loop if s > step}
-        resume.leave_behind(session, made)  # each node's leader
+        try:
+            resume.leave_behind(session, made)  # each node's leader
+        except OSError as exc:  # a save of a step left here has its manifests withdrawn first
+            session.log.warning("cannot remove the failed attempt's checkpoints: %s", exc)
         self.tier.remove_stale(self.resumed_dir if step > 0 else None)
         self.saver.left_behind(made)
         self.cadence.started()  # a time-based save cut short by the error left its window open
         self.tier.started()
-        self._last_step, self._save_due = None, False
+        self._stop_step, self._last_step, self._save_due = None, None, False
         session.lineage = None
 
     def step_finished(self, step: int, began_at: Optional[int] = None) -> None:

@@ -300,7 +300,8 @@ def leave_behind(session: Session, steps: Iterable[int]) -> list[str]:
             removed.append(checkpoint_name(step))
     if removed:
         session.log.info(
-            "removed the failed attempt's checkpoint directories: %s", ", ".join(removed)
+            "removed the failed attempt's checkpoints and uncommitted directories: %s",
+            ", ".join(removed),
         )
     return removed
 

@@ -44,6 +44,9 @@ from jitckpt_entrypoint.protocol.layout import step_of
 _logged_overrides = False
 LOOPS = "_jitckpt_loops"
 """In a Trainer's __dict__ during jitckpt's train(): the training loops begun (on_train_begin)."""
+RETRYING = "_jitckpt_retrying"
+"""In a Trainer's __dict__ while a retry leaves the failed attempt behind: a save of it that
+commits then runs no rotation (it would delete older checkpoints for one about to go)."""
 _overridden: dict[int, tuple[Any, dict[str, Any]]] = {}
 """TrainingArguments the JITCKPT_SAVE_* overrides changed (by id), and the script's values."""
 
@@ -227,7 +230,7 @@ def _save_request(trainer: Any, step: int, own: Callable[[], object]) -> SaveReq
     run_dir = trainer._get_output_dir(trial=None)
 
     def after_commit() -> None:
-        if trainer.args.should_save:
+        if trainer.args.should_save and not vars(trainer).get(RETRYING):
             rotate_checkpoints(trainer, run_dir)
 
     def parts() -> tuple[SaveParts, Optional[str]]:
@@ -630,8 +633,12 @@ def _retry(manager: CheckpointManager, trainer: Any, state: Any) -> None:
     vars(trainer)[LOOPS] = loops + 1
     if loops == 0:
         manager.loop_began()
-    else:
+        return
+    vars(trainer)[RETRYING] = True
+    try:
         manager.retried(state.global_step, getattr(trainer, "_train_batch_size", "?"))
+    finally:
+        vars(trainer).pop(RETRYING, None)
 
 
 def _load_rng(trainer: Any, resumed: str) -> None:
