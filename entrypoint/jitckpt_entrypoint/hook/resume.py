@@ -8,7 +8,7 @@ import glob
 import os
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Optional
 
 from jitckpt_entrypoint.errors import JitckptError
@@ -265,44 +265,37 @@ def remove_stale(session: Session, resume_step: Optional[int]) -> list[str]:
     uncommitted directory before the resume point (a save cut short by a crash) is never
     loaded, but would hold a slot of HF's rotation (save_total_limit) and disk space.
     """
-    if not session.topo.is_leader:
-        return []
-    removed = []
-    root, topo = session.layout.checkpoints, session.topo
-    for step in checkpoint_steps(root):
-        path = session.layout.checkpoint_dir(step)
-        if (
-            resume_step is None
-            or step > resume_step
-            or not kept(path, topo.node, topo.nodes, topo.world_size)
-        ):
-            remove_checkpoint(path)
-            removed.append(checkpoint_name(step))
-    if removed:
-        session.log.info(
-            "removed checkpoint directories past the resume point or uncommitted: %s",
-            ", ".join(removed),
-        )
-    return removed
+    return _remove(
+        session,
+        lambda step: resume_step is None or step > resume_step,
+        "checkpoint directories past the resume point or uncommitted",
+    )
 
 
 def leave_behind(session: Session, steps: Iterable[int]) -> list[str]:
-    """This node's leader: delete the directories of `steps` (a failed attempt's saves, when
-    the Trainer trains again: manager.retried) and the uncommitted ones (its save cut short);
-    the names removed. Every other checkpoint stays (an earlier run's, the one resumed from)."""
+    """Delete this node's directories of `steps` (a failed attempt's saves, when the Trainer
+    trains again: manager.retried) and the uncommitted ones (its save cut short). Every other
+    checkpoint stays (an earlier run's, the one resumed from)."""
+    gone = set(steps)
+    return _remove(
+        session, gone.__contains__, "the failed attempt's checkpoints and uncommitted directories"
+    )
+
+
+def _remove(session: Session, doomed: Callable[[int], bool], what: str) -> list[str]:
+    """This node's leader: delete the checkpoint directories of the steps `doomed` names, and
+    the uncommitted ones; the names removed (logged as `what`)."""
     if not session.topo.is_leader:
         return []
-    gone, topo, removed = set(steps), session.topo, []
+    removed = []
+    topo = session.topo
     for step in checkpoint_steps(session.layout.checkpoints):
         path = session.layout.checkpoint_dir(step)
-        if step in gone or not kept(path, topo.node, topo.nodes, topo.world_size):
+        if doomed(step) or not kept(path, topo.node, topo.nodes, topo.world_size):
             remove_checkpoint(path)
             removed.append(checkpoint_name(step))
     if removed:
-        session.log.info(
-            "removed the failed attempt's checkpoints and uncommitted directories: %s",
-            ", ".join(removed),
-        )
+        session.log.info("removed %s: %s", what, ", ".join(removed))
     return removed
 
 
