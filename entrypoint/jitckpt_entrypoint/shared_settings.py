@@ -86,7 +86,8 @@ GRACE_SECONDS = Option(
     "the pod's terminationGracePeriodSeconds",
     check=at_least(1, "the pod's terminationGracePeriodSeconds (>= 1)"),
     doc="the pod's `terminationGracePeriodSeconds`. E: torchrun's shutdown timeout is 3/4 of it, "
-    "and the start-up estimate is checked against it. S: the drain ends a margin before it",
+    "and the start-up estimate is checked against it. S: the drain ends a margin before it "
+    "(a main loop stuck in a call then exits 1, naming it)",
 )
 MEMORY_DIR = Option(
     "memory_dir",

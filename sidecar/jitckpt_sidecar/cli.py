@@ -19,7 +19,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from jitckpt_entrypoint import log, settings, shared_settings
 from jitckpt_entrypoint.errors import JitckptError
@@ -28,6 +28,9 @@ from jitckpt_entrypoint.protocol.layout import Layout
 from jitckpt_sidecar import __version__, s3, signals
 from jitckpt_sidecar.config import OPTIONS, Config
 from jitckpt_sidecar.errors import ConfigError, SidecarError
+
+if TYPE_CHECKING:
+    from jitckpt_sidecar.service import Service
 
 PROG = "jitckpt-sidecar"
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -229,11 +232,11 @@ def _run(cfg: Config, logger: logging.Logger) -> int:
     watching: list[threading.Thread] = []
 
     def on_signal(_signum: signal.Signals) -> None:
-        service.sigterm()
-        if not watching:
-            watching.append(threading.Thread(target=_exit_if_stuck, args=(cfg, logger, done)))
+        if not watching:  # first: sigterm() takes locks a stuck main thread may hold
+            watching.append(threading.Thread(target=_exit_if_stuck, args=(service, logger, done)))
             watching[0].daemon = True
             watching[0].start()
+        service.sigterm()
 
     relay.to(on_signal)
     logger.info("started (pid %d): %s at %s", os.getpid(), cfg.uri, s3.endpoint_of(cfg))
@@ -250,20 +253,33 @@ def _run(cfg: Config, logger: logging.Logger) -> int:
     os._exit(code)
 
 
-def _exit_if_stuck(cfg: Config, logger: logging.Logger, done: threading.Event) -> None:
-    """After SIGTERM the drain ends JITCKPT_GRACE_SECONDS minus a margin later (drain.py). A main
-    loop stuck in a call past that (a request to an S3 that stopped answering, a hung volume)
-    would be SIGKILLed without a line: halfway into the margin, say where it is and exit 1."""
-    if done.wait(cfg.drain_seconds + (cfg.grace_seconds - cfg.drain_seconds) / 2):
-        return
+def _exit_if_stuck(service: Service, logger: logging.Logger, done: threading.Event) -> None:
+    """After SIGTERM the drain ends JITCKPT_GRACE_SECONDS minus a margin after the grace period
+    began (drain.py). A main loop stuck in a call past that (a request to an S3 that stopped
+    answering, a hung volume) would be SIGKILLed without a line: a second before the margin
+    ends (at least halfway into it), say where it is and exit 1."""
+    cfg = service.cfg
+    margin = cfg.grace_seconds - cfg.drain_seconds
+    slack = max(margin / 2, margin - 1.0)
+    while True:
+        deadline = service.drain_deadline()  # earlier once the trainer's SIGTERM is read
+        left = 0.5 if deadline is None else deadline + slack - service.monotonic()
+        if done.wait(max(0.0, min(left, 0.5))):
+            return
+        if left <= 0:
+            break
+    if service.loop_ended.is_set():
+        return  # its clean-up: bounded joins, then the exit
     line = (
-        f"drain deadline passed ({cfg.drain_seconds:.1f} s after SIGTERM, "
-        f"JITCKPT_GRACE_SECONDS={cfg.grace_seconds}) with the main loop stuck in "
-        f"{_where(threading.main_thread())}; exiting 1"
+        f"drain deadline passed (JITCKPT_GRACE_SECONDS={cfg.grace_seconds} minus "
+        f"{margin:.1f} s) with the main loop stuck in {_where(threading.main_thread())}; "
+        "exiting 1"
     )
     log.write_termination_log(cfg.termination_log, f"{PROG}: {line}")
-    logger.error("%s", line)
-    os._exit(1)
+    try:
+        logger.error("%s", line)
+    finally:
+        os._exit(1)
 
 
 def _where(thread: threading.Thread) -> str:

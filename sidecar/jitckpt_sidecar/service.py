@@ -168,6 +168,9 @@ class Service:
         self._said_draining = False
         self._saying = threading.Lock()
         self._looping = False
+        self._drain_began: Optional[float] = None
+        self.loop_ended = threading.Event()
+        """The main loop returned (the clean-up after it is bounded)."""
         self._restored_bytes = 0
         self._sized_for: Optional[str] = None
         self._rescuing = False
@@ -182,6 +185,8 @@ class Service:
     def sigterm(self) -> None:
         if self._sigterm_at is None:
             self._sigterm_at = self.monotonic()
+            if self._drain_began is None:
+                self._drain_began = self._sigterm_at
         self.worker.draining = True  # short backoffs from now on
         if self._looping:  # said now: the main loop may be in a long call
             self._say_draining(self._sigterm_at)
@@ -233,6 +238,8 @@ class Service:
             self._looping = True
             return self._loop()
         finally:
+            self._looping = False
+            self.loop_ended.set()
             self._stop.set()
             self.rescue.stop(wait=1.0)
             if self.peer is not None:
@@ -392,6 +399,7 @@ class Service:
                 # The pod's grace period began when the trainer got SIGTERM; a native sidecar
                 # gets its own SIGTERM only after the trainer has exited.
                 since_sigterm = max(since_sigterm, self.clock() - trainer.sigterm_at)
+            self._drain_began = self.monotonic() - since_sigterm  # for drain_deadline()
         exited = trainer is not None and trainer.exited_at is not None
         trainer_exited = exited or self._trainer_dead
         verdict = drain.decide(
@@ -511,6 +519,19 @@ class Service:
         if self.peer is None or trainer is None or trainer.exited_at is not None:
             return None
         return self.peer.metric()
+
+    def drain_deadline(self) -> Optional[float]:
+        """When the drain must end (monotonic), once SIGTERM came: JITCKPT_GRACE_SECONDS minus a
+        margin after the pod's grace period began, at the trainer's SIGTERM when it came first
+        (a native sidecar gets its own only after the trainer exited). Read here too, not only
+        by the main loop: for a watch on a main loop that is stuck."""
+        began = self._drain_began
+        if began is None:
+            return None
+        trainer = self.feed.trainer()
+        if trainer is not None and trainer.sigterm_at is not None:
+            began = min(began, self.monotonic() - max(0.0, self.clock() - trainer.sigterm_at))
+        return began + self.cfg.drain_seconds
 
     def _healthy(self) -> bool:
         """Alive unless the main loop has not come round for far longer than a rescan."""

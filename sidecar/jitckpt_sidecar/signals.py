@@ -32,6 +32,7 @@ class Relay:
         self._signals = frozenset(signals)
         self._log = logger
         self._lock = threading.Lock()
+        self._calling = threading.Lock()  # `to()` replays while the thread may call: one at a time
         self._callback: Optional[Callback] = None
         self._early: list[signal.Signals] = []
         read_end, write_end = os.pipe()
@@ -64,10 +65,11 @@ class Relay:
                     self._call(callback, signum)
 
     def _call(self, callback: Callback, signum: signal.Signals) -> None:
-        try:
-            callback(signum)
-        except Exception:  # noqa: BLE001 - the next signal must still be handled
-            self._log.exception("handling %s failed", signum.name)
+        with self._calling:
+            try:
+                callback(signum)
+            except Exception:  # noqa: BLE001 - the next signal must still be handled
+                self._log.exception("handling %s failed", signum.name)
 
 
 def _nothing(_signo: int, _frame: object) -> None:

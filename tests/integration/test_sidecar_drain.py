@@ -137,8 +137,10 @@ def test_a_main_loop_stuck_in_an_s3_request_at_the_deadline_exits_1_and_says_whe
     spawn, base_env, s3_bucket, proxy, tmp_path
 ):
     """Disk pressure makes the main loop ask S3 whether checkpoint-30 is there before deleting
-    it; S3 never answers. SIGTERM: before the grace period ends the sidecar names the call it is
-    stuck in, in its log and termination message, and exits 1 (not SIGKILLed without a line)."""
+    it; S3 never answers. The trainer got SIGTERM and exited, then the sidecar gets its own (a
+    native sidecar): before the grace period, counted from the trainer's, ends, the sidecar
+    names the call it is stuck in, in its log and termination message, and exits 1 (not
+    SIGKILLed without a line)."""
     root = tmp_path / "node"
     commit([root], 20, [hf_files(20, big=MiB)])
     upload_directly(s3_bucket, root, 20)
@@ -154,7 +156,7 @@ def test_a_main_loop_stuck_in_an_s3_request_at_the_deadline_exits_1_and_says_whe
         s3_bucket,
         root,
         proxy.url,
-        JITCKPT_GRACE_SECONDS="6",
+        JITCKPT_GRACE_SECONDS="10",
         JITCKPT_STORAGE_CAPACITY="4Mi",
         JITCKPT_DISK_PRESSURE_THRESHOLD="0.3",
         JITCKPT_TERMINATION_LOG=str(tlog),
@@ -162,9 +164,11 @@ def test_a_main_loop_stuck_in_an_s3_request_at_the_deadline_exits_1_and_says_whe
     proc = spawn(SIDECAR, env=env)
     wait_for(lambda: asked.held >= 1, timeout=30, what="the main loop's ask about checkpoint-30")
     started = time.monotonic()
+    write_trainer(root, sigterm=True, exited=True)  # a native sidecar: SIGTERM after the trainer
+    time.sleep(2)
     proc.send(signal.SIGTERM)
     assert proc.wait(30) == 1, proc.output()
-    assert time.monotonic() - started < 6.0
+    assert time.monotonic() - started < 10.0  # the grace period from the trainer's: SIGKILL then
     line = log_line(proc, r"drain deadline passed .* with the main loop stuck in (.*); exiting 1")
     assert re.search(r"_in_s3 > remote.py:\d+ holds > .* > \w+\.py:\d+ \w+$", line[1]), line[0]
     assert "stuck in" in tlog.read_text()

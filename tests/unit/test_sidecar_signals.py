@@ -42,10 +42,8 @@ def test_signals_landing_while_the_main_thread_holds_an_events_lock_never_hang_i
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "ready"
-        sent, end = 0, time.monotonic() + 2.0
-        while time.monotonic() < end:
+        for _ in range(1500):
             child.send_signal(signal.SIGUSR1)
-            sent += 1
             time.sleep(0.001)
         child.send_signal(signal.SIGUSR2)
         out, _ = child.communicate(timeout=20)
@@ -54,7 +52,6 @@ def test_signals_landing_while_the_main_thread_holds_an_events_lock_never_hang_i
             child.kill()
             child.wait()
     assert child.returncode == 0
-    assert sent > 1000
     assert int(out.strip()) > 0  # signals pending together are delivered once
 
 
