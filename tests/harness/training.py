@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
-from harness.procs import ENTRYPOINT, Proc, wait_for
+from harness.procs import ENTRYPOINT, Proc, descendants, wait_for
 
 CHILDREN = Path(__file__).resolve().parents[1] / "integration" / "children"
 TRAIN_HF = CHILDREN / "train_hf.py"
@@ -63,7 +67,30 @@ def steps_seen(proc: Proc, rank: int = 0) -> list[int]:
 
 
 def wait_for_step(proc: Proc, step: int, timeout: float = 120) -> None:
-    proc.expect(rf"^step {step} rank=0$", timeout=timeout)
+    try:
+        proc.expect(rf"^step {step} rank=0$", timeout=timeout)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- stacks\n{training_stacks(proc)}") from None
+
+
+def training_stacks(proc: Proc) -> str:
+    """For a run that does not get on: the Python stacks of every thread of its training
+    processes and their DataLoader workers (train_hf.py's faulthandler on SIGUSR2), from
+    their stderr."""
+    before = len(proc.stderr)
+    for pid in descendants(proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"train_hf.py") for a in argv) and not any(
+            a.endswith(b"torchrun") for a in argv
+        ):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR2)
+    time.sleep(3)  # the dumps reach the pump
+    return "\n".join(list(proc.stderr)[before:])
 
 
 def jit_record(jdir: Path) -> Optional[dict[str, Any]]:

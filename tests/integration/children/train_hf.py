@@ -32,6 +32,7 @@ stage's end prints a digest of the weights.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
@@ -321,6 +322,7 @@ def build_args(opts: argparse.Namespace, cls: type = TrainingArguments) -> Train
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # tests: stacks of a run stuck
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--epochs", type=int, default=0)
