@@ -399,7 +399,6 @@ class Service:
                 # The pod's grace period began when the trainer got SIGTERM; a native sidecar
                 # gets its own SIGTERM only after the trainer has exited.
                 since_sigterm = max(since_sigterm, self.clock() - trainer.sigterm_at)
-            self._drain_began = self.monotonic() - since_sigterm  # for drain_deadline()
         exited = trainer is not None and trainer.exited_at is not None
         trainer_exited = exited or self._trainer_dead
         verdict = drain.decide(
