@@ -284,12 +284,13 @@ def _exit_if_stuck(service: Service, logger: logging.Logger, done: threading.Eve
 
 def _where(thread: threading.Thread) -> str:
     """The thread's calls of ours (the innermost 6, as `file:line function`), then the call it
-    is in: `service.py:376 _tick > ... > remote.py:224 holds > socket.py:706 readinto`."""
+    is in: `service.py:355 _loop > status_feed.py:122 trainer > ... > atomic.py:80 read_json`."""
     frame = sys._current_frames().get(thread.ident or -1)
     if frame is None:
         return "an unknown call"
     stack = traceback.extract_stack(frame)
-    named = [f for f in stack if f"{os.sep}jitckpt_sidecar{os.sep}" in f.filename][-6:]
+    ours = (f"{os.sep}jitckpt_sidecar{os.sep}", f"{os.sep}jitckpt_entrypoint{os.sep}")
+    named = [f for f in stack if any(part in f.filename for part in ours)][-6:]
     if not named or named[-1] is not stack[-1]:
         named.append(stack[-1])
     return " > ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in named)

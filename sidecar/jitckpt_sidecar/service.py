@@ -5,11 +5,12 @@ waits), serving /metrics with the failure counted, and tries again with a backof
 restore succeeds or SIGTERM (the kubelet's startupProbe, a deleted pod) ends it with exit 1 and
 the error as the container's termination message.
 
-Threads: the main loop (scans staging/ and status/, prunes local checkpoints, decides when to
-exit: drain.py), one upload worker (upload_worker.py: one checkpoint at a time, newest first,
-its parallelism inside the TransferManager), the save-peak sampler (samples the volume while
-the trainer saves), the watchdog observer (only wakes the main loop and the sampler) and the
-HTTP server.
+Threads: the main loop (scans staging/ and status/, decides when to exit: drain.py; it asks
+S3 nothing, so a slow S3 never holds up the drain or /healthz), the pruner (deletes local
+checkpoints that S3 holds, woken by each pass of the main loop), one upload worker
+(upload_worker.py: one checkpoint at a time, newest first, its parallelism inside the
+TransferManager), the save-peak sampler (samples the volume while the trainer saves), the
+watchdog observer (only wakes the main loop and the sampler) and the HTTP server.
 
 Drain: after SIGTERM the sidecar keeps uploading until the trainer has exited
 (status/trainer.json has exited_at, or its container died whole: ram_rescue.py, which also
@@ -159,6 +160,7 @@ class Service:
         )
         self.server = server
         self._wake = threading.Event()
+        self._prune_due = threading.Event()
         self._stop = threading.Event()
         self._sigterm_at: Optional[float] = None
         self.failure: Optional[str] = None
@@ -169,6 +171,8 @@ class Service:
         self._saying = threading.Lock()
         self._looping = False
         self._drain_began: Optional[float] = None
+        self._trainer_seen: Optional[status.TrainerStatus] = None
+        """trainer.json as the main loop's latest pass read it."""
         self.loop_ended = threading.Event()
         """The main loop returned (the clean-up after it is bounded)."""
         self._restored_bytes = 0
@@ -226,7 +230,6 @@ class Service:
             self.layout.staging,
         )
         worker = threading.Thread(target=self.worker.run, name="jitckpt-upload", daemon=True)
-        settler = threading.Thread(target=self._settle, name="jitckpt-settle", daemon=True)
         try:
             self.watcher.start()
             self.notice.start()
@@ -234,13 +237,15 @@ class Service:
             if self.peer is not None:
                 self.peer.start()
             worker.start()
-            settler.start()
+            for name, target in (("settle", self._settle), ("prune", self._prune)):
+                threading.Thread(target=target, name=f"jitckpt-{name}", daemon=True).start()
             self._looping = True
             return self._loop()
         finally:
             self._looping = False
             self.loop_ended.set()
             self._stop.set()
+            self._prune_due.set()
             self.rescue.stop(wait=1.0)
             if self.peer is not None:
                 self.peer.stop()
@@ -345,7 +350,7 @@ class Service:
                 self.pruner.forget()
             # Read trainer.json before scanning: whatever the trainer staged before it exited
             # is then in this scan, so "exited and nothing pending" is never premature.
-            trainer = self.feed.trainer()
+            trainer = self._trainer_seen = self.feed.trainer()
             # A trainer container that died whole never writes exited_at (ram_rescue.py); only
             # once the pod is going, or when no restart can follow (a plain-container sidecar
             # under restartPolicy Never, which gets no SIGTERM then): before, the kubelet may
@@ -383,10 +388,22 @@ class Service:
         seconds = self.notice.durable(self.metrics.uploads.last_uploaded_step.value)
         if seconds is not None:
             self.metrics.notice.to_durable.set(seconds)
-        try:
-            self.pruner.prune()
-        except Exception as exc:  # noqa: BLE001 - pruning is retried at the next tick; the loop must go on
-            self.log.warning("pruning local checkpoints failed: %s", self._describe(exc, "prune"))
+        self._prune_due.set()
+
+    def _prune(self) -> None:
+        """The pruner's thread: a pass after each pass of the main loop that came meanwhile.
+        Off the main loop, as it asks S3 before each deletion."""
+        while True:
+            self._prune_due.wait()
+            self._prune_due.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.pruner.prune()
+            except Exception as exc:  # noqa: BLE001 - retried at the next pass; the thread must go on
+                self.log.warning(
+                    "pruning local checkpoints failed: %s", self._describe(exc, "prune")
+                )
 
     def _exit_code(
         self, trainer: Optional[status.TrainerStatus], sigterm_at: Optional[float]
@@ -522,12 +539,12 @@ class Service:
     def drain_deadline(self) -> Optional[float]:
         """When the drain must end (monotonic), once SIGTERM came: JITCKPT_GRACE_SECONDS minus a
         margin after the pod's grace period began, at the trainer's SIGTERM when it came first
-        (a native sidecar gets its own only after the trainer exited). Read here too, not only
-        by the main loop: for a watch on a main loop that is stuck."""
+        (a native sidecar gets its own only after the trainer exited). No I/O, for a watch on a
+        main loop that is stuck (a hung volume too): trainer.json as the loop last read it."""
         began = self._drain_began
         if began is None:
             return None
-        trainer = self.feed.trainer()
+        trainer = self._trainer_seen
         if trainer is not None and trainer.sigterm_at is not None:
             began = min(began, self.monotonic() - max(0.0, self.clock() - trainer.sigterm_at))
         return began + self.cfg.drain_seconds

@@ -133,44 +133,76 @@ def test_the_drain_deadline_ends_a_stuck_upload_with_exit_1(
     )
 
 
-def test_a_main_loop_stuck_in_an_s3_request_at_the_deadline_exits_1_and_says_where(
+@pytest.mark.s3_stores("moto")
+def test_a_prune_stuck_in_an_s3_request_holds_up_neither_the_drain_nor_the_exit(
     spawn, base_env, s3_bucket, proxy, tmp_path
 ):
-    """Disk pressure makes the main loop ask S3 whether checkpoint-30 is there before deleting
-    it; S3 never answers. The trainer got SIGTERM and exited, then the sidecar gets its own (a
-    native sidecar): before the grace period, counted from the trainer's, ends, the sidecar
-    names the call it is stuck in, in its log and termination message, and exits 1 (not
-    SIGKILLed without a line)."""
+    """Disk pressure makes the pruner ask S3 whether checkpoint-30 is there before deleting it;
+    S3 never answers. The pruner asks from its own thread: the main loop goes on, and at
+    SIGTERM (the trainer has exited, checkpoint-20 is in S3) the sidecar drains and exits 0 at
+    once. (It asked on the main loop, which stayed stuck until the drain deadline.)"""
     root = tmp_path / "node"
     commit([root], 20, [hf_files(20, big=MiB)])
     upload_directly(s3_bucket, root, 20)
     commit([root], 30, [hf_files(30, big=MiB)], staged=False)  # committed here, not in S3
     commit([root], 40, [hf_files(40, big=MiB)], staged=False)
-    write_trainer(root)
+    write_trainer(root, sigterm=True, exited=True)
     asked = proxy.hold(
         lambda method, key, query: method == "GET" and "checkpoint-30" in key + str(query), None
     )
-    tlog = tmp_path / "tlog"
     env = env_for(
         base_env,
         s3_bucket,
         root,
         proxy.url,
-        JITCKPT_GRACE_SECONDS="10",
+        JITCKPT_GRACE_SECONDS="60",
         JITCKPT_STORAGE_CAPACITY="4Mi",
         JITCKPT_DISK_PRESSURE_THRESHOLD="0.3",
-        JITCKPT_TERMINATION_LOG=str(tlog),
     )
     proc = spawn(SIDECAR, env=env)
-    wait_for(lambda: asked.held >= 1, timeout=30, what="the main loop's ask about checkpoint-30")
+    wait_for(lambda: asked.held >= 1, timeout=30, what="the pruner's ask about checkpoint-30")
+    log_line(proc, r"the trainer exited and everything is committed in S3; staying up")
+    started = time.monotonic()
+    proc.send(signal.SIGTERM)
+    assert proc.wait(30) == 0, proc.output()
+    assert time.monotonic() - started < 5.0
+    log_line(proc, r"drained: the trainer exited and every staged checkpoint is committed")
+    assert (root / "checkpoints" / "checkpoint-30").is_dir()  # never deleted: S3 never said
+
+
+@pytest.mark.s3_stores("moto")
+def test_a_main_loop_stuck_at_the_deadline_exits_1_and_says_where(
+    spawn, base_env, s3_bucket, tmp_path
+):
+    """The main loop hangs reading status/trainer.json (a volume that stopped answering; here
+    a FIFO nobody writes). The trainer got SIGTERM and exited, then the sidecar gets its own (a
+    native sidecar): before the grace period, counted from the trainer's, ends, the sidecar
+    names the call it is stuck in, in its log and termination message, and exits 1 (not
+    SIGKILLed without a line)."""
+    root = tmp_path / "node"
+    commit([root], 20, [hf_files(20)])
+    upload_directly(s3_bucket, root, 20)
+    write_trainer(root)
+    tlog = tmp_path / "tlog"
+    env = env_for(
+        base_env, s3_bucket, root, JITCKPT_GRACE_SECONDS="10", JITCKPT_TERMINATION_LOG=str(tlog)
+    )
+    proc = spawn(SIDECAR, env=env)
+    log_line(proc, r"ready \(restore")
     started = time.monotonic()
     write_trainer(root, sigterm=True, exited=True)  # a native sidecar: SIGTERM after the trainer
+    log_line(proc, r"the trainer exited and everything is committed in S3; staying up")
+    fifo, trainer_json = root / "status" / "fifo", root / "status" / "trainer.json"
+    os.mkfifo(fifo)
+    os.replace(fifo, trainer_json)  # the loop's next pass opens it, and waits for a writer
     time.sleep(2)
     proc.send(signal.SIGTERM)
     assert proc.wait(30) == 1, proc.output()
     assert time.monotonic() - started < 10.0  # the grace period from the trainer's: SIGKILL then
     line = log_line(proc, r"drain deadline passed .* with the main loop stuck in (.*); exiting 1")
-    assert re.search(r"_in_s3 > remote.py:\d+ holds > .* > \w+\.py:\d+ \w+$", line[1]), line[0]
+    assert re.search(r"_loop > status_feed.py:\d+ trainer > .* > atomic.py:\d+ \w+$", line[1]), (
+        line[0]
+    )
     assert "stuck in" in tlog.read_text()
     log_line(proc, r"SIGTERM: draining")  # said at once, though the loop never came round
 
