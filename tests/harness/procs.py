@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import random
 import re
 import signal
 import socket
@@ -49,10 +50,42 @@ def wait_for(
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago (free_ports)."""
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago, none handed out
+    before in this session. Below the ephemeral range: a port the kernel picked (bind to port
+    0) goes free when the test closes its socket, and any outgoing connection (an S3 client's,
+    gloo's) may take it before the server the test starts binds it; outside that range only
+    another listener can, and each is handed its own."""
+    low = int(_ephemeral_range()[0])
+    ports: list[int] = []
+    while len(ports) < count:
+        port = _ports.randrange(max(1024, low - 12000), low)
+        if port in _handed:
+            continue
+        _handed.add(port)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or in TIME_WAIT
+                continue
+        ports.append(port)
+    return ports
+
+
+_ports = random.Random(os.getpid())
+_handed: set[int] = set()
+
+
+def _ephemeral_range() -> list[str]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return f.read().split()
+    except OSError:
+        return ["32768", "60999"]
 
 
 def children_of(pid: int) -> list[int]:

@@ -36,6 +36,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from harness.procs import free_ports
+
 PACKAGES = ("ceph-mon", "ceph-osd", "radosgw", "ceph-common")
 """Debian packages that provide every binary below."""
 BINARIES = (
@@ -61,16 +63,6 @@ def _die_with_parent() -> None:
     pytest never leaves a cluster behind."""
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct ports on 127.0.0.1 that were free a moment ago (held together while
-    chosen, so they differ)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
 
 
 def _listening(port: int) -> bool:
@@ -215,7 +207,7 @@ class CephRGW:
         self.root.mkdir(parents=True, exist_ok=True)
         for sub in ("mon.a", "osd.0", "run", "log"):
             (self.root / sub).mkdir(exist_ok=True)
-        mon_port, mon_port1, self.http_port, self.https_port = _free_ports(4)
+        mon_port, mon_port1, self.http_port, self.https_port = free_ports(4)
         make_tls_files(self.root)
         fsid = str(uuid.uuid4())
         self.conf.write_text(self._config(fsid, mon_port, mon_port1))

@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import itertools
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from typing import Any, Optional, Protocol
 import pytest
 
 from harness import rgw
-from harness.procs import wait_for
+from harness.procs import free_port, wait_for
 from harness.s3proxy import S3Proxy
 
 FAKE_CREDENTIALS = {
@@ -72,13 +71,6 @@ class S3Store(Protocol):
     def client(self, endpoint: Optional[str] = None) -> Any: ...
 
     def proxy(self) -> S3Proxy: ...
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def s3_env(endpoint: str, env: Optional[Mapping[str, str]] = None) -> dict[str, str]:

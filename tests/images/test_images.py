@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ import yaml
 
 from harness import images
 from harness.podman import Podman, missing_tools
-from harness.procs import REPO, Proc, wait_for
+from harness.procs import REPO, Proc, free_port, wait_for
 from harness.training import CHILDREN
 
 pytestmark = [
@@ -158,12 +157,6 @@ def test_podman_stop_commits_a_jit_checkpoint_and_exits_143(pm, shared_dir, cont
 def sidecar_has_long_running_mode(pm: Podman) -> bool:
     out = pm.run("run", "--rm", SIDECAR, "--help", check=False)
     return "restore" in out.stdout + out.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 PODMAN_FIELDS = ("metadata.name", "metadata.uid")

@@ -8,7 +8,8 @@ import socket
 import pytest
 
 from harness.checkpoints import SIDECAR, sidecar_env
-from harness.s3 import FAKE_CREDENTIALS, MotoServer, free_port, s3_env
+from harness.procs import free_port
+from harness.s3 import FAKE_CREDENTIALS, MotoServer, s3_env
 
 pytestmark = pytest.mark.integration
 SECRET = FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"]

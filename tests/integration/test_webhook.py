@@ -35,8 +35,7 @@ from harness.admission import (
 )
 from harness.checkpoints import SIDECAR
 from harness.k8s import VERSIONS, validate
-from harness.procs import Proc, wait_for
-from harness.s3 import free_port
+from harness.procs import Proc, free_port, wait_for
 from jitckpt_sidecar.webhook import admission
 
 pytestmark = pytest.mark.integration
