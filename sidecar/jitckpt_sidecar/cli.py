@@ -159,6 +159,8 @@ def prepare_dir(cfg: Config) -> Layout:
 class _Store:
     client: Any
     """The transfer client every part of this process uses (upload, restore, retention)."""
+    asks: Any
+    """A client that gives up sooner, for the pruner's questions (s3.ASK_READ_TIMEOUT)."""
     checksums_refused: Optional[str]
     """The error code with which the store refused flexible checksums, when it did."""
     notes: list[str]
@@ -201,11 +203,18 @@ def _connect(
     pool = cfg.upload_concurrency + cfg.download_concurrency + 4
     checksums = s3.WHEN_REQUIRED if refused else None
     client = s3.make_client(cfg, session, pool=pool, checksums=checksums)
+    asks = s3.make_client(
+        cfg,
+        session,
+        attempts=min(s3.ASK_ATTEMPTS, cfg.s3_max_attempts),
+        checksums=checksums,
+        read_timeout=s3.ASK_READ_TIMEOUT,
+    )
     found = s3.retention_notes(client, cfg) if notes else []
     if announce:
         for note in found:
             logger.warning("%s", note)
-    return _Store(client, refused, found)
+    return _Store(client, asks, refused, found)
 
 
 def run_main(argv: list[str]) -> int:
@@ -226,8 +235,16 @@ def _run(cfg: Config, logger: logging.Logger) -> int:
     server = MetricsServer(
         host=cfg.metrics_host, port=cfg.metrics_port, registry=registry, logger=logger
     )
-    client = _connect(cfg, logger).client
-    service = Service(cfg, layout, client=client, registry=registry, server=server, logger=logger)
+    store = _connect(cfg, logger)
+    service = Service(
+        cfg,
+        layout,
+        client=store.client,
+        asks=store.asks,
+        registry=registry,
+        server=server,
+        logger=logger,
+    )
     done = threading.Event()
     watching: list[threading.Thread] = []
 
@@ -255,8 +272,8 @@ def _run(cfg: Config, logger: logging.Logger) -> int:
 
 def _exit_if_stuck(service: Service, logger: logging.Logger, done: threading.Event) -> None:
     """After SIGTERM the drain ends JITCKPT_GRACE_SECONDS minus a margin after the grace period
-    began (drain.py). A main loop stuck in a call past that (a request to an S3 that stopped
-    answering, a hung volume) would be SIGKILLed without a line: a second before the margin
+    began (drain.py). A main loop stuck in a call past that (a hung volume: it asks S3 nothing)
+    would be SIGKILLed without a line: a second before the margin
     ends (at least halfway into it), say where it is and exit 1."""
     cfg = service.cfg
     margin = cfg.grace_seconds - cfg.drain_seconds
@@ -284,7 +301,7 @@ def _exit_if_stuck(service: Service, logger: logging.Logger, done: threading.Eve
 
 def _where(thread: threading.Thread) -> str:
     """The thread's calls of ours (the innermost 6, as `file:line function`), then the call it
-    is in: `service.py:355 _loop > status_feed.py:122 trainer > ... > atomic.py:80 read_json`."""
+    is in: `service.py:N _loop > status_feed.py:N trainer > ... > atomic.py:N read_json`."""
     frame = sys._current_frames().get(thread.ident or -1)
     if frame is None:
         return "an unknown call"

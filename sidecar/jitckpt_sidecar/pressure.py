@@ -128,6 +128,18 @@ class Pruner:
         self.waiting, self.size_limit = waiting, size_limit
         self._stuck_logged = False
         self._not_in_s3: set[int] = set()
+        self._deleting = threading.Lock()
+        self._stopped = False
+
+    def stop(self) -> None:
+        """No deletion once this returns (one under way ends first, with its line): the
+        sidecar is exiting, and its last line is its summary."""
+        with self._deleting:
+            self._stopped = True
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
 
     def forget(self) -> None:
         """Ask S3 again about checkpoints it did not hold (after an upload, at each rescan)."""
@@ -173,16 +185,20 @@ class Pruner:
         for step in committed:
             if step in keep or not self._deletable(step, node.node):
                 continue
-            freed, _ = self._delete(step)
-            pruned.append(step)
-            self.log.info(
-                "retention: deleted local %s (save_total_limit=%d on node %d, %s), %.1f MB freed",
-                checkpoint_name(step),
-                limit,
-                node.node,
-                _why(node),
-                freed / 1e6,
-            )
+            with self._deleting:
+                if self._stopped:
+                    break
+                freed, _ = self._delete(step)
+                pruned.append(step)
+                self.log.info(
+                    "retention: deleted local %s (save_total_limit=%d on node %d, %s), "
+                    "%.1f MB freed",
+                    checkpoint_name(step),
+                    limit,
+                    node.node,
+                    _why(node),
+                    freed / 1e6,
+                )
         return pruned
 
     def _relieve(
@@ -196,22 +212,25 @@ class Pruner:
         for step in committed:  # oldest first
             if step in keep or not self._deletable(step, None if node is None else node.node):
                 continue
-            ratio = sample.ratio
-            freed, sample = self._delete(step)
-            pruned.append(step)
-            self.log.info(
-                "disk pressure %.2f >= %.2f: deleted local %s (%s), %.1f MB freed, now %.2f",
-                ratio,
-                self.threshold,
-                checkpoint_name(step),
-                _why(node),
-                freed / 1e6,
-                sample.ratio,
-            )
+            with self._deleting:
+                if self._stopped:
+                    return pruned
+                ratio = sample.ratio
+                freed, sample = self._delete(step)
+                pruned.append(step)
+                self.log.info(
+                    "disk pressure %.2f >= %.2f: deleted local %s (%s), %.1f MB freed, now %.2f",
+                    ratio,
+                    self.threshold,
+                    checkpoint_name(step),
+                    _why(node),
+                    freed / 1e6,
+                    sample.ratio,
+                )
             if sample.ratio < self.threshold:
                 self._stuck_logged = False
                 return pruned
-        if not self._stuck_logged:
+        if not self._stuck_logged and not self.stopped:
             self._stuck_logged = True
             self.log.warning(
                 "disk pressure %.2f >= %.2f (%.1f of %.1f MB) and no local checkpoint can be "

@@ -7,6 +7,7 @@ it needs for that from S3: one listing per directory and its manifests (read in 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -69,6 +70,12 @@ class Remote:
         self.uri = uri
         self._committed: dict[int, RemoteCheckpoint] = {}
         self._lock = threading.Lock()
+
+    def through(self, client: Any) -> Remote:
+        """This prefix through another client (other timeouts), sharing what is cached."""
+        view = copy.copy(self)
+        view.client = client
+        return view
 
     def key(self, step: int, relpath: str = "") -> str:
         return self.dir_key(checkpoint_name(step), relpath)

@@ -25,6 +25,10 @@ from jitckpt_sidecar.errors import StorageAccessError
 log = logging.getLogger("jitckpt.jitckpt-sidecar.s3")
 
 PROBE_ATTEMPTS = 2
+ASK_ATTEMPTS, ASK_READ_TIMEOUT = 2, 10.0
+"""The pruner's questions (does S3 hold this checkpoint?): small reads, asked again at its next
+pass, where no answer means no; an S3 that stopped answering must not hold the pruner for
+minutes (the transfer client waits 120 s per read, `cfg.s3_max_attempts` times)."""
 """The start-up probe fails fast: a wrong endpoint should not take a minute to report."""
 PROBE_PATIENCE = 60.0
 """Seconds of transient failures (5xx, throttling, resets, timeouts) the probe rides out."""
@@ -91,11 +95,13 @@ def make_client(
     attempts: Optional[int] = None,
     pool: int = 10,
     checksums: Optional[str] = None,
+    read_timeout: float = 120.0,
 ) -> Any:
     """A botocore S3 client for `cfg`; each request is tried `attempts` (default
     cfg.s3_max_attempts) times in botocore's standard mode (exponential backoff with full
-    jitter, capped at 20 s, on throttling, 5xx and connection errors). `checksums`
-    (WHEN_REQUIRED) overrides botocore's flexible-checksum settings for this client."""
+    jitter, capped at 20 s, on throttling, 5xx and connection errors), each read waiting
+    `read_timeout` seconds. `checksums` (WHEN_REQUIRED) overrides botocore's flexible-checksum
+    settings for this client."""
     from botocore.config import Config as BotoConfig
 
     quickack.install()
@@ -126,7 +132,7 @@ def make_client(
         retries={"mode": "standard", "total_max_attempts": attempts or cfg.s3_max_attempts},
         max_pool_connections=max(pool, 10),
         connect_timeout=10,
-        read_timeout=120,
+        read_timeout=read_timeout,
         tcp_keepalive=True,
         s3=s3_settings,
         user_agent_extra=f"jitckpt-sidecar/{__version__}",

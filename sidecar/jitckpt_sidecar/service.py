@@ -71,6 +71,7 @@ class Service:
         layout: Layout,
         *,
         client: Any,
+        asks: Any = None,
         registry: CollectorRegistry,
         server: MetricsServer,
         logger: logging.Logger,
@@ -82,6 +83,8 @@ class Service:
         self._started_at = process_start(clock)
         """When this sidecar's process started: the pod's start, for the recovery time."""
         self.remote = Remote(client, cfg.uri)
+        # the pruner's questions: through `asks`, a client that gives up sooner
+        self._asks = self.remote if asks is None else self.remote.through(asks)
         self.backlog = Backlog(monotonic)
         self.storage = Storage(layout.root, cfg.storage_capacity)
         self.metrics = Metrics(
@@ -401,9 +404,10 @@ class Service:
             try:
                 self.pruner.prune()
             except Exception as exc:  # noqa: BLE001 - retried at the next pass; the thread must go on
-                self.log.warning(
-                    "pruning local checkpoints failed: %s", self._describe(exc, "prune")
-                )
+                if not self.pruner.stopped:  # else past the exit's summary line
+                    self.log.warning(
+                        "pruning local checkpoints failed: %s", self._describe(exc, "prune")
+                    )
 
     def _exit_code(
         self, trainer: Optional[status.TrainerStatus], sigterm_at: Optional[float]
@@ -427,6 +431,8 @@ class Service:
             exit_with_trainer=self.cfg.exit_with_trainer,
             trainer_final=self._final(trainer),
         )
+        if verdict.exit_code is not None:
+            self.pruner.stop()  # the summary below is the last line
         if verdict is drain.Verdict.DRAINED:
             self.log.info(
                 "drained: the trainer %s and every staged checkpoint is committed in S3%s; "
@@ -566,8 +572,8 @@ class Service:
             return False
         local = save.get(0 if node is None else node, save[0])
         try:
-            return self.remote.holds(step, node, local.save_id) or bool(
-                superseded(self.remote, local, self.cfg.s3_keep)
+            return self._asks.holds(step, node, local.save_id) or bool(
+                superseded(self._asks, local, self.cfg.s3_keep)
             )
         except Exception as exc:  # noqa: BLE001 - unknown means no: never delete what S3 may not hold
             self.log.debug("cannot tell whether %s is in S3: %s", checkpoint_name(step), exc)

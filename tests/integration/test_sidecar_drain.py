@@ -140,7 +140,8 @@ def test_a_prune_stuck_in_an_s3_request_holds_up_neither_the_drain_nor_the_exit(
     """Disk pressure makes the pruner ask S3 whether checkpoint-30 is there before deleting it;
     S3 never answers. The pruner asks from its own thread: the main loop goes on, and at
     SIGTERM (the trainer has exited, checkpoint-20 is in S3) the sidecar drains and exits 0 at
-    once. (It asked on the main loop, which stayed stuck until the drain deadline.)"""
+    once. (It asked on the main loop, which stayed stuck until the drain deadline.) Its client
+    gives up in seconds, not minutes: no answer is a no, which the pressure line names."""
     root = tmp_path / "node"
     commit([root], 20, [hf_files(20, big=MiB)])
     upload_directly(s3_bucket, root, 20)
@@ -162,6 +163,7 @@ def test_a_prune_stuck_in_an_s3_request_holds_up_neither_the_drain_nor_the_exit(
     proc = spawn(SIDECAR, env=env)
     wait_for(lambda: asked.held >= 1, timeout=30, what="the pruner's ask about checkpoint-30")
     log_line(proc, r"the trainer exited and everything is committed in S3; staying up")
+    log_line(proc, r"no local checkpoint can be deleted: .*checkpoint-30 not in S3 yet", 60)
     started = time.monotonic()
     proc.send(signal.SIGTERM)
     assert proc.wait(30) == 0, proc.output()

@@ -112,6 +112,22 @@ def test_relief_deletes_oldest_first_and_stops_below_the_threshold(tmp_path):
     assert validity.committed_steps(layout.checkpoints) == [30, 40]
 
 
+def test_a_stopped_pruner_deletes_and_says_nothing(tmp_path, caplog):
+    """The sidecar is exiting (its summary is its last line): a pass asked before, or one
+    under way, deletes nothing more, and logs nothing."""
+    layout = Layout(str(tmp_path))
+    layout.ensure()
+    for step in (10, 20, 30):
+        committed_checkpoint(layout, step)
+    pruned: list[int] = []
+    prune = pruner(layout, MiB, 0.1, {10, 20}, pruned)
+    prune.stop()
+    with caplog.at_level(logging.INFO):
+        assert prune.prune() == []
+    assert pruned == [] and caplog.records == []
+    assert validity.committed_steps(layout.checkpoints) == [10, 20, 30]
+
+
 def test_relief_never_deletes_the_newest_one_not_in_s3_or_one_being_written(tmp_path):
     """Only committed, uploaded, not-newest checkpoints go, however high the pressure."""
     layout = Layout(str(tmp_path))
