@@ -128,6 +128,8 @@ class Pruner:
         self.waiting, self.size_limit = waiting, size_limit
         self._stuck_logged = False
         self._not_in_s3: set[int] = set()
+        self._asked = 0
+        """forget()'s count: a no remembered is from after the latest."""
         self._deleting = threading.Lock()
         self._stopped = False
 
@@ -143,6 +145,7 @@ class Pruner:
 
     def forget(self) -> None:
         """Ask S3 again about checkpoints it did not hold (after an upload, at each rescan)."""
+        self._asked += 1  # an answer being awaited now may be from before the upload
         self._not_in_s3.clear()
 
     def prune(self) -> list[int]:
@@ -160,9 +163,11 @@ class Pruner:
     def _deletable(self, step: int, node: Optional[int]) -> bool:
         if step in self._not_in_s3:
             return False
+        asked = self._asked
         if self.in_s3(step, node):
             return True
-        self._not_in_s3.add(step)
+        if asked == self._asked:
+            self._not_in_s3.add(step)
         return False
 
     def _delete(self, step: int) -> tuple[int, Sample]:

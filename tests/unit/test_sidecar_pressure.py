@@ -124,8 +124,37 @@ def test_a_stopped_pruner_deletes_and_says_nothing(tmp_path, caplog):
     prune.stop()
     with caplog.at_level(logging.INFO):
         assert prune.prune() == []
-    assert pruned == [] and caplog.records == []
+    assert pruned == []
+    assert caplog.records == []
     assert validity.committed_steps(layout.checkpoints) == [10, 20, 30]
+
+
+def test_a_no_from_before_an_upload_ended_is_not_remembered(tmp_path):
+    """S3 says no about checkpoint-10 while its upload commits (forget() during the question):
+    that no is stale, and the next pass asks again, and deletes it."""
+    layout = Layout(str(tmp_path))
+    layout.ensure()
+    for step in (10, 20):
+        committed_checkpoint(layout, step)
+    asked: list[int] = []
+
+    def in_s3(step: int, _node: object) -> bool:
+        asked.append(step)
+        if len(asked) == 1:
+            prune.forget()  # the upload worker, meanwhile
+            return False
+        return True
+
+    prune = Pruner(
+        layout,
+        Storage(layout.root, MiB),
+        threshold=0.1,
+        in_s3=in_s3,
+        logger=logging.getLogger("test"),
+    )
+    assert prune.prune() == []
+    assert prune.prune() == [10]
+    assert asked == [10, 10]
 
 
 def test_relief_never_deletes_the_newest_one_not_in_s3_or_one_being_written(tmp_path):
