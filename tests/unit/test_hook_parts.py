@@ -623,6 +623,37 @@ def test_callbacks_that_may_act_on_checkpoints_get_one_in_output_dir_while_saves
     output_dir_view.close_views()
 
 
+def test_a_link_another_rank_made_for_this_save_is_never_taken_from_under_it(tmp_path, monkeypatch):
+    """Two ranks of a node open the same save's view: the one that comes second keeps the
+    first one's link as it is (it removed and made it again, and a callback on the first rank
+    writing into it found no directory: CI saw a training crash), and removes it later too.
+    A link of this process's to the same step (a retry's save of it) stays as well; a killed
+    process's link named for this step but to another checkpoint is replaced."""
+    from jitckpt_entrypoint.hook import output_dir_view
+
+    checkpoints, out = tmp_path / "jitckpt" / "checkpoints", tmp_path / "out"
+    for step in (5, 8):
+        (checkpoints / f"checkpoint-{step}").mkdir(parents=True)
+    out.mkdir()
+    link = out / "checkpoint-8"
+    os.symlink(str(checkpoints.resolve() / "checkpoint-8"), link)  # the other rank's
+    removed: list[str] = []
+    unlink = os.unlink
+    monkeypatch.setattr(os, "unlink", lambda path: (removed.append(str(path)), unlink(path)))
+    output_dir_view.open_view(str(out), str(checkpoints), 8)
+    output_dir_view.open_view(str(out), str(checkpoints), 8)  # again: a retry's save of step 8
+    assert removed == []
+    assert os.readlink(link) == str(checkpoints.resolve() / "checkpoint-8")
+    output_dir_view.close_views()
+    assert removed == [str(link)]
+
+    os.symlink(str(checkpoints.resolve() / "checkpoint-5"), link)  # a killed process's, wrong
+    output_dir_view.open_view(str(out), str(checkpoints), 8)
+    assert os.readlink(link) == str(checkpoints.resolve() / "checkpoint-8")
+    output_dir_view.close_views()
+    assert list(out.iterdir()) == []
+
+
 def test_a_save_is_committed_after_every_on_save_even_through_a_handler_the_trainer_replaced(
     monkeypatch,
 ):

@@ -95,12 +95,20 @@ def _here(trainer: Any) -> list[str]:
 def open_view(output_dir: str, checkpoints: str, step: int) -> None:
     """Link `output_dir/checkpoint-<step>` to the checkpoint in `checkpoints`, unless something
     is there already; this process's earlier links go (every rank is past their `on_save`:
-    steps' collectives came since). Never raises."""
-    close_views()
+    steps' collectives came since, or the commit's barrier), but one of this step's. A link
+    there already to this checkpoint (another rank's of this node, a killed process's) stays,
+    as it is: removed, it would go from under another rank's callback that uses it; this
+    process removes it later too. Never raises."""
     link = os.path.join(output_dir, checkpoint_name(step))
     target = os.path.join(os.path.abspath(checkpoints), checkpoint_name(step))
+    close_views(keep=link)
     with contextlib.suppress(OSError):
-        if is_view(link, checkpoints):  # one a process that died left
+        if os.readlink(link) == target:
+            if link not in _views:
+                _views.append(link)
+            return
+    with contextlib.suppress(OSError):
+        if is_view(link, checkpoints):  # of another checkpoint, a process that died left
             os.unlink(link)
         if not os.path.lexists(link) and os.path.isdir(target):
             os.makedirs(output_dir, exist_ok=True)
@@ -108,13 +116,15 @@ def open_view(output_dir: str, checkpoints: str, step: int) -> None:
             _views.append(link)
 
 
-def close_views() -> None:
-    """Remove this process's links (still links). Never raises."""
+def close_views(keep: str = "") -> None:
+    """Remove this process's links (still links), all but `keep`. Never raises."""
+    kept = [link for link in _views if link == keep]
     while _views:
         link = _views.pop()
         with contextlib.suppress(OSError):
-            if os.path.islink(link):
+            if link != keep and os.path.islink(link):
                 os.unlink(link)
+    _views.extend(kept[:1])
 
 
 def is_view(path: str, checkpoints: str) -> bool:
