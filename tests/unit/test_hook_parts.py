@@ -624,34 +624,42 @@ def test_callbacks_that_may_act_on_checkpoints_get_one_in_output_dir_while_saves
 
 
 def test_a_link_another_rank_made_for_this_save_is_never_taken_from_under_it(tmp_path, monkeypatch):
-    """Two ranks of a node open the same save's view: the one that comes second keeps the
-    first one's link as it is (it removed and made it again, and a callback on the first rank
-    writing into it found no directory: CI saw a training crash), and removes it later too.
-    A link of this process's to the same step (a retry's save of it) stays as well; a killed
-    process's link named for this step but to another checkpoint is replaced."""
+    """The ranks of a node open the same save's view while another's callback may be writing
+    into it: the link is never removed then (it was removed and made again, and a callback on
+    the other rank found no directory: CI saw a training crash). One to this checkpoint stays,
+    however its path is spelt, and this process removes it later too; a killed process's link
+    to another checkpoint is replaced in one rename; a directory of the script's is left."""
     from jitckpt_entrypoint.hook import output_dir_view
 
     checkpoints, out = tmp_path / "jitckpt" / "checkpoints", tmp_path / "out"
     for step in (5, 8):
         (checkpoints / f"checkpoint-{step}").mkdir(parents=True)
     out.mkdir()
-    link = out / "checkpoint-8"
-    os.symlink(str(checkpoints.resolve() / "checkpoint-8"), link)  # the other rank's
+    link, eight = out / "checkpoint-8", os.path.abspath(checkpoints / "checkpoint-8")
+    os.symlink(f"{checkpoints}/../checkpoints/checkpoint-8", link)  # the other rank's
     removed: list[str] = []
     unlink = os.unlink
     monkeypatch.setattr(os, "unlink", lambda path: (removed.append(str(path)), unlink(path)))
     output_dir_view.open_view(str(out), str(checkpoints), 8)
     output_dir_view.open_view(str(out), str(checkpoints), 8)  # again: a retry's save of step 8
     assert removed == []
-    assert os.readlink(link) == str(checkpoints.resolve() / "checkpoint-8")
+    assert os.readlink(link) == f"{checkpoints}/../checkpoints/checkpoint-8"
     output_dir_view.close_views()
     assert removed == [str(link)]
 
-    os.symlink(str(checkpoints.resolve() / "checkpoint-5"), link)  # a killed process's, wrong
+    removed.clear()
+    os.symlink(os.path.abspath(checkpoints / "checkpoint-5"), link)  # a killed process's
     output_dir_view.open_view(str(out), str(checkpoints), 8)
-    assert os.readlink(link) == str(checkpoints.resolve() / "checkpoint-8")
+    assert removed == []  # renamed over: never missing
+    assert os.readlink(link) == eight
+    output_dir_view.open_view(str(out), str(checkpoints), 5)  # the next save: 8's goes
+    assert sorted(os.listdir(out)) == ["checkpoint-5"]
     output_dir_view.close_views()
-    assert list(out.iterdir()) == []
+    (out / "checkpoint-8").mkdir()  # the script's own
+    output_dir_view.open_view(str(out), str(checkpoints), 8)
+    assert not (out / "checkpoint-8").is_symlink()
+    output_dir_view.close_views()
+    assert os.listdir(out) == ["checkpoint-8"]
 
 
 def test_a_save_is_committed_after_every_on_save_even_through_a_handler_the_trainer_replaced(

@@ -8,11 +8,11 @@ MLflow with `HF_MLFLOW_LOG_ARTIFACTS`, Neptune, ClearML (by default) and Flyte u
 user's callback may read it, or add a file to it (an EMA state). When any rank has such a
 callback (`gather`, when training starts), the save's `on_save` callbacks get a symbolic link
 there to the checkpoint (`open_view`; it goes at the next save, when training ends and before
-the process leaves), trainer_checkpoint.unsupported has the Trainer's own save write it, so it
-is whole when they run, and trainer.py commits it after every callback's `on_save`, so the
-commit holds what they added. A `resume_from_checkpoint` the script takes from such a link
-(HF's `get_last_checkpoint(output_dir)` after a crash) counts as none (`is_view`): the resume
-is jitckpt's.
+a JIT or survivors' exit, not after an error), trainer_checkpoint.unsupported has the
+Trainer's own save write it, so it is whole when they run, and trainer.py commits it after
+every callback's `on_save`, so the commit holds what they added. A `resume_from_checkpoint`
+the script takes from such a link (HF's `get_last_checkpoint(output_dir)` after a crash)
+counts as none (`is_view`): the resume is jitckpt's.
 """
 
 from __future__ import annotations
@@ -94,25 +94,30 @@ def _here(trainer: Any) -> list[str]:
 
 def open_view(output_dir: str, checkpoints: str, step: int) -> None:
     """Link `output_dir/checkpoint-<step>` to the checkpoint in `checkpoints`, unless something
-    is there already; this process's earlier links go (every rank is past their `on_save`:
-    steps' collectives came since, or the commit's barrier), but one of this step's. A link
-    there already to this checkpoint (another rank's of this node, a killed process's) stays,
-    as it is: removed, it would go from under another rank's callback that uses it; this
-    process removes it later too. Never raises."""
+    else is there; this process's earlier links go (every rank is past their `on_save`: steps'
+    collectives came since, or the commit's barrier), but one of this step's. The ranks of a
+    node share the path, and one's callback may be using it while another opens it: a link
+    there to this checkpoint (another rank's, a killed process's, however its path is spelt)
+    stays and is this process's to remove later too, and one to another checkpoint (a killed
+    process's) is replaced in one rename, so the path is never missing. Never raises."""
     link = os.path.join(output_dir, checkpoint_name(step))
     target = os.path.join(os.path.abspath(checkpoints), checkpoint_name(step))
     close_views(keep=link)
     with contextlib.suppress(OSError):
-        if os.readlink(link) == target:
-            if link not in _views:
-                _views.append(link)
-            return
-    with contextlib.suppress(OSError):
-        if is_view(link, checkpoints):  # of another checkpoint, a process that died left
-            os.unlink(link)
-        if not os.path.lexists(link) and os.path.isdir(target):
+        if os.path.lexists(link) and not is_view(link, checkpoints):
+            return  # the script's own, an earlier run's: left alone
+        if os.path.realpath(link) != os.path.realpath(target):
+            if not os.path.isdir(target):
+                return
             os.makedirs(output_dir, exist_ok=True)
-            os.symlink(target, link, target_is_directory=True)
+            made = os.path.join(output_dir, f".{checkpoint_name(step)}.jitckpt-{os.getpid()}")
+            os.symlink(target, made, target_is_directory=True)
+            try:
+                os.replace(made, link)  # a real directory made there meanwhile: EISDIR
+            except OSError:
+                os.unlink(made)
+                raise
+        if link not in _views:
             _views.append(link)
 
 

@@ -59,10 +59,8 @@ def patch(module: ModuleType) -> None:
         return
     manager = current()
     session = manager.session
-    original_init = trainer_cls.__init__
-    original_train = trainer_cls.train
-    original_save = trainer_cls._save_checkpoint
-    original_output_dir = trainer_cls._get_output_dir
+    original_init, original_train = trainer_cls.__init__, trainer_cls.train
+    original_save, original_output_dir = trainer_cls._save_checkpoint, trainer_cls._get_output_dir
 
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - it is __init__
@@ -82,17 +80,19 @@ def patch(module: ModuleType) -> None:
         whole = _whole_state(session, self.args, self)
         vars(self)[LOOPS] = 0
         try:
-            return original_train(self, *args, **kwargs)
+            result = original_train(self, *args, **kwargs)
         except Exception as exc:
             manager.survivors.after_error(self, exc, manager)  # a peer lost: saves, exits
             raise
         finally:
             manager.survivors.ended()  # also after a BaseException (no on_train_end)
-            output_dir_view.close_views()
             self.args.save_only_model = whole
             vars(self).pop(LOOPS, None)
             if _left_nothing(self):
                 del self.get_batch_samples
+        # Not after an error: a node-mate's callback may still use one (a resume skips it).
+        output_dir_view.close_views()
+        return result
 
     @functools.wraps(original_output_dir)
     def _get_output_dir(self: Any, trial: Any) -> str:
