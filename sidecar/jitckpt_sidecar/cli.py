@@ -273,8 +273,8 @@ def _run(cfg: Config, logger: logging.Logger) -> int:
 def _exit_if_stuck(service: Service, logger: logging.Logger, done: threading.Event) -> None:
     """After SIGTERM the drain ends JITCKPT_GRACE_SECONDS minus a margin after the grace period
     began (drain.py). A main loop stuck in a call past that (a hung volume: it asks S3 nothing)
-    would be SIGKILLed without a line: a second before the margin
-    ends (at least halfway into it), say where it is and exit 1."""
+    would be SIGKILLed without a line: a second before the margin ends (at least halfway into
+    it), say where it is and exit 1."""
     cfg = service.cfg
     margin = cfg.grace_seconds - cfg.drain_seconds
     slack = max(margin / 2, margin - 1.0)

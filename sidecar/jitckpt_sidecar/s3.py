@@ -25,13 +25,13 @@ from jitckpt_sidecar.errors import StorageAccessError
 log = logging.getLogger("jitckpt.jitckpt-sidecar.s3")
 
 PROBE_ATTEMPTS = 2
+"""The start-up probe fails fast: a wrong endpoint should not take a minute to report."""
+PROBE_PATIENCE = 60.0
+"""Seconds of transient failures (5xx, throttling, resets, timeouts) the probe rides out."""
 ASK_ATTEMPTS, ASK_READ_TIMEOUT = 2, 10.0
 """The pruner's questions (does S3 hold this checkpoint?): small reads, asked again at its next
 pass, where no answer means no; an S3 that stopped answering must not hold the pruner for
 minutes (the transfer client waits 120 s per read, `cfg.s3_max_attempts` times)."""
-"""The start-up probe fails fast: a wrong endpoint should not take a minute to report."""
-PROBE_PATIENCE = 60.0
-"""Seconds of transient failures (5xx, throttling, resets, timeouts) the probe rides out."""
 _TRANSIENT_CODES = {
     "SlowDown",
     "Throttling",
