@@ -578,7 +578,8 @@ def test_a_node_new_to_the_job_keeps_the_save_of_a_smaller_job_it_resumes_from(t
 def test_callbacks_that_may_act_on_checkpoints_get_one_in_output_dir_while_saves_run(tmp_path):
     """output_dir_view: a callback with an on_save of its own counts, HF's integrations only
     as set up to upload checkpoints; the link is made only where nothing is, goes at the next
-    save, and a resume the script takes from it (a leftover) is recognised as ours."""
+    save, one a killed process left goes when training starts, and a resume the script takes
+    from it (a leftover) is recognised as ours."""
     pytest.importorskip("transformers", reason="not in the python3.9 run")
     import types
 
@@ -603,14 +604,23 @@ def test_callbacks_that_may_act_on_checkpoints_get_one_in_output_dir_while_saves
     callbacks = [Logs(), quiet, uploading, Uploads(), own]
     trainer = types.SimpleNamespace(callback_handler=types.SimpleNamespace(callbacks=callbacks))
     assert output_dir_view.readers(trainer) == ["WandbCallback", "Uploads"]
-    control = types.SimpleNamespace(all_gather=lambda mine: [mine, ["OnRankOne"]])
-    assert output_dir_view.gather(trainer, control) == ["OnRankOne", "Uploads", "WandbCallback"]
-    assert output_dir_view.readers(trainer) == ["OnRankOne", "Uploads", "WandbCallback"]
-
     checkpoints, out = tmp_path / "jitckpt" / "checkpoints", tmp_path / "out"
     (checkpoints / "checkpoint-5").mkdir(parents=True)
     (checkpoints / "checkpoint-10").mkdir()
     (out / "checkpoint-10").mkdir(parents=True)  # an earlier run's own: left alone
+    (out / "checkpoint-3").symlink_to(checkpoints / "checkpoint-3")  # a killed run's, dangling
+    (out / "checkpoint-5").symlink_to(checkpoints / "checkpoint-5")  # a killed run's
+    (out / ".checkpoint-5.jitckpt-7").symlink_to(checkpoints / "checkpoint-5")  # before rename
+    (out / "latest").symlink_to(checkpoints / "checkpoint-5")  # the script's own
+    trainer.args = types.SimpleNamespace(output_dir=str(out))
+    control = types.SimpleNamespace(all_gather=lambda mine: [mine, ["OnRankOne"]])
+    assert output_dir_view.gather(trainer, control, str(checkpoints)) == [
+        "OnRankOne", "Uploads", "WandbCallback",
+    ]  # fmt: skip
+    assert output_dir_view.readers(trainer) == ["OnRankOne", "Uploads", "WandbCallback"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-10", "latest"]
+    (out / "latest").unlink()
+
     output_dir_view.open_view(str(out), str(checkpoints), 5)
     assert (out / "checkpoint-5").resolve() == (checkpoints / "checkpoint-5").resolve()
     assert output_dir_view.is_view(str(out / "checkpoint-5"), str(checkpoints))

@@ -8,7 +8,8 @@ MLflow with `HF_MLFLOW_LOG_ARTIFACTS`, Neptune, ClearML (by default) and Flyte u
 user's callback may read it, or add a file to it (an EMA state). When any rank has such a
 callback (`gather`, when training starts), the save's `on_save` callbacks get a symbolic link
 there to the checkpoint (`open_view`; it goes at the next save, when training ends and before
-a JIT or survivors' exit, not after an error), trainer_checkpoint.unsupported has the
+a JIT or survivors' exit, not after an error; one a killed process left goes when training
+starts), trainer_checkpoint.unsupported has the
 Trainer's own save write it, so it is whole when they run, and trainer.py commits it after
 every callback's `on_save`, so the commit holds what they added. A `resume_from_checkpoint`
 the script takes from such a link (HF's `get_last_checkpoint(output_dir)` after a crash)
@@ -54,9 +55,12 @@ _views: list[str] = []
 """This process's links, oldest first."""
 
 
-def gather(trainer: Any, control: Any) -> list[str]:
+def gather(trainer: Any, control: Any, checkpoints: str) -> list[str]:
     """Collective (every rank, when training starts): the names of the Trainer's callbacks
-    whose `on_save` may act on the checkpoint on any rank; kept for `readers`."""
+    whose `on_save` may act on the checkpoint on any rank; kept for `readers`. Links a killed
+    process left in `output_dir` go first: no rank has opened one yet, and a script's
+    `get_last_checkpoint(output_dir)` after training would find an old checkpoint there."""
+    _clear_leftovers(getattr(getattr(trainer, "args", None), "output_dir", None), checkpoints)
     try:
         mine = _here(trainer)
     except Exception as exc:  # noqa: BLE001 - counted as one that may act on checkpoints
@@ -64,6 +68,20 @@ def gather(trainer: Any, control: Any) -> list[str]:
     found = sorted({name for rank in control.all_gather(mine) for name in rank})
     vars(trainer)[READERS] = found
     return found
+
+
+def _clear_leftovers(output_dir: Any, checkpoints: str) -> None:
+    """Remove the links in `output_dir` (`is_view`, and `open_view`'s dot-named ones a kill
+    left before their rename). Never raises."""
+    if not isinstance(output_dir, str):
+        return
+    with contextlib.suppress(OSError):
+        for name in os.listdir(output_dir):
+            path = os.path.join(output_dir, name)
+            made = re.fullmatch(r"\.checkpoint-\d+\.jitckpt-\d+", name) and os.path.islink(path)
+            if made or is_view(path, checkpoints):
+                with contextlib.suppress(FileNotFoundError):  # a node-mate's removal
+                    os.unlink(path)
 
 
 def readers(trainer: Any) -> list[str]:

@@ -698,7 +698,7 @@ class JitckptCallback(TrainerCallback):  # type: ignore[misc]  # transformers is
         # Nothing left to train: no step, so no fast path, snapshot or survivors' save to set
         # up (set up and closed unused, the abort at exit after a later DDP stage was seen).
         if trainer is not None and not _left_nothing(trainer):
-            output_dir_view.gather(trainer, session.control)
+            output_dir_view.gather(trainer, session.control, session.layout.checkpoints)
             own_files = _own_files(manager, trainer)
             _start_async(manager, trainer, own_files)
             manager.survivors.started(trainer, state.global_step, own_files)
