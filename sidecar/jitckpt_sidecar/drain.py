@@ -2,10 +2,10 @@
 
 After SIGTERM the sidecar uploads until the trainer has exited (or never started) and nothing
 is left to upload: exit 0; or until the drain deadline (the grace period minus a margin, counted
-from the earlier of its own SIGTERM and the trainer's) has passed: exit 1. Without SIGTERM, a
-trainer that ended for good (JITCKPT_RESTART_POLICY says which ends are) with everything in S3
-ends the sidecar only with JITCKPT_EXIT_WITH_TRAINER=1; else it stays up (a restarted trainer
-container needs it).
+from the earlier of its own SIGTERM and the trainer's: `since_grace_began`) has passed: exit 1.
+Without SIGTERM, a trainer that ended for good (JITCKPT_RESTART_POLICY says which ends are)
+with everything in S3 ends the sidecar only with JITCKPT_EXIT_WITH_TRAINER=1; else it stays up
+(a restarted trainer container needs it).
 """
 
 from __future__ import annotations
@@ -61,3 +61,17 @@ def decide(
         final = exit_with_trainer and trainer_final
         return Verdict.TRAINER_DONE_EXIT if final else Verdict.TRAINER_DONE_STAY
     return Verdict.TRAINING
+
+
+def since_grace_began(
+    since_sigterm: float, since_trainer_sigterm: Optional[float], grace_seconds: float
+) -> float:
+    """Seconds since the pod's grace period began: at the sidecar's SIGTERM (`since_sigterm`
+    ago), or at the trainer's (trainer.json) when that came first, as for a native sidecar,
+    which gets its own only after the trainer exited. A trainer's SIGTERM more than the grace
+    period before the sidecar's belongs to an earlier end (a liveness probe's kill, the
+    container restarted since or waiting in its crash backoff), not this one: it once cut the
+    drain of a later pod deletion to nothing."""
+    if since_trainer_sigterm is None or since_trainer_sigterm - since_sigterm > grace_seconds:
+        return since_sigterm
+    return max(since_sigterm, since_trainer_sigterm)

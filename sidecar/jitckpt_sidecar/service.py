@@ -415,11 +415,7 @@ class Service:
         """The drain decision (drain.py), with its lines; `sigterm_at`: this pass's reading."""
         since_sigterm = None
         if sigterm_at is not None:
-            since_sigterm = self.monotonic() - sigterm_at
-            if trainer is not None and trainer.sigterm_at is not None:
-                # The pod's grace period began when the trainer got SIGTERM; a native sidecar
-                # gets its own SIGTERM only after the trainer has exited.
-                since_sigterm = max(since_sigterm, self.clock() - trainer.sigterm_at)
+            since_sigterm = self._since_grace_began(sigterm_at, trainer)
         exited = trainer is not None and trainer.exited_at is not None
         trainer_exited = exited or self._trainer_dead
         verdict = drain.decide(
@@ -550,10 +546,19 @@ class Service:
         began = self._drain_began
         if began is None:
             return None
-        trainer = self._trainer_seen
-        if trainer is not None and trainer.sigterm_at is not None:
-            began = min(began, self.monotonic() - max(0.0, self.clock() - trainer.sigterm_at))
-        return began + self.cfg.drain_seconds
+        since = self._since_grace_began(began, self._trainer_seen)
+        return self.monotonic() - since + self.cfg.drain_seconds
+
+    def _since_grace_began(
+        self, sigterm_at: float, trainer: Optional[status.TrainerStatus]
+    ) -> float:
+        """drain.since_grace_began, from this sidecar's SIGTERM (monotonic) and trainer.json."""
+        trainer_sigterm = None if trainer is None else trainer.sigterm_at
+        return drain.since_grace_began(
+            self.monotonic() - sigterm_at,
+            None if trainer_sigterm is None else max(0.0, self.clock() - trainer_sigterm),
+            self.cfg.grace_seconds,
+        )
 
     def _healthy(self) -> bool:
         """Alive unless the main loop has not come round for far longer than a rescan."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jitckpt_sidecar.drain import Verdict, decide
+from jitckpt_sidecar.drain import Verdict, decide, since_grace_began
 
 
 def verdict(
@@ -64,3 +64,20 @@ def test_exit_codes():
         Verdict.TRAINER_DONE_EXIT: 0,
         Verdict.TRAINER_DONE_STAY: None,
     }
+
+
+@pytest.mark.parametrize(
+    ("trainer_ago", "expected"),
+    [
+        (None, 2.0),  # no SIGTERM in trainer.json: the sidecar's own
+        (1.0, 2.0),  # the trainer's came later (a plain-container sidecar: the same moment)
+        (25.0, 25.0),  # a native sidecar: its own SIGTERM after the trainer exited
+        (32.0, 32.0),  # 30 s after the trainer's: still this grace period
+        (33.0, 2.0),  # longer before: an earlier end's (a liveness probe's kill), ignored
+        (3600.0, 2.0),  # it once ended the drain at once
+    ],
+)
+def test_the_grace_period_began_at_the_trainers_sigterm_only_when_it_is_this_ends(
+    trainer_ago: float | None, expected: float
+) -> None:
+    assert since_grace_began(2.0, trainer_ago, grace_seconds=30) == expected
