@@ -364,6 +364,25 @@ def test_a_second_trainer_in_the_process_trains_as_without_jitckpt(spawn, base_e
     ]
 
 
+def test_a_sigterm_after_a_train_that_raised_ends_the_command_as_without_jitckpt(
+    spawn, base_env, jdir, tmp_path
+):
+    """The first train() raises on every rank (no on_train_end), the script catches it and
+    trains on with a second Trainer: a SIGTERM then ends the command at once, as without
+    jitckpt (jitckpt's flag once took it, and the workers ran on until torchrun's SIGKILL)."""
+    args = ("--max-steps", "6", "--raise-at", "2", "--second-stage", "200", "--step-sleep", "0.2")
+    proc = spawn(hf(*args, "--output-dir", str(tmp_path / "out")), env=base_env)
+    proc.expect(r"^caught bad batch at step 2 rank=0$", timeout=120)
+    proc.expect(r"^stage2 step 2 rank=0$", timeout=60)
+    sent = time.monotonic()
+    proc.send(signal.SIGTERM)
+    assert proc.wait(timeout=120) not in (0, None), proc.output()
+    assert time.monotonic() - sent < 10, proc.output()  # torchrun's SIGKILL comes after 22 s
+    assert "no process is training under jitckpt" in proc.output()
+    assert hook_lines(proc, "SIGTERM received") == [], proc.output()
+    assert jit_record(jdir) is None
+
+
 def test_with_save_only_model_checkpoints_hold_the_whole_state_and_resume_exactly(
     spawn, base_env, jdir, tmp_path
 ):

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from harness.procs import free_port
+from jitckpt_entrypoint.protocol.layout import Layout
 
 pytestmark = pytest.mark.integration
 
@@ -74,3 +76,61 @@ def test_every_rank_gets_each_save_request_once_at_the_same_call(step: float):
     assert 31 < saves[1] <= 31 + 2 * every
     assert len(stops) == 1, calls
     assert 45 <= stops[0] <= 45 + 2 * every
+
+
+LOOP_END = r"""
+import os, signal, sys
+import torch.distributed as dist
+from jitckpt_entrypoint import hook as jitckpt
+from jitckpt_entrypoint.hook import control
+from jitckpt_entrypoint.hook.manager import current
+control.ROUND_SECONDS = control.BLOCKING_COST = 0  # an async round after every step
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for step in range(1, 13):
+    jitckpt.should_stop(step)
+assert current().session.control._pending is not None  # the last round, in flight below
+if rank == 0:
+    os.kill(os.getpid(), signal.SIGTERM)  # after the last agreement: only the flag sees it
+    while not current().session.flag.is_set:
+        pass
+if sys.argv[1] == "destroy first":
+    dist.destroy_process_group()  # the script's clean-up, before jitckpt.done()
+jitckpt.done()
+print("after done", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
+if dist.is_initialized():
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("order", ["done first", "destroy first"])
+def test_a_sigterm_after_the_last_agreement_ends_the_rank_and_done_after_destroy_is_fine(
+    order: str, tmp_path
+):
+    """A plain loop's end: done() puts the previous SIGTERM handler back on every rank; rank
+    0's SIGTERM, which came after the last stop agreement, ends rank 0 then (as without
+    jitckpt) instead of being swallowed; done() after the script's destroy_process_group()
+    skips jitckpt's collectives in one line instead of raising."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env.update(WORLD_SIZE="2", JITCKPT_DIR=str(tmp_path), LOCAL_WORLD_SIZE="2")
+    Layout(str(tmp_path)).ensure()  # the entrypoint's part
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOOP_END, order],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [-signal.SIGTERM, 0], outs
+    assert outs[0][0] == "", outs  # rank 0 never got past done()
+    assert "SIGTERM after training's last stop agreement: the process ends by it" in outs[0][1]
+    assert outs[1][0] == "after done True\n", outs
+    skipped = "jitckpt's last collectives are skipped"
+    assert (skipped in outs[1][1]) == (order == "destroy first"), outs
+    assert "Traceback" not in outs[0][1] + outs[1][1], outs
+    warnings = [line for line in outs[0][1].splitlines() if "WARNING" in line]
+    assert len(warnings) == (2 if order == "destroy first" else 1), warnings  # no others

@@ -107,6 +107,62 @@ def test_forked_children_keep_the_previous_behaviour():
     assert not flag.is_set
 
 
+def test_sigterm_is_the_previous_handlers_again_after_training_and_one_that_came_late_is_resent(
+    tmp_path, monkeypatch
+):
+    """Training's end (on_train_end, done()) and a train() that raised (no on_train_end, a
+    round a lost peer failed on the control group) both put the previous handler back and
+    unregister; a SIGTERM the flag took that no stop agreement read (nothing reads it any
+    more) is sent again, once, with one line, to end the process as it would have without
+    jitckpt."""
+    previous = signal.getsignal(signal.SIGTERM)
+    resent: list[int] = []
+    monkeypatch.setattr(os, "kill", lambda _pid, sig: resent.append(sig))
+    manager = manager_for(tmp_path)
+    session = manager.session
+    lines: list[str] = []
+    monkeypatch.setattr(session.log, "warning", lambda msg, *a, **_: lines.append(msg % a))
+    registered = Path(session.layout.status, "run-run-1")
+    destroyed: list[object] = []
+
+    class FailedRound:  # an async round a lost peer failed: its wait() raises again
+        def is_completed(self) -> bool:
+            return True
+
+        def wait(self) -> None:
+            raise RuntimeError("Connection closed by peer")
+
+    def distributed_control() -> None:
+        control = session.control
+        control._group, control._pending = "group", FailedRound()
+        control._dist = type("Dist", (), {"destroy_process_group": destroyed.append})
+
+    ends = ("ended", "failed", "failed after SIGTERM", "ended after SIGTERM", "stop read")
+    for end in ends:
+        manager.training_started()
+        assert signal.getsignal(signal.SIGTERM) == session.flag._handle, end
+        assert list(registered.iterdir()), end  # the entrypoint's SIGTERM comes to the flag
+        if "SIGTERM" in end or end == "stop read":
+            session.flag._handle(signal.SIGTERM, None)
+        if end == "stop read":  # a stop agreement took it (the script's own save, then done())
+            assert manager.stop_now()
+        if end.startswith("failed"):
+            distributed_control()
+            manager.training_failed(RuntimeError("gloo: connection closed by peer"))
+            assert destroyed.pop() == "group", end
+        else:
+            manager.training_ended()
+        manager.training_failed(None)  # after training_ended: nothing more
+        assert signal.getsignal(signal.SIGTERM) == previous, end
+        assert not list(registered.iterdir()), end
+        assert not session.flag.is_set or end == "stop read", end
+        session.flag.received_at = None
+    assert resent == [signal.SIGTERM, signal.SIGTERM]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("SIGTERM, and then train() raised RuntimeError: the process ends")
+    assert lines[1].startswith("SIGTERM after training's last stop agreement: the process ends")
+
+
 def test_old_torchrun_close_gets_our_timeout_unless_a_caller_chose_one():
     """Without env support, PContext.close() waits our timeout instead of the built-in 30 s."""
 

@@ -29,6 +29,7 @@ steps.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
@@ -78,6 +79,11 @@ class ControlGroup:
     @property
     def distributed(self) -> bool:
         return self._group is not None
+
+    @property
+    def lost(self) -> bool:
+        """The script's destroy_process_group() took every group, this one too."""
+        return self.distributed and not self._dist.is_initialized()
 
     @property
     def group(self) -> Any:
@@ -214,12 +220,22 @@ class ControlGroup:
         self._dist.all_gather_object(out, obj, group=self._group)
         return out
 
-    def close(self) -> None:
-        """Destroy the group while every rank is still here (not in interpreter teardown)."""
-        if self.distributed:
+    def close(self, wait: bool = True) -> bool:
+        """Destroy the group while every rank is still here (not in interpreter teardown);
+        one the script's destroy_process_group() took already is simply forgotten. With
+        wait=False, a group whose round is still in flight is left as it is (False)."""
+        if not self.distributed:
+            return True
+        if wait:
             self._collect()
+        elif self._pending is None or self._pending.is_completed():
+            self._pending = None  # completed (or failed: its wait() would raise again)
+        else:
+            return False
+        with contextlib.suppress(ValueError):  # not in c10d's groups: destroyed already
             self._dist.destroy_process_group(self._group)
-            self._group = None
+        self._group = None
+        return True
 
     def _drain(self) -> None:
         """Finish the in-flight async round so collectives stay matched across ranks."""
@@ -238,3 +254,6 @@ def _most(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
 class _Done:
     def wait(self) -> None:
         return None
+
+    def is_completed(self) -> bool:
+        return True

@@ -164,18 +164,23 @@ class InFlight:
                 "async save of %s: %s", checkpoint_name(save.step), save.job.error
             )
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Collective, once every save is drained: the writer's thread and its control group
         go now, not in the interpreter's teardown, where the destruction order of gloo's
         threads is arbitrary (an abort at exit, seen after a later training stage's DDP); the
-        host copies' buffers (the size of the training state) go too."""
+        host copies' buffers (the size of the training state) go too. With wait=False
+        (training failed on this rank), a save still in flight keeps both: its commit may
+        wait in a collective for ranks that never come."""
+        save = self.save
+        if not wait and save is not None and save.job is not None and not save.job.done:
+            return
         writer, control = self._writer, self._control
         self._writer = self._control = None
         self.stager = None
         if writer is not None:
             writer.close()
         if control is not None:
-            control.close()
+            control.close(wait)
 
     def _start_writer(self) -> tuple[BackgroundWriter, ControlGroup]:
         """The background writer and its own control group (collective on first call)."""

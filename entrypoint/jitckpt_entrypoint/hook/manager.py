@@ -170,13 +170,38 @@ class CheckpointManager:
     def training_ended(self) -> None:
         """Collective, at the end of jitckpt's `train()`: every save drained, the control
         groups closed (their gloo threads are not left to the interpreter's teardown)."""
+        if self.session.control_lost:  # a plain loop's done() after destroy_process_group()
+            self.session.log.warning(
+                "training ended after torch.distributed.destroy_process_group(): jitckpt's "
+                "last collectives are skipped (call jitckpt.done() before it)"
+            )
+            self.training_failed(None)
+            return
         self.drain()
-        self.session.training_ended()
         try:
             self.saver.training_ended()  # a write-out it collects agrees on the control group
         finally:
-            self.session.close_control()
-        self._last_step, self._save_due = None, False
+            self._last_step, self._save_due = None, False
+            try:
+                self.session.close_control()
+            finally:
+                self.session.training_ended()  # last: a SIGTERM that came meanwhile ends us
+
+    def training_failed(self, error: Optional[BaseException]) -> None:
+        """`train()` ended without `training_ended` (it raised `error`, on this rank at least):
+        not collective, the other ranks may be anywhere. SIGTERM ends the process again (a
+        later stage's training, a script that carries on, must not swallow it), and the groups
+        go unless a collective is still in flight on them."""
+        session = self.session
+        if not session.training:
+            return
+        try:
+            self.saver.inflight.close(wait=False)
+            session.close_control(wait=False)
+        except Exception as exc:  # noqa: BLE001 - the training's error is the one to report
+            session.log.warning("cannot close jitckpt's process groups: %r", exc)
+        finally:
+            session.training_ended(error)
 
     def record_output(self, output_dir: str, step: int) -> None:
         """The output_dir whose content becomes the final model after exit 0 (world rank 0)."""
@@ -236,6 +261,7 @@ class CheckpointManager:
         elif asked and save:  # a save began since the ask was sent (save_steps'): it answers
             self.asks.agreed(self.saver.periodic_step)
         self.tier.agreed(snapshot)
+        session.stop_read = session.stop_read or (stop and jit)
         return stop and jit
 
     def save_due(self) -> bool:
@@ -307,9 +333,9 @@ class CheckpointManager:
     def stop_now(self) -> bool:
         """Blocking agreement where every rank is in step anyway (after a save, an evaluation)."""
         session = self.session
-        return bool(
-            session.training and session.cfg.jit and session.control.any_now(session.flag.is_set)
-        )
+        stop = session.training and session.cfg.jit and session.control.any_now(session.flag.is_set)
+        session.stop_read = session.stop_read or stop
+        return stop
 
     def stop_at(self, step: int) -> None:
         """Every rank agreed to stop at `step`. When it is committed already, leave now (does not

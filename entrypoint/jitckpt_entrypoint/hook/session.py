@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import os
+import signal
 import sys
 from collections.abc import Mapping
 from typing import Any, Callable, NoReturn, Optional
@@ -33,6 +34,8 @@ class Session:
         self.log = _logger(topo)
         self.flag = SigtermFlag(f"jitckpt-hook[rank {topo.rank}]")
         self.training = False
+        self.stop_read = False
+        """A stop agreement of this training read the flag as set (its SIGTERM is handled)."""
         self.lineage: Optional[str] = None
         """The run's lineage (protocol.manifest): the resumed checkpoint's, or drawn by rank 0
         at the first commit of a run that did not resume; the same on every rank."""
@@ -59,6 +62,7 @@ class Session:
         if self.training:
             return
         self.training = True
+        self.stop_read = False
         if not self.cfg.jit:
             return
         if not self.flag.install():
@@ -71,20 +75,47 @@ class Session:
                 self.layout.status, self.run_id, registry.TRAINER, rank=self.topo.rank
             )
 
-    def training_ended(self) -> None:
-        """SIGTERM ends the process again (`close_control` follows, once the last
-        collectives of the training are done)."""
+    def training_ended(self, failed: Optional[BaseException] = None) -> None:
+        """SIGTERM ends the process again, after training's last collectives (a rank killed
+        in one would leave the others waiting). A SIGTERM that came after the last stop
+        agreement, which nothing reads any more, or before train() raised (`failed`), is
+        sent again to the handler that was there before: without jitckpt it would have ended
+        the process then."""
         self.training = False
         registry.unregister(self._registered)  # before the flag goes: SIGTERM ends us again
         self._registered = None
+        installed = self.flag.installed
         self.flag.restore()
+        if not (installed and self.flag.is_set and not self.stop_read):
+            return
+        self.flag.received_at = None
+        if failed is None:
+            self.log.warning(
+                "SIGTERM after training's last stop agreement: the process ends by it now, "
+                "as it would without jitckpt"
+            )
+        else:  # the traceback now: the process may end before Python prints it
+            self.log.warning(
+                "SIGTERM, and then train() raised %s: the process ends by the SIGTERM now, as "
+                "it would without jitckpt",
+                type(failed).__name__,
+                exc_info=failed,
+            )
+        os.kill(os.getpid(), signal.SIGTERM)
 
-    def close_control(self) -> None:
+    @property
+    def control_lost(self) -> bool:
+        """The control group was destroyed under us (the script's destroy_process_group())."""
+        return self._control is not None and self._control.lost
+
+    def close_control(self, wait: bool = True) -> None:
         """gloo's threads must not be left to the interpreter's teardown, where their
-        destruction order is arbitrary; the next training builds a new group."""
-        if self._control is not None:
-            self._control.close()
-            self._control = None
+        destruction order is arbitrary; the next training builds a new group. With
+        wait=False (training failed on this rank) a group with a round in flight, which the
+        other ranks may never finish, is left to the teardown as before."""
+        control, self._control = self._control, None
+        if control is not None and not control.close(wait):
+            _left_to_teardown.append(control)  # its destructor would wait for the round
 
     def exit(self, code: int) -> NoReturn:
         """Leave now with `code`: no interpreter teardown that could outlast the grace period."""
@@ -98,6 +129,8 @@ class Session:
         os._exit(code)
 
 
+_left_to_teardown: list[ControlGroup] = []
+"""Control groups of a failed training with a round in flight (`close_control`)."""
 _workers_shielded = False
 _WORKER_LOOPS = (
     "torch.utils.data._utils.worker",

@@ -77,19 +77,7 @@ def patch(module: ModuleType) -> None:
         if stages.decide(self, session):
             return _train_aside(manager, self, original_train, args, kwargs)
         args, kwargs = _with_resume(manager, args, kwargs, self)
-        whole = _whole_state(session, self.args, self)
-        vars(self)[LOOPS] = 0
-        try:
-            result = original_train(self, *args, **kwargs)
-        except Exception as exc:
-            manager.survivors.after_error(self, exc, manager)  # a peer lost: saves, exits
-            raise
-        finally:
-            manager.survivors.ended()  # also after a BaseException (no on_train_end)
-            self.args.save_only_model = whole
-            vars(self).pop(LOOPS, None)
-            if _left_nothing(self):
-                del self.get_batch_samples
+        result = _train(manager, self, functools.partial(original_train, self, *args, **kwargs))
         # Not after an error: a node-mate's callback may still use one (a resume skips it).
         output_dir_view.close_views()
         return result
@@ -120,6 +108,27 @@ def patch(module: ModuleType) -> None:
     trainer_cls._jitckpt_original_save = original_save
     trainer_cls._get_output_dir = _get_output_dir
     trainer_cls._jitckpt_patched = True
+
+
+def _train(manager: CheckpointManager, trainer: Any, train: Callable[[], Any]) -> Any:
+    """jitckpt's `train()`: the Trainer's own, and what must follow it however it ends."""
+    whole = _whole_state(manager.session, trainer.args, trainer)
+    vars(trainer)[LOOPS] = 0
+    failed: Optional[BaseException] = None
+    try:
+        return train()
+    except BaseException as exc:
+        failed = exc
+        if isinstance(exc, Exception):
+            manager.survivors.after_error(trainer, exc, manager)  # a peer lost: saves, exits
+        raise
+    finally:
+        manager.survivors.ended()  # also after a BaseException (no on_train_end)
+        trainer.args.save_only_model = whole
+        vars(trainer).pop(LOOPS, None)
+        if _left_nothing(trainer):
+            del trainer.get_batch_samples
+        manager.training_failed(failed)  # no on_train_end ran: the flag goes
 
 
 def _patch_best_model(trainer_cls: type, manager: CheckpointManager) -> None:

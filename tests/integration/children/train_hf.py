@@ -24,6 +24,8 @@ extra-state: one that writes a state of its own into each checkpoint (TRL GRPO's
 on_save, as W&B's checkpoint upload does, and adds a file of its own to it.
 --oom-at N turns auto_find_batch_size on and raises an out-of-memory error at step N while the
 batch is the first one (4): accelerate's find_executable_batch_size retries with 3.
+--raise-at N makes every rank's first train() raise a ValueError after step N, which the script
+catches (then goes on, to --second-stage).
 --second-stage N trains the model on with a second Trainer for N steps (output_dir/stage2,
 another learning rate, 'stage2 step N rank=R' lines), as a script with SFT then DPO does; each
 stage's end prints a digest of the weights.
@@ -162,6 +164,17 @@ class Progress(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs and state.is_world_process_zero:
             say(f"loss {state.global_step} {float(logs['loss'])!r}")
+
+
+class RaiseAt(TrainerCallback):
+    """--raise-at: a bad batch on every rank, which the script catches."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise ValueError(f"bad batch at step {self.step}")
 
 
 class OutOfMemory(TrainerCallback):
@@ -368,6 +381,7 @@ def main() -> None:
     )
     parser.add_argument("--crash-at", type=int, default=0, help="rank 1 raises after this step")
     parser.add_argument("--kill-at", type=int, default=0, help="rank 1 SIGKILLs itself there")
+    parser.add_argument("--raise-at", type=int, default=0, help="every rank raises there")
     parser.add_argument("--crash-marker", default="", help="created at the crash: crash once")
     parser.add_argument("--crash-after", default="", help="a save to wait for before the crash")
     parser.add_argument("--slow-save", type=float, default=0.0, help="seconds added to saves")
@@ -395,6 +409,7 @@ def main() -> None:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=opts.early_stopping))
     oom = OutOfMemory(opts.oom_at)
     callbacks.extend([oom] if opts.oom_at else [])
+    callbacks.extend([RaiseAt(opts.raise_at)] if opts.raise_at else [])
     data = RandomTokens(opts.samples, SEQ_LEN, opts.vocab)
     if opts.trainer == "sft":
         trainer = sft_trainer(opts, model, callbacks)
@@ -410,8 +425,7 @@ def main() -> None:
     oom.trainer = trainer
     if opts.checkpoint_callback:  # added once the Trainer is built: after jitckpt's callback
         trainer.add_callback(CheckpointCallback())
-    result = trainer.train(resume_from_checkpoint=opts.resume_from)
-    say(f"done step={result.global_step} rank={os.environ.get('RANK', '0')}")
+    result = train(trainer, opts)
     if opts.strategy == "hsdp":  # the proof: replicated across nodes, sharded within one
         weight = next(trainer.model_wrapped.parameters())
         shape = dict(zip(weight.device_mesh.mesh_dim_names, weight.device_mesh.shape))
@@ -427,6 +441,19 @@ def main() -> None:
     if opts.wait_after_train:  # stands for evaluation, export, push_to_hub after training
         while not os.path.exists(opts.release_file):
             time.sleep(0.01)
+
+
+def train(trainer: Trainer, opts: argparse.Namespace):
+    """trainer.train(); with --raise-at, the error it raises is caught (then None)."""
+    try:
+        result = trainer.train(resume_from_checkpoint=opts.resume_from)
+    except ValueError as exc:
+        if not opts.raise_at:
+            raise
+        say(f"caught {exc} rank={os.environ.get('RANK', '0')}")
+        return None
+    say(f"done step={result.global_step} rank={os.environ.get('RANK', '0')}")
+    return result
 
 
 class StageProgress(TrainerCallback):
