@@ -341,8 +341,13 @@ def test_a_second_trainer_in_the_process_trains_as_without_jitckpt(spawn, base_e
         first = proc.expect(r"^stage1 digest=(\w+) rank=0$").group(1)
         return first, proc.expect(r"^stage2 done step=6 digest=(\w+) rank=0$").group(1)
 
-    plain = finish(spawn, base_env, torchrun(TRAIN_HF, *args))  # no jitckpt
+    plain = spawn(torchrun(TRAIN_HF, *args), env=base_env)  # no jitckpt
+    code = plain.wait(timeout=300)
     expected = digests(plain)
+    # torch's own teardown (no jitckpt here) sometimes aborts a rank after all was printed
+    aborted = "terminate called without an active exception" in plain.output()
+    ended = [line for line in plain.stdout if line.startswith("stage2 done ")]
+    assert code == 0 or (aborted and len(ended) == 2), plain.output()
 
     proc = spawn(hf(*args), env=base_env)
     proc.expect(r"^stage2 step 2 rank=0$", timeout=120)

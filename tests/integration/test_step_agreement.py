@@ -41,13 +41,13 @@ print(json.dumps(answers))
 """
 
 
-@pytest.mark.parametrize("step", [0.01, 0.12], ids=["short steps, async", "long, blocking"])
-def test_every_rank_gets_each_save_request_once_at_the_same_call(step: float):
+def two_ranks(code: str, arg: str, **extra: str) -> tuple[list[int], list[tuple[str, str]]]:
+    """Run `code` as ranks 0 and 1 of a gloo world: their exit codes, (stdout, stderr)s."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    env["WORLD_SIZE"] = "2"
+    env.update(WORLD_SIZE="2", **extra)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(step)],
+            [sys.executable, "-c", code, arg],
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -56,7 +56,13 @@ def test_every_rank_gets_each_save_request_once_at_the_same_call(step: float):
         for rank in range(2)
     ]
     outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    return [p.returncode for p in procs], outs
+
+
+@pytest.mark.parametrize("step", [0.01, 0.12], ids=["short steps, async", "long, blocking"])
+def test_every_rank_gets_each_save_request_once_at_the_same_call(step: float):
+    codes, outs = two_ranks(CHILD, str(step))
+    assert codes == [0, 0], outs
     answers = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert answers[0] == answers[1]  # the same answers at the same calls
     *calls, (_, every, blocking) = answers[0]
@@ -111,21 +117,9 @@ def test_a_sigterm_after_the_last_agreement_ends_the_rank_and_done_after_destroy
     0's SIGTERM, which came after the last stop agreement, ends rank 0 then (as without
     jitckpt) instead of being swallowed; done() after the script's destroy_process_group()
     skips jitckpt's collectives in one line instead of raising."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    env.update(WORLD_SIZE="2", JITCKPT_DIR=str(tmp_path), LOCAL_WORLD_SIZE="2")
     Layout(str(tmp_path)).ensure()  # the entrypoint's part
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", LOOP_END, order],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [-signal.SIGTERM, 0], outs
+    codes, outs = two_ranks(LOOP_END, order, JITCKPT_DIR=str(tmp_path), LOCAL_WORLD_SIZE="2")
+    assert codes == [-signal.SIGTERM, 0], outs
     assert outs[0][0] == "", outs  # rank 0 never got past done()
     assert "SIGTERM after training's last stop agreement: the process ends by it" in outs[0][1]
     assert outs[1][0] == "after done True\n", outs
