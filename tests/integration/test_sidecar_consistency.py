@@ -235,6 +235,7 @@ def test_a_pinned_checkpoint_gone_is_never_fallen_back_below(s3_bucket, tmp_path
     assert not (tmp_path / "b" / "checkpoints" / "checkpoint-40").exists()
 
 
+@pytest.mark.s3_stores("rgw")  # its range reads: on the real store (moto ran it too: 8 s)
 def test_a_restore_interrupted_keeps_what_it_verified_and_sends_no_head(
     s3_bucket, proxy: S3Proxy, tmp_path, monkeypatch
 ):

@@ -272,6 +272,7 @@ def test_a_two_node_checkpoint_is_committed_in_s3_only_once_both_sidecars_upload
     assert s3_bucket.keys("checkpoint-8").keys() >= {"checkpoint-8/rng_state_1.pth"}
 
 
+@pytest.mark.s3_stores("rgw")  # a 13 s wait for the backoff: once, on the real store
 def test_after_an_outage_the_backlog_goes_newest_first(spawn, base_env, s3_bucket, proxy, tmp_path):
     """Ten checkpoints pile up behind a dead store (every S3 request answers 500), each upload
     failing at least once; when the store comes back the newest is committed first and the
