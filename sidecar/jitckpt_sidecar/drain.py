@@ -63,15 +63,21 @@ def decide(
     return Verdict.TRAINING
 
 
+KUBELET_SLACK = 10.0
+"""Seconds a native sidecar's SIGTERM may come after the grace period that began at the
+trainer's (the trainer used all of it and was killed; the kubelet then stops the sidecars)."""
+
+
 def since_grace_began(
     since_sigterm: float, since_trainer_sigterm: Optional[float], grace_seconds: float
 ) -> float:
     """Seconds since the pod's grace period began: at the sidecar's SIGTERM (`since_sigterm`
     ago), or at the trainer's (trainer.json) when that came first, as for a native sidecar,
-    which gets its own only after the trainer exited. A trainer's SIGTERM more than the grace
-    period before the sidecar's belongs to an earlier end (a liveness probe's kill, the
-    container restarted since or waiting in its crash backoff), not this one: it once cut the
-    drain of a later pod deletion to nothing."""
-    if since_trainer_sigterm is None or since_trainer_sigterm - since_sigterm > grace_seconds:
+    which gets its own only after the trainer exited (or was killed at the grace period's end:
+    KUBELET_SLACK later). A trainer's SIGTERM longer before the sidecar's belongs to an earlier
+    end (a liveness probe's kill, the container restarted since or waiting in its crash
+    backoff), not this one: it once cut the drain of a later pod deletion to nothing."""
+    early = grace_seconds + KUBELET_SLACK
+    if since_trainer_sigterm is None or since_trainer_sigterm - since_sigterm > early:
         return since_sigterm
     return max(since_sigterm, since_trainer_sigterm)

@@ -73,7 +73,8 @@ def test_exit_codes():
         (1.0, 2.0),  # the trainer's came later (a plain-container sidecar: the same moment)
         (25.0, 25.0),  # a native sidecar: its own SIGTERM after the trainer exited
         (32.0, 32.0),  # 30 s after the trainer's: still this grace period
-        (33.0, 2.0),  # longer before: an earlier end's (a liveness probe's kill), ignored
+        (41.0, 41.0),  # the trainer was killed at its end, the sidecar stopped just after
+        (43.0, 2.0),  # longer before: an earlier end's (a liveness probe's kill), ignored
         (3600.0, 2.0),  # it once ended the drain at once
     ],
 )
