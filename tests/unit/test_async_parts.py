@@ -184,6 +184,34 @@ def test_an_async_save_commits_the_state_at_its_step_in_the_background(tmp_path:
     assert [step for step, _ in manager.saver.blocking] == [5]
 
 
+def test_a_failed_training_leaves_a_save_in_flight_to_the_teardown_and_forgets_its_writer(
+    tmp_path: Path,
+):
+    """train() raised while a save is written (its commit may wait for ranks that never
+    come): nothing waits for it; the writer and its group are forgotten, so a next training
+    builds new ones on every rank, and kept from the garbage collector, whose destructor of a
+    group would wait for its work."""
+    from jitckpt_entrypoint.hook.control import LEFT_TO_TEARDOWN
+
+    manager = manager_with_async(tmp_path)
+    gate = threading.Event()
+    async_save(manager, 5, torch.zeros(4), gate)
+    inflight = manager.saver.inflight
+    save, writer = inflight.save, inflight._writer
+    manager.training_started()
+    started = time.monotonic()
+    manager.training_failed(RuntimeError("a bad batch"))
+    assert time.monotonic() - started < 1
+    assert (inflight.save, inflight._writer, inflight._control) == (None, None, None)
+    assert save in LEFT_TO_TEARDOWN
+    assert writer in LEFT_TO_TEARDOWN
+    save.job.cancel()  # type: ignore[union-attr]  # this test's clean-up
+    gate.set()
+    save.ready.set()  # type: ignore[union-attr]
+    assert save.job.wait(10)  # type: ignore[union-attr]
+    LEFT_TO_TEARDOWN.clear()
+
+
 def test_a_stop_at_a_newer_step_cancels_the_save_being_written_and_removes_it(tmp_path: Path):
     """The writer stops at its next check (one buffer), not when its file is done; the
     abandoned directory is removed (no rotation slot, no space held)."""

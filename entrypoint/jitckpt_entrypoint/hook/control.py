@@ -48,6 +48,12 @@ BLOCKING_COST = 0.005
 """A blocking round after every step when it costs at most this fraction of a step."""
 
 
+LEFT_TO_TEARDOWN: list[Any] = []
+"""What a failed training left with a collective in flight (groups, the writer, its save):
+never collected before the interpreter's teardown, since a group's destructor waits for its
+work."""
+
+
 class ControlGroup:
     def __init__(self) -> None:
         self._dist: Any = None

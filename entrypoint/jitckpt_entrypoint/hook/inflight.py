@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from jitckpt_entrypoint.hook.control import ControlGroup
+from jitckpt_entrypoint.hook.control import LEFT_TO_TEARDOWN, ControlGroup
 from jitckpt_entrypoint.hook.saves import Outcome, Save, SaveParts, State
 from jitckpt_entrypoint.hook.session import Session
 from jitckpt_entrypoint.protocol.layout import checkpoint_name
@@ -169,14 +169,16 @@ class InFlight:
         go now, not in the interpreter's teardown, where the destruction order of gloo's
         threads is arbitrary (an abort at exit, seen after a later training stage's DDP); the
         host copies' buffers (the size of the training state) go too. With wait=False
-        (training failed on this rank), a save still in flight keeps both: its commit may
-        wait in a collective for ranks that never come."""
-        save = self.save
-        if not wait and save is not None and save.job is not None and not save.job.done:
-            return
-        writer, control = self._writer, self._control
+        (training failed on this rank), a save still in flight is left with both to the
+        teardown: its commit may wait in a collective for ranks that never come; a next
+        training builds new ones on every rank."""
+        save, writer, control = self.save, self._writer, self._control
         self._writer = self._control = None
         self.stager = None
+        if not wait and save is not None and save.job is not None and not save.job.done:
+            self.save = None
+            LEFT_TO_TEARDOWN.extend((save, writer, control))
+            return
         if writer is not None:
             writer.close()
         if control is not None:

@@ -177,8 +177,8 @@ class CheckpointManager:
             )
             self.training_failed(None)
             return
-        self.drain()
         try:
+            self.drain()
             self.saver.training_ended()  # a write-out it collects agrees on the control group
         finally:
             self._last_step, self._save_due = None, False

@@ -155,8 +155,9 @@ def is_view(path: str, checkpoints: str) -> bool:
     into `checkpoints`)."""
     if not re.fullmatch(r"checkpoint-\d+", os.path.basename(os.path.normpath(path))):
         return False
+    link = os.path.normpath(path)
     try:
-        target = os.readlink(os.path.normpath(path))
+        target = os.path.join(os.path.dirname(link), os.readlink(link))  # a relative one: there
     except OSError:
         return False
     return os.path.realpath(os.path.dirname(target)) == os.path.realpath(checkpoints)

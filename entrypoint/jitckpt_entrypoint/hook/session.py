@@ -18,7 +18,7 @@ from typing import Any, Callable, NoReturn, Optional
 
 from jitckpt_entrypoint import postimport
 from jitckpt_entrypoint.config import Config
-from jitckpt_entrypoint.hook.control import ControlGroup
+from jitckpt_entrypoint.hook.control import LEFT_TO_TEARDOWN, ControlGroup
 from jitckpt_entrypoint.hook.signals import SigtermFlag
 from jitckpt_entrypoint.hook.topology import Topology
 from jitckpt_entrypoint.protocol import registry, status
@@ -77,16 +77,16 @@ class Session:
 
     def training_ended(self, failed: Optional[BaseException] = None) -> None:
         """SIGTERM ends the process again, after training's last collectives (a rank killed
-        in one would leave the others waiting). A SIGTERM that came after the last stop
-        agreement, which nothing reads any more, or before train() raised (`failed`), is
-        sent again to the handler that was there before: without jitckpt it would have ended
-        the process then."""
+        in one would leave the others waiting). A SIGTERM that no stop agreement read (it
+        came after the last one, and nothing reads the flag any more), or any before train()
+        raised (`failed`: a JIT save that failed too), is sent again to the handler that was
+        there before: without jitckpt it would have ended the process then."""
         self.training = False
         registry.unregister(self._registered)  # before the flag goes: SIGTERM ends us again
         self._registered = None
         installed = self.flag.installed
         self.flag.restore()
-        if not (installed and self.flag.is_set and not self.stop_read):
+        if not (installed and self.flag.is_set and (failed is not None or not self.stop_read)):
             return
         self.flag.received_at = None
         if failed is None:
@@ -115,7 +115,7 @@ class Session:
         other ranks may never finish, is left to the teardown as before."""
         control, self._control = self._control, None
         if control is not None and not control.close(wait):
-            _left_to_teardown.append(control)  # its destructor would wait for the round
+            LEFT_TO_TEARDOWN.append(control)  # its destructor would wait for the round
 
     def exit(self, code: int) -> NoReturn:
         """Leave now with `code`: no interpreter teardown that could outlast the grace period."""
@@ -129,8 +129,6 @@ class Session:
         os._exit(code)
 
 
-_left_to_teardown: list[ControlGroup] = []
-"""Control groups of a failed training with a round in flight (`close_control`)."""
 _workers_shielded = False
 _WORKER_LOOPS = (
     "torch.utils.data._utils.worker",
