@@ -46,7 +46,8 @@ from jitckpt_sidecar.config import Config
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 WATCH_SECONDS = 300
 """The server ends each watch after this long (timeoutSeconds); the watch then starts again."""
-BACKOFF_MAX = 300.0
+BACKOFF_MIN, BACKOFF_MAX = 1.0, 300.0
+"""A watch that failed or ended at once waits BACKOFF_MIN, doubling up to BACKOFF_MAX."""
 SHORT_WATCH = 5.0
 """A watch that ends sooner than this waits a backoff before the next one."""
 FOREVER = (403, 404)
@@ -221,7 +222,7 @@ class NoticeWatcher:
     # -- one watch --
 
     def _run(self, target: Target) -> None:
-        backoff, failing, version = 1.0, False, ""
+        backoff, failing, version = BACKOFF_MIN, False, ""
         while not self._stop.is_set():
             began, error = time.monotonic(), None
             try:
@@ -252,7 +253,7 @@ class NoticeWatcher:
             except Exception as exc:  # noqa: BLE001 - a watch that fails is retried, never fatal
                 error, version = f"{type(exc).__name__}: {exc}", ""
             if error is None and time.monotonic() - began >= SHORT_WATCH:
-                backoff = 1.0
+                backoff = BACKOFF_MIN
                 continue  # the server's timeout: watch on from the last version
             if error is not None and not failing:
                 self.log.warning(

@@ -116,12 +116,14 @@ def test_dropped_and_expired_watches_back_off_and_start_again(tmp_path, api, mon
     compacted away (410 Gone) starts again from the current state and still sees notices."""
     monkeypatch.setattr(notice, "WATCH_SECONDS", 1)  # the server's timeout, each second
     monkeypatch.setattr(notice, "SHORT_WATCH", 0.5)
+    monkeypatch.setattr(notice, "BACKOFF_MIN", 0.25)
     watch = watcher(tmp_path, api, [], pod_name="")
     api.short_watches = True
     watch.start()
     try:
-        time.sleep(3.5)
-        assert 1 <= len(api.requests) <= 4, api.requests  # backoff 1 s, 2 s, ...: not a loop
+        wait_for(lambda: api.requests, 10, "the first watch")
+        time.sleep(1.6)
+        assert len(api.requests) <= 4, api.requests  # backoff 0.25 s, 0.5 s, ...: not a loop
         api.short_watches = False
         wait_for(lambda: "resourceVersion=" in api.requests[-1], 30, "a watch from a version")
         api.add_node("node-b")  # other objects change: node-a's version grows old
