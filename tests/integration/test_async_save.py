@@ -51,7 +51,7 @@ def hf(*args: str) -> list[str]:
 
 def run(spawn, env, *args: str, async_save: str = "1"):
     proc = spawn(hf(*args), env={**env, "JITCKPT_ASYNC_SAVE": async_save})
-    assert proc.wait(timeout=300) == 0, proc.output()
+    assert proc.wait(timeout=600) == 0, proc.output()  # a bound: some run on idle CPU (.ci/run)
     return proc
 
 
@@ -68,6 +68,7 @@ def assert_committed_and_whole(jdir: Path) -> list[int]:
     return steps
 
 
+@pytest.mark.untimed
 def test_async_saves_write_the_trainers_bytes_and_resume_bit_identically(spawn, base_env, tmp_path):
     """checkpoint-10 written in the background equals the Trainer's own save at step 10 file for
     file; resuming from it ends with the weights of the uninterrupted synchronous run."""

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from harness.procs import Proc, clean_env
 from harness.training import TRAIN_HF, checkpoint_steps, entrypoint, manifest, torchrun
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.untimed]
 EPOCHS = ("--epochs", "3", "--samples", "64", "--eval-strategy", "epoch")
 """3 epochs of 8 optimizer steps (2 ranks, 4 samples each), an evaluation at each epoch's end."""
 STATE_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state_0.pth",
@@ -49,7 +49,7 @@ def train(env: dict[str, str], where: Path, *args: str, hooked: bool) -> Run:
     command = torchrun(TRAIN_HF, *args, "--save-model", "--output-dir", str(out))
     proc = Proc(entrypoint(command) if hooked else command, env={**env, "JITCKPT_DIR": str(jdir)})
     try:
-        assert proc.wait(timeout=300) == 0, proc.output()
+        assert proc.wait(timeout=600) == 0, proc.output()
     finally:
         proc.kill_tree()
     text = proc.output()

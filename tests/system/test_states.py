@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 from harness.procs import Proc
 from harness.training import CHILDREN, entrypoint, hook_lines, steps_seen
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.untimed]
 
 TRAIN_STATES = CHILDREN / "train_states.py"
 PYTHON = os.environ.get("JITCKPT_TEST_PYTHON") or sys.executable
