@@ -180,7 +180,7 @@ class Shutdown:
         elif not trainers:
             line = (
                 f"SIGTERM: forwarded to {child}; no process is training under jitckpt (not "
-                "yet, or not since train() returned), so there is no JIT checkpoint to save"
+                "yet, or not since training ended), so there is no JIT checkpoint to save"
             )
         elif [e.pid for e in trainers] == [self.child_pid]:
             line = (

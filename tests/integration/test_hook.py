@@ -254,6 +254,22 @@ def test_sigterm_after_training_ends_exits_promptly(spawn, base_env, jdir, tmp_p
     assert manifest(jdir, 5)["kind"] == "final"
 
 
+def test_a_plain_loop_that_never_calls_done_ends_by_sigterm_after_its_final_save(
+    spawn, base_env, jdir
+):
+    """The final save ends a plain loop's training as `done()` does: a script that never calls
+    `done()` and works on after the loop (and destroy_process_group) ends by SIGTERM there."""
+    env = {**base_env, "JITCKPT_EXIT_CODE": "99"}
+    args = ("--steps", "5", "--save-every", "1000", "--no-done", "--post-sleep", "120")
+    proc = spawn(entrypoint(torchrun(TRAIN_LOOP, *args)), env=env)
+    both = [f"post-training work rank={rank}" for rank in (0, 1)]
+    wait_for(lambda: all(line in proc.stdout for line in both), 120, "work after training")
+    assert_prompt_plain_exit(proc, jdir)
+    assert "no process is training under jitckpt" in proc.output()
+    assert not [line for line in proc.stdout if line.startswith("post-training work done")]
+    assert manifest(jdir, 5)["kind"] == "final"
+
+
 def two_nodes(spawn, base_env, dirs, *args: str):
     port = free_port()
     return [

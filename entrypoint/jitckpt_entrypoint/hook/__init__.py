@@ -147,7 +147,8 @@ def commit(path: str, step: int, kind: str = "periodic") -> None:
 
 
 def done() -> None:
-    """Training is over: put back the SIGTERM handler that was there before."""
+    """Training is over: put back the SIGTERM handler that was there before. A final save
+    (`save` or `commit` with kind="final") does it too; `done()` after one does nothing."""
     from jitckpt_entrypoint.hook.manager import current
 
     current().training_ended()

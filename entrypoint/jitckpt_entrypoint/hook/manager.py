@@ -408,7 +408,7 @@ class CheckpointManager:
         periodic save goes to RAM first while the entrypoint's RAM writer runs, and the writer
         writes it to the volume and commits it there after this returns; the next save and
         `training_ended` wait for that (saver.write_out_own; `errors` of the write into RAM
-        fall back to the volume)."""
+        fall back to the volume). A final save ends training (`_saved_final`)."""
         self._mark(step, kind)
         tier = self.tier
         if not tier.decided and self._kind_of(step) == "periodic":
@@ -417,12 +417,22 @@ class CheckpointManager:
         if save is not None and not self.saver.write_out_own(save, write, errors):
             self.saver.write_own(save, lambda: write(save.path))
         self.saved(step)
+        self._saved_final(kind)
         return self.checkpoint_dir(step)
 
     def commit_written(self, path: str, step: int, kind: Optional[str] = None) -> None:
         """Commit what the caller wrote into `path` itself. Collective."""
         self._mark(step, kind)
         self.saved(step, path)
+        self._saved_final(kind)
+
+    def _saved_final(self, kind: Optional[str]) -> None:
+        """The plain loop's final checkpoint is committed: training is over, as at `done()`
+        (which then has nothing left to do). A loop that never calls `done()` (it ends, the
+        script works on) gets SIGTERM back as it was before training: jitckpt's flag alone
+        would swallow it, and the entrypoint would say a JIT save follows."""
+        if kind == "final" and self.session.training:
+            self.training_ended()
 
     def training_ending(self, step: int, save: Optional[Callable[[], object]]) -> None:
         """Training ended at `step` (collective): save it unless committed (kind jit when

@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--slow-from", type=int, default=0, help="--slow-sleep from this step")
     parser.add_argument("--slow-sleep", type=float, default=0.0)
     parser.add_argument("--width", type=int, default=32, help="the hidden layer (benches)")
+    parser.add_argument("--no-done", action="store_true", help="never call jitckpt.done()")
+    parser.add_argument("--post-sleep", type=float, default=0.0, help="work on after training")
     opts = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -86,11 +88,16 @@ def main() -> None:
         elif jitckpt.should_snapshot(step):  # JITCKPT_MEMORY_DIR: a snapshot in RAM
             jitckpt.snapshot(state, step)
     jitckpt.save(state, opts.steps, kind="final")
-    jitckpt.done()
+    if not opts.no_done:
+        jitckpt.done()
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
     say(f"weights {digest.hexdigest()} rank={rank}")
     say(f"done step={app.step} rank={rank}")
     dist.destroy_process_group()
+    if opts.post_sleep:  # an evaluation, an export: the script works on after training
+        say(f"post-training work rank={rank}")
+        time.sleep(opts.post_sleep)
+        say(f"post-training work done rank={rank}")
 
 
 if __name__ == "__main__":
