@@ -251,6 +251,45 @@ def session_for(root: Path, storage_uri: str = "") -> Session:
     return session
 
 
+def test_a_plain_loops_final_save_ends_training_as_done_does(tmp_path, monkeypatch):
+    """After its commit the previous handler is back and done() has nothing left to do; a
+    SIGTERM a stop agreement read with nothing committed for it is sent again; what the end
+    raises after the commit is one line, not an error of the save."""
+    previous = signal.getsignal(signal.SIGTERM)
+    resent: list[int] = []
+    monkeypatch.setattr(os, "kill", lambda _pid, sig: resent.append(sig))
+    manager = manager_for(tmp_path)
+    session = manager.session
+    lines: list[str] = []
+    monkeypatch.setattr(session.log, "warning", lambda msg, *a, **_: lines.append(msg % a))
+    manager.training_started()
+    assert manager.save(3, write_files, "final") == session.layout.checkpoint_dir(3)
+    assert manager.is_committed(3)
+    assert (signal.getsignal(signal.SIGTERM), session.training) == (previous, False)
+    manager.training_ended()  # done()
+    assert (resent, lines) == ([], [])
+
+    manager.training_started()
+    session.flag._handle(signal.SIGTERM, None)
+    with monkeypatch.context() as patch:  # the commit abandoned (a failed fsync), stop read
+        patch.setattr(manager, "saved", lambda *_: manager.stop_now())
+        manager.save(5, write_files, "final")
+    assert not manager.is_committed(5)
+    assert signal.getsignal(signal.SIGTERM) == previous
+    assert resent == [signal.SIGTERM]
+    assert "SIGTERM after training's last stop agreement" in lines.pop()
+
+    manager.training_started()
+    with monkeypatch.context() as patch:  # a peer lost right after the commit
+        patch.setattr(manager.saver, "training_ended", lambda: 1 / 0)
+        manager.save(7, write_files, "final")
+    assert manager.is_committed(7)
+    assert signal.getsignal(signal.SIGTERM) == previous
+    assert lines == [
+        "the end of training after the final save failed: ZeroDivisionError('division by zero')"
+    ]
+
+
 def manager_for(root: Path, storage_uri: str = "") -> CheckpointManager:
     return CheckpointManager(session_for(root, storage_uri))
 

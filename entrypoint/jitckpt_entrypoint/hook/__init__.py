@@ -147,8 +147,9 @@ def commit(path: str, step: int, kind: str = "periodic") -> None:
 
 
 def done() -> None:
-    """Training is over: put back the SIGTERM handler that was there before. A final save
-    (`save` or `commit` with kind="final") does it too; `done()` after one does nothing."""
+    """Training is over: put back the SIGTERM handler that was there before. After
+    `should_stop()` started training, its final save (`save` or `commit` with kind="final":
+    training's last checkpoint only) does it too; `done()` after one does nothing."""
     from jitckpt_entrypoint.hook.manager import current
 
     current().training_ended()

@@ -417,22 +417,31 @@ class CheckpointManager:
         if save is not None and not self.saver.write_out_own(save, write, errors):
             self.saver.write_own(save, lambda: write(save.path))
         self.saved(step)
-        self._saved_final(kind)
+        self._saved_final(step, kind)
         return self.checkpoint_dir(step)
 
     def commit_written(self, path: str, step: int, kind: Optional[str] = None) -> None:
         """Commit what the caller wrote into `path` itself. Collective."""
         self._mark(step, kind)
         self.saved(step, path)
-        self._saved_final(kind)
+        self._saved_final(step, kind)
 
-    def _saved_final(self, kind: Optional[str]) -> None:
-        """The plain loop's final checkpoint is committed: training is over, as at `done()`
-        (which then has nothing left to do). A loop that never calls `done()` (it ends, the
-        script works on) gets SIGTERM back as it was before training: jitckpt's flag alone
-        would swallow it, and the entrypoint would say a JIT save follows."""
-        if kind == "final" and self.session.training:
+    def _saved_final(self, step: int, kind: Optional[str]) -> None:
+        """After the plain loop's final save (committed, or abandoned in one line): training
+        is over, as at `done()` (which then has nothing left to do). A loop that never calls
+        `done()` (it ends, the script works on) gets SIGTERM back as it was before training:
+        jitckpt's flag alone would swallow it, and the entrypoint would say a JIT save follows.
+        A SIGTERM whose stop agreement found nothing committed to stand for it is sent again.
+        What the end raises (a peer lost after the commit) is one line: the save is done."""
+        session = self.session
+        if kind != "final" or not session.training:
+            return
+        if not self.is_committed(step):
+            session.stop_read = False  # no JIT checkpoint handled that SIGTERM
+        try:
             self.training_ended()
+        except Exception as exc:  # noqa: BLE001 - never into training after its last save
+            session.log.warning("the end of training after the final save failed: %r", exc)
 
     def training_ending(self, step: int, save: Optional[Callable[[], object]]) -> None:
         """Training ended at `step` (collective): save it unless committed (kind jit when
