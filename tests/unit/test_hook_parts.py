@@ -107,6 +107,18 @@ def test_forked_children_keep_the_previous_behaviour():
     assert not flag.is_set
 
 
+def watched_manager(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[CheckpointManager, list[int], list[str]]:
+    """A manager whose SIGTERMs sent again (os.kill) and warning lines are kept, not acted on."""
+    resent: list[int] = []
+    monkeypatch.setattr(os, "kill", lambda _pid, sig: resent.append(sig))
+    manager = manager_for(tmp_path)
+    lines: list[str] = []
+    monkeypatch.setattr(manager.session.log, "warning", lambda msg, *a, **_: lines.append(msg % a))
+    return manager, resent, lines
+
+
 def test_sigterm_is_the_previous_handlers_again_after_training_and_one_that_came_late_is_resent(
     tmp_path, monkeypatch
 ):
@@ -116,12 +128,8 @@ def test_sigterm_is_the_previous_handlers_again_after_training_and_one_that_came
     more) is sent again, once, with one line, to end the process as it would have without
     jitckpt."""
     previous = signal.getsignal(signal.SIGTERM)
-    resent: list[int] = []
-    monkeypatch.setattr(os, "kill", lambda _pid, sig: resent.append(sig))
-    manager = manager_for(tmp_path)
+    manager, resent, lines = watched_manager(tmp_path, monkeypatch)
     session = manager.session
-    lines: list[str] = []
-    monkeypatch.setattr(session.log, "warning", lambda msg, *a, **_: lines.append(msg % a))
     registered = Path(session.layout.status, "run-run-1")
     destroyed: list[object] = []
 
@@ -256,12 +264,8 @@ def test_a_plain_loops_final_save_ends_training_as_done_does(tmp_path, monkeypat
     SIGTERM a stop agreement read with nothing committed for it is sent again; what the end
     raises after the commit is one line, not an error of the save."""
     previous = signal.getsignal(signal.SIGTERM)
-    resent: list[int] = []
-    monkeypatch.setattr(os, "kill", lambda _pid, sig: resent.append(sig))
-    manager = manager_for(tmp_path)
+    manager, resent, lines = watched_manager(tmp_path, monkeypatch)
     session = manager.session
-    lines: list[str] = []
-    monkeypatch.setattr(session.log, "warning", lambda msg, *a, **_: lines.append(msg % a))
     manager.training_started()
     assert manager.save(3, write_files, "final") == session.layout.checkpoint_dir(3)
     assert manager.is_committed(3)
